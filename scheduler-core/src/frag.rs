@@ -1,0 +1,166 @@
+//! GPU fragmentation as defined by FGD (Weng et al., USENIX ATC 2023), and the target workload
+//! it is measured against.
+//!
+//! For a node with free CPU `c_n`, free compute `r_j` on each GPU and total free `U_n`, and a task
+//! shape `m` (CPU `c_m`, per-GPU share `g_m`, `k_m` GPUs, allowed models `T_m`), the free compute
+//! that the shape cannot use is:
+//! - all of `U_n` for a CPU-only shape, when the CPU does not fit, or when fewer than `k_m` GPUs
+//!   of an allowed model have `r_j >= g_m`;
+//! - otherwise the sum of `r_j` over GPUs that cannot serve it (`r_j < g_m` or a model not in
+//!   `T_m`).
+//!
+//! The fragmentation of a node is the expectation over the target workload `M`; the cluster's is
+//! the sum over nodes. Memory is ignored, as in the paper. The FGD policy scores a placement by
+//! how much it lowers this measure; the replay tool records it as a curve.
+
+use crate::ledger::NodeLedger;
+use crate::model::{GpuModel, NodeSpec, Request};
+use crate::units::{MilliCpu, MilliGpu};
+use std::collections::HashMap;
+
+/// The parts of a request that fragmentation looks at.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskShape {
+    /// CPU.
+    pub cpu: MilliCpu,
+    /// Share of each GPU (0 for CPU-only, 1000 for whole GPUs).
+    pub milli_per_gpu: MilliGpu,
+    /// Number of GPUs.
+    pub gpu_count: u32,
+    /// Allowed GPU models (empty = any), sorted.
+    pub models: Vec<GpuModel>,
+}
+
+impl TaskShape {
+    /// The shape of `request`.
+    pub fn of(request: &Request) -> Self {
+        let mut models = request.allowed_models.clone();
+        models.sort();
+        Self {
+            cpu: request.cpu,
+            milli_per_gpu: request.gpu.milli_per_gpu(),
+            gpu_count: request.gpu.gpu_count(),
+            models,
+        }
+    }
+
+    fn allows(&self, model: &GpuModel) -> bool {
+        self.models.is_empty() || self.models.contains(model)
+    }
+}
+
+/// The task shapes a cluster expects, with their probabilities.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TargetWorkload {
+    shapes: Vec<(TaskShape, f64)>,
+    distinct: usize,
+}
+
+impl TargetWorkload {
+    /// Builds the target workload from a list of requests, as the FGD paper does: group by
+    /// shape, sort the groups by count (descending; ties keep first appearance), keep the
+    /// shortest prefix covering at least `coverage` (0..=1) of the requests, and renormalise
+    /// the kept counts into probabilities.
+    pub fn from_requests<'a>(
+        requests: impl IntoIterator<Item = &'a Request>,
+        coverage: f64,
+    ) -> Self {
+        let mut index: HashMap<TaskShape, usize> = HashMap::new();
+        let mut groups: Vec<(TaskShape, u64)> = Vec::new();
+        for request in requests {
+            let shape = TaskShape::of(request);
+            match index.get(&shape) {
+                Some(&i) => groups[i].1 += 1,
+                None => {
+                    index.insert(shape.clone(), groups.len());
+                    groups.push((shape, 1));
+                }
+            }
+        }
+        let distinct = groups.len();
+        let total: u64 = groups.iter().map(|g| g.1).sum();
+        // A stable sort keeps first appearance among equal counts.
+        groups.sort_by(|a, b| b.1.cmp(&a.1));
+        let mut kept = 0;
+        let mut covered = 0u64;
+        for (_, count) in &groups {
+            if total == 0 || covered as f64 >= coverage * total as f64 {
+                break;
+            }
+            covered += count;
+            kept += 1;
+        }
+        groups.truncate(kept);
+        let shapes = groups.into_iter().map(|(s, c)| (s, c as f64 / covered as f64)).collect();
+        Self { shapes, distinct }
+    }
+
+    /// A target workload with given shapes and probabilities (which should sum to 1).
+    pub fn from_shapes(shapes: Vec<(TaskShape, f64)>) -> Self {
+        let distinct = shapes.len();
+        Self { shapes, distinct }
+    }
+
+    /// The kept shapes and their probabilities.
+    pub fn shapes(&self) -> &[(TaskShape, f64)] {
+        &self.shapes
+    }
+
+    /// How many distinct shapes the source list had before the cut.
+    pub fn distinct_shapes(&self) -> usize {
+        self.distinct
+    }
+}
+
+/// Free compute of a node that `shape` cannot use, in milli-GPU.
+///
+/// `free` holds the free compute of each GPU of `spec`, in device order.
+pub fn shape_fragment(shape: &TaskShape, spec: &NodeSpec, cpu_free: MilliCpu, free: &[u32]) -> u64 {
+    let total: u64 = free.iter().map(|&r| u64::from(r)).sum();
+    if shape.gpu_count == 0 || cpu_free < shape.cpu {
+        return total;
+    }
+    let g = shape.milli_per_gpu.0;
+    let mut usable = 0u32;
+    let mut unusable = 0u64;
+    for (r, gpu) in free.iter().zip(&spec.gpus) {
+        if *r >= g && shape.allows(&gpu.model) {
+            usable += 1;
+        } else {
+            unusable += u64::from(*r);
+        }
+    }
+    if usable < shape.gpu_count { total } else { unusable }
+}
+
+/// Expected fragment of a node over `target`, in milli-GPU.
+pub fn node_fragment(
+    target: &TargetWorkload,
+    spec: &NodeSpec,
+    cpu_free: MilliCpu,
+    free: &[u32],
+) -> f64 {
+    target
+        .shapes
+        .iter()
+        .map(|(shape, p)| p * shape_fragment(shape, spec, cpu_free, free) as f64)
+        .sum()
+}
+
+/// Expected fragment of a node in its current state.
+pub fn ledger_fragment(target: &TargetWorkload, node: &NodeLedger) -> f64 {
+    let mut free = [0u32; crate::model::MAX_GPUS_PER_NODE];
+    let n = fill_free(node, &mut free);
+    node_fragment(target, node.spec(), node.free_cpu(), &free[..n])
+}
+
+/// Copies the free compute of each GPU of `node` into `out` and returns how many there are.
+pub(crate) fn fill_free(
+    node: &NodeLedger,
+    out: &mut [u32; crate::model::MAX_GPUS_PER_NODE],
+) -> usize {
+    for (slot, g) in out.iter_mut().zip(node.gpus()) {
+        *slot = g.milli.0;
+    }
+    node.gpus().len()
+}

@@ -1,0 +1,236 @@
+//! The node ledger: what one node has, what is allocated on it, and nothing more.
+//!
+//! Every allocation goes through [`NodeLedger::allocate`], which checks the whole request
+//! against what is free and changes nothing when it refuses, so the ledger can never
+//! over-commit CPU, memory, a GPU's compute share or its memory units. The agent keeps one
+//! ledger per node; the replay tool keeps one per simulated node.
+
+use crate::fit;
+use crate::model::{GpuDemand, GpuSet, MAX_GPUS_PER_NODE, NodeSpec, Request};
+use crate::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
+use std::collections::BTreeMap;
+use thiserror::Error;
+
+/// Identifies one allocation on a node (a container, a task).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AllocationId(pub u64);
+
+/// What is free on one GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GpuFree {
+    /// Free compute share.
+    pub milli: MilliGpu,
+    /// Free memory units.
+    pub memory: MemUnits,
+}
+
+/// One recorded allocation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// The request that was granted.
+    pub request: Request,
+    /// The GPUs it holds.
+    pub gpus: GpuSet,
+}
+
+/// Why the ledger refused a change.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum LedgerError {
+    /// The node description is unusable.
+    #[error("node {node}: {reason}")]
+    InvalidNode {
+        /// Node name.
+        node: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The allocation id is already recorded.
+    #[error("node {node}: allocation {id:?} already exists")]
+    DuplicateAllocation {
+        /// Node name.
+        node: String,
+        /// The id.
+        id: AllocationId,
+    },
+    /// No allocation with this id.
+    #[error("node {node}: no allocation {id:?}")]
+    UnknownAllocation {
+        /// Node name.
+        node: String,
+        /// The id.
+        id: AllocationId,
+    },
+    /// The request does not fit what is free.
+    #[error("node {node}: {reason}")]
+    DoesNotFit {
+        /// Node name.
+        node: String,
+        /// What is short.
+        reason: String,
+    },
+}
+
+/// One node's capacity and allocations.
+#[derive(Clone, Debug)]
+pub struct NodeLedger {
+    spec: NodeSpec,
+    free_cpu: MilliCpu,
+    free_memory: MemMib,
+    gpus: Vec<GpuFree>,
+    allocations: BTreeMap<AllocationId, Allocation>,
+}
+
+impl NodeLedger {
+    /// An empty ledger for `spec`.
+    pub fn new(spec: NodeSpec) -> Result<Self, LedgerError> {
+        if spec.gpus.len() > MAX_GPUS_PER_NODE {
+            return Err(LedgerError::InvalidNode {
+                node: spec.name.clone(),
+                reason: format!(
+                    "{} GPUs, at most {MAX_GPUS_PER_NODE} are supported",
+                    spec.gpus.len()
+                ),
+            });
+        }
+        if let Some(bad) =
+            spec.gpus.iter().flat_map(|g| &g.nvlink_peers).find(|&&p| p >= spec.gpus.len())
+        {
+            return Err(LedgerError::InvalidNode {
+                node: spec.name.clone(),
+                reason: format!("NVLink peer index {bad} is not a GPU of the node"),
+            });
+        }
+        let gpus = spec
+            .gpus
+            .iter()
+            .map(|g| GpuFree { milli: MilliGpu::WHOLE, memory: g.memory_units })
+            .collect();
+        Ok(Self {
+            free_cpu: spec.cpu,
+            free_memory: spec.memory,
+            gpus,
+            allocations: BTreeMap::new(),
+            spec,
+        })
+    }
+
+    /// The node's description.
+    pub fn spec(&self) -> &NodeSpec {
+        &self.spec
+    }
+
+    /// The node name.
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// Free CPU.
+    pub fn free_cpu(&self) -> MilliCpu {
+        self.free_cpu
+    }
+
+    /// Free host memory.
+    pub fn free_memory(&self) -> MemMib {
+        self.free_memory
+    }
+
+    /// What is free on each GPU, in device-index order.
+    pub fn gpus(&self) -> &[GpuFree] {
+        &self.gpus
+    }
+
+    /// Free compute over all GPUs, in milli-GPU.
+    pub fn free_milli_total(&self) -> u64 {
+        self.gpus.iter().map(|g| u64::from(g.milli.0)).sum()
+    }
+
+    /// Whether GPU `index` has nothing allocated.
+    pub fn gpu_is_idle(&self, index: usize) -> bool {
+        let g = &self.gpus[index];
+        g.milli == MilliGpu::WHOLE && g.memory == self.spec.gpus[index].memory_units
+    }
+
+    /// Whether no GPU of the node has anything allocated.
+    pub fn gpus_idle(&self) -> bool {
+        (0..self.gpus.len()).all(|i| self.gpu_is_idle(i))
+    }
+
+    /// The recorded allocations.
+    pub fn allocations(&self) -> impl Iterator<Item = (&AllocationId, &Allocation)> {
+        self.allocations.iter()
+    }
+
+    /// Records `request` on the GPUs `gpus`, or changes nothing and says why it cannot.
+    pub fn allocate(
+        &mut self,
+        id: AllocationId,
+        request: &Request,
+        gpus: GpuSet,
+    ) -> Result<(), LedgerError> {
+        let short =
+            |reason: String| LedgerError::DoesNotFit { node: self.spec.name.clone(), reason };
+        if self.allocations.contains_key(&id) {
+            return Err(LedgerError::DuplicateAllocation { node: self.spec.name.clone(), id });
+        }
+        let free_cpu = self
+            .free_cpu
+            .checked_sub(request.cpu)
+            .ok_or_else(|| short(format!("needs {} CPU, {} free", request.cpu, self.free_cpu)))?;
+        let free_memory = self.free_memory.checked_sub(request.memory).ok_or_else(|| {
+            short(format!("needs {} memory, {} free", request.memory, self.free_memory))
+        })?;
+        let want = request.gpu.gpu_count() as usize;
+        if gpus.len() != want {
+            return Err(short(format!("request needs {want} GPUs, {} were chosen", gpus.len())));
+        }
+        if let Some(i) = gpus.iter().find(|&i| i >= self.gpus.len()) {
+            return Err(short(format!("GPU index {i} does not exist")));
+        }
+        if let Some(i) = gpus.iter().find(|&i| !fit::gpu_fits(self, i, request)) {
+            return Err(short(format!(
+                "GPU {} ({}) cannot serve {} and {} of GPU memory: {} and {} free",
+                i,
+                self.spec.gpus[i].model,
+                request.gpu.milli_per_gpu(),
+                request.gpu.memory_per_gpu(),
+                self.gpus[i].milli,
+                self.gpus[i].memory
+            )));
+        }
+        for i in gpus.iter() {
+            let (milli, memory) = self.share_of(i, request);
+            let g = &mut self.gpus[i];
+            g.milli = MilliGpu(g.milli.0 - milli.0);
+            g.memory = MemUnits(g.memory.0 - memory.0);
+        }
+        self.free_cpu = free_cpu;
+        self.free_memory = free_memory;
+        self.allocations.insert(id, Allocation { request: request.clone(), gpus });
+        Ok(())
+    }
+
+    /// What `request` takes of GPU `index` when granted it: a whole GPU takes all its memory.
+    fn share_of(&self, index: usize, request: &Request) -> (MilliGpu, MemUnits) {
+        match request.gpu {
+            GpuDemand::Whole { .. } => (MilliGpu::WHOLE, self.spec.gpus[index].memory_units),
+            _ => (request.gpu.milli_per_gpu(), request.gpu.memory_per_gpu()),
+        }
+    }
+
+    /// Releases an allocation and returns it.
+    pub fn release(&mut self, id: AllocationId) -> Result<Allocation, LedgerError> {
+        let alloc = self
+            .allocations
+            .remove(&id)
+            .ok_or_else(|| LedgerError::UnknownAllocation { node: self.spec.name.clone(), id })?;
+        for i in alloc.gpus.iter() {
+            let (milli, memory) = self.share_of(i, &alloc.request);
+            let g = &mut self.gpus[i];
+            g.milli = MilliGpu(g.milli.0 + milli.0);
+            g.memory = MemUnits(g.memory.0 + memory.0);
+        }
+        self.free_cpu = MilliCpu(self.free_cpu.0 + alloc.request.cpu.0);
+        self.free_memory = MemMib(self.free_memory.0 + alloc.request.memory.0);
+        Ok(alloc)
+    }
+}

@@ -1,0 +1,311 @@
+//! Placement policies: score a node for a request, and choose the GPUs on it.
+//!
+//! This is the API the agent (which GPU on this node) and the extender (which node) share. Each
+//! policy gives a feasible node an integer score, highest best, and names the GPUs it would use
+//! there; an infeasible node gets no score. The six policies are those of the FGD paper, defined
+//! in `shared/benchmarks/placement.md`:
+//!
+//! | policy | node score | GPUs on the node |
+//! |---|---|---|
+//! | `random` | 0 everywhere: the caller picks uniformly | a random fitting GPU; whole GPUs lowest index first |
+//! | `dotprod` | `100 (1 - (c_n c / C^2 + U_n g / G^2) / 2)` | best fit |
+//! | `gpu-clustering` | tier by the GPU-task classes already on the node, plus how full it is | best fit |
+//! | `gpu-packing` | partly used GPUs first, then used nodes, then idle nodes | best fit |
+//! | `best-fit` | `100 (1 - (c_n - c) / 2C - (U_n - g) / 2G)` | best fit |
+//! | `fgd` | `100 sigmoid(ΔF / 1000)`, the drop in expected fragmentation | the GPU with the best ΔF |
+//!
+//! `C` and `G` are the [`Normalisers`]; `c_n` and `U_n` the node's free CPU and GPU compute;
+//! `c` and `g` the request's CPU and total GPU demand.
+
+use crate::fit;
+use crate::frag::{self, TargetWorkload};
+use crate::ledger::NodeLedger;
+use crate::model::{GpuDemand, GpuSet, MAX_GPUS_PER_NODE, Request};
+use crate::units::MilliCpu;
+use rand::{Rng, RngCore};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+/// The placement policies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PolicyKind {
+    /// A uniformly random feasible node.
+    Random,
+    /// Smallest dot product of free resources and request.
+    DotProd,
+    /// Keep GPU tasks of one class together.
+    GpuClustering,
+    /// Fill partly used GPUs, then used nodes, then idle nodes.
+    GpuPacking,
+    /// Least leftover CPU and GPU.
+    BestFit,
+    /// Fragmentation gradient descent.
+    Fgd,
+}
+
+impl PolicyKind {
+    /// Every policy, in the paper's order.
+    pub const ALL: [PolicyKind; 6] = [
+        PolicyKind::Random,
+        PolicyKind::DotProd,
+        PolicyKind::GpuClustering,
+        PolicyKind::GpuPacking,
+        PolicyKind::BestFit,
+        PolicyKind::Fgd,
+    ];
+
+    /// The policy's name on the command line and in results.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Random => "random",
+            PolicyKind::DotProd => "dotprod",
+            PolicyKind::GpuClustering => "gpu-clustering",
+            PolicyKind::GpuPacking => "gpu-packing",
+            PolicyKind::BestFit => "best-fit",
+            PolicyKind::Fgd => "fgd",
+        }
+    }
+
+    /// Whether a node's score depends only on the node and the request (every policy but
+    /// `random`), so that it may be cached until the node changes.
+    pub fn is_deterministic(self) -> bool {
+        self != PolicyKind::Random
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An unknown policy name.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown policy `{0}`; known: random, dotprod, gpu-clustering, gpu-packing, best-fit, fgd")]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for PolicyKind {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_owned()))
+    }
+}
+
+/// The scales that turn free CPU and GPU into fractions in the dot-product and best-fit scores:
+/// the largest node's CPU and GPU compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Normalisers {
+    /// CPU scale.
+    pub cpu: MilliCpu,
+    /// GPU scale in milli-GPU.
+    pub gpu_milli: u64,
+}
+
+impl Default for Normalisers {
+    /// The paper's values: 128 cores and 8 GPUs.
+    fn default() -> Self {
+        Self { cpu: MilliCpu(128_000), gpu_milli: 8_000 }
+    }
+}
+
+/// A feasible node's score and the GPUs the request would get there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scored {
+    /// Integer score, highest best.
+    pub score: i64,
+    /// The GPUs (empty for a CPU-only request).
+    pub gpus: GpuSet,
+}
+
+/// A policy with what it needs to score.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    kind: PolicyKind,
+    target: Arc<TargetWorkload>,
+    normalisers: Normalisers,
+}
+
+impl Policy {
+    /// A policy. `target` is the workload FGD measures fragmentation against (the others
+    /// ignore it).
+    pub fn new(kind: PolicyKind, target: Arc<TargetWorkload>, normalisers: Normalisers) -> Self {
+        Self { kind, target, normalisers }
+    }
+
+    /// Which policy this is.
+    pub fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
+    /// The target workload.
+    pub fn target(&self) -> &TargetWorkload {
+        &self.target
+    }
+
+    /// Scores `node` for `request`: `None` if it does not fit. `rng` serves only the random
+    /// policy's GPU choice.
+    pub fn score(
+        &self,
+        node: &NodeLedger,
+        request: &Request,
+        rng: &mut dyn RngCore,
+    ) -> Option<Scored> {
+        if !fit::node_fits(node, request) {
+            return None;
+        }
+        match self.kind {
+            PolicyKind::Random => {
+                random_gpus(node, request, rng).map(|gpus| Scored { score: 0, gpus })
+            }
+            PolicyKind::DotProd => self.dot_prod(node, request),
+            PolicyKind::GpuClustering => gpu_clustering(node, request, &self.normalisers),
+            PolicyKind::GpuPacking => gpu_packing(node, request),
+            PolicyKind::BestFit => self.best_fit(node, request),
+            PolicyKind::Fgd => self.fgd(node, request),
+        }
+    }
+
+    /// The GPUs this policy would give `request` on `node`, or `None` if it does not fit.
+    pub fn choose_gpus(
+        &self,
+        node: &NodeLedger,
+        request: &Request,
+        rng: &mut dyn RngCore,
+    ) -> Option<GpuSet> {
+        self.score(node, request, rng).map(|s| s.gpus)
+    }
+
+    /// Rescales the scores of the candidate nodes of one decision in place, as the policy's
+    /// kube-scheduler plugin does before nodes are compared: min-max to 0..=100 for `best-fit`,
+    /// unchanged for the others. The order of nodes by score never changes.
+    pub fn normalise(&self, scores: &mut [i64]) {
+        if self.kind != PolicyKind::BestFit {
+            return;
+        }
+        let (Some(&min), Some(&max)) = (scores.iter().min(), scores.iter().max()) else { return };
+        for s in scores.iter_mut() {
+            *s = if max == min { 100 } else { (*s - min) * 100 / (max - min) };
+        }
+    }
+
+    fn fractions(&self, node: &NodeLedger, request: &Request) -> (f64, f64, f64, f64) {
+        let n = &self.normalisers;
+        (
+            node.free_cpu().0 as f64 / n.cpu.0 as f64,
+            request.cpu.0 as f64 / n.cpu.0 as f64,
+            node.free_milli_total() as f64 / n.gpu_milli as f64,
+            request.gpu.total_milli() as f64 / n.gpu_milli as f64,
+        )
+    }
+
+    fn dot_prod(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
+        let (cn, c, un, g) = self.fractions(node, request);
+        let score = (100.0 * (1.0 - (cn * c + un * g) / 2.0)).floor() as i64;
+        Some(Scored { score, gpus: fit::best_fit_gpus(node, request)? })
+    }
+
+    fn best_fit(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
+        let (cn, c, un, g) = self.fractions(node, request);
+        let score = (100.0 * (1.0 - (0.5 * (cn - c) + 0.5 * (un - g)))).floor() as i64;
+        Some(Scored { score, gpus: fit::best_fit_gpus(node, request)? })
+    }
+
+    fn fgd(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
+        let mut free = [0u32; MAX_GPUS_PER_NODE];
+        let n = frag::fill_free(node, &mut free);
+        let spec = node.spec();
+        let before = frag::node_fragment(&self.target, spec, node.free_cpu(), &free[..n]);
+        let cpu_after = MilliCpu(node.free_cpu().0 - request.cpu.0);
+        let after = |gpus: GpuSet, free: &mut [u32; MAX_GPUS_PER_NODE]| {
+            let share = request.gpu.milli_per_gpu().0;
+            for i in gpus.iter() {
+                free[i] -= share;
+            }
+            let f = frag::node_fragment(&self.target, spec, cpu_after, &free[..n]);
+            for i in gpus.iter() {
+                free[i] += share;
+            }
+            f
+        };
+        let score_of = |delta: f64| (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
+        let best = match request.gpu {
+            GpuDemand::Shared { .. } => {
+                // Try every fitting GPU; the best integer score wins, the lowest index on ties
+                // (as in the paper's simulator).
+                let mut best: Option<Scored> = None;
+                for i in fit::fitting_gpus(node, request).iter() {
+                    let gpus = GpuSet::single(i);
+                    let score = score_of(before - after(gpus, &mut free));
+                    if best.is_none_or(|b| score > b.score) {
+                        best = Some(Scored { score, gpus });
+                    }
+                }
+                best?
+            }
+            GpuDemand::None | GpuDemand::Whole { .. } => {
+                let gpus = fit::lowest_index_gpus(node, request)?;
+                Scored { score: score_of(before - after(gpus, &mut free)), gpus }
+            }
+        };
+        Some(best)
+    }
+}
+
+fn random_gpus(node: &NodeLedger, request: &Request, rng: &mut dyn RngCore) -> Option<GpuSet> {
+    match request.gpu {
+        GpuDemand::Shared { .. } => {
+            let fitting = fit::fitting_gpus(node, request);
+            if fitting.is_empty() {
+                return None;
+            }
+            let pick = rng.random_range(0..fitting.len());
+            fitting.iter().nth(pick).map(GpuSet::single)
+        }
+        GpuDemand::None | GpuDemand::Whole { .. } => fit::lowest_index_gpus(node, request),
+    }
+}
+
+fn gpu_clustering(node: &NodeLedger, request: &Request, n: &Normalisers) -> Option<Scored> {
+    let gpus = fit::best_fit_gpus(node, request)?;
+    let Some(class) = request.gpu.class() else { return Some(Scored { score: 0, gpus }) };
+    let (mut own, mut other) = (false, false);
+    for (_, alloc) in node.allocations() {
+        match alloc.request.gpu.class() {
+            Some(c) if c == class => own = true,
+            Some(_) => other = true,
+            None => {}
+        }
+    }
+    let tier = match (own, other) {
+        (true, false) => 75,
+        (true, true) => 50,
+        (false, false) => 25,
+        (false, true) => 0,
+    };
+    let used = n.gpu_milli.saturating_sub(node.free_milli_total());
+    let fullness = (25 * used / n.gpu_milli) as i64;
+    Some(Scored { score: tier + fullness, gpus })
+}
+
+fn gpu_packing(node: &NodeLedger, request: &Request) -> Option<Scored> {
+    let gpus = fit::best_fit_gpus(node, request)?;
+    if request.gpu.gpu_count() == 0 {
+        return Some(Scored { score: 0, gpus });
+    }
+    let gpu_count = node.gpus().len() as i64;
+    if node.gpus_idle() {
+        return Some(Scored { score: (33 - gpu_count).max(gpu_count), gpus });
+    }
+    let partly_used = gpus.iter().all(|i| !node.gpu_is_idle(i));
+    let score = if partly_used {
+        let free_pct: i64 = gpus.iter().map(|i| i64::from(node.gpus()[i].milli.0) / 10).sum();
+        (100 - free_pct / 10).max(50)
+    } else {
+        (50 - gpus.len() as i64).max(33)
+    };
+    Some(Scored { score, gpus })
+}

@@ -1,0 +1,476 @@
+//! The FGD paper's trace replay protocol (`shared/benchmarks/placement.md`), as run by
+//! `baleen-sim` and by the fidelity test.
+//!
+//! One run, for a policy, a workload and a seed:
+//! 1. every node empty; the target workload built from the original task list;
+//! 2. the tasks shuffled, then tasks drawn with replacement appended until the GPU demand would
+//!    pass `tune` (130 %) of capacity, or random tasks removed while it is above;
+//! 3. tasks submitted one at a time, each placed or failed for good;
+//! 4. after each task, arrived %, unallocated % and fragmentation recorded, then bucketed by
+//!    arrived % rounded half to even, 0..=130.
+//!
+//! Two quirks of the paper's simulator are kept on purpose, since the published numbers depend
+//! on them: the inflation loop stops when the running total plus the drawn task's *per-GPU*
+//! share would pass the target (a multi-GPU draw can overshoot), and ties between nodes go to a
+//! fixed seeded node priority. Random streams are ChaCha8 seeded from the seed: the artifact's
+//! streams are not reproduced, only their distribution.
+
+use crate::cluster;
+use crate::frag::{self, TargetWorkload};
+use crate::ledger::{AllocationId, LedgerError, NodeLedger};
+use crate::model::{NodeSpec, Request};
+use crate::policy::{Normalisers, Policy, PolicyKind, Scored};
+use crate::trace::{self, TraceError, TraceTask};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use thiserror::Error;
+
+/// Buckets of arrived %: 0..=130.
+pub const BUCKETS: usize = 131;
+
+/// The arrived-% bucket the headline figure is read at.
+pub const HEADLINE_BUCKET: usize = 100;
+
+/// A cluster and a task list.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// Short name, e.g. `default` for `openb_pod_list_default.csv`.
+    pub name: String,
+    /// The nodes, empty at the start of each run.
+    pub nodes: Vec<NodeSpec>,
+    /// The tasks, in file order.
+    pub tasks: Vec<TraceTask>,
+}
+
+impl Workload {
+    /// Reads a node list and a task list.
+    pub fn load(nodes: &Path, tasks: &Path) -> Result<Self, TraceError> {
+        let stem = tasks.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = stem.strip_prefix("openb_pod_list_").unwrap_or(&stem).to_owned();
+        Ok(Self { name, nodes: trace::read_nodes(nodes)?, tasks: trace::read_tasks(tasks)? })
+    }
+
+    /// Total GPU compute of the cluster in milli-GPU.
+    pub fn gpu_capacity_milli(&self) -> u64 {
+        self.nodes.iter().map(|n| n.gpus.len() as u64 * 1000).sum()
+    }
+
+    /// The target workload of this task list.
+    pub fn target(&self, coverage: f64) -> TargetWorkload {
+        TargetWorkload::from_requests(self.tasks.iter().map(|t| &t.request), coverage)
+    }
+}
+
+/// Knobs of the protocol.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReplayOptions {
+    /// Target GPU demand as a fraction of capacity (1.3 in the paper).
+    pub tune: f64,
+    /// Share of tasks the target workload covers (0.95 in the paper).
+    pub coverage: f64,
+    /// Scales of the dot-product and best-fit scores.
+    pub normalisers: Normalisers,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self { tune: 1.3, coverage: 0.95, normalisers: Normalisers::default() }
+    }
+}
+
+/// Why a replay could not run.
+#[derive(Debug, Error)]
+pub enum ReplayError {
+    /// The cluster has no GPU, so no percentage can be computed.
+    #[error("workload {0}: the node list has no GPU")]
+    NoGpus(String),
+    /// The workload has no task.
+    #[error("workload {0}: the task list is empty")]
+    NoTasks(String),
+    /// A node of the list is unusable.
+    #[error("workload {workload}: {source}")]
+    Node {
+        /// The workload.
+        workload: String,
+        /// The cause.
+        source: LedgerError,
+    },
+    /// A policy chose a placement the ledger refused: a bug in the policy.
+    #[error("workload {workload}, policy {policy}, seed {seed}: placement refused: {source}")]
+    Refused {
+        /// The workload.
+        workload: String,
+        /// The policy.
+        policy: PolicyKind,
+        /// The seed.
+        seed: u64,
+        /// The cause.
+        source: LedgerError,
+    },
+}
+
+/// What one seed of one policy produced.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SeedOutcome {
+    /// The seed.
+    pub seed: u64,
+    /// Tasks submitted (after inflation).
+    pub submitted: usize,
+    /// Tasks placed.
+    pub placed: usize,
+    /// Unallocated GPU % per arrived-% bucket.
+    pub unallocated_pct: Vec<f64>,
+    /// Fragmentation amount (% of cluster GPU) per bucket.
+    pub frag_amount_pct: Vec<f64>,
+    /// Fragmentation ratio (% of idle GPU) per bucket.
+    pub frag_ratio_pct: Vec<f64>,
+}
+
+impl SeedOutcome {
+    /// Unallocated GPU % at arrived = 100 %.
+    pub fn unallocated_at_100(&self) -> f64 {
+        self.unallocated_pct[HEADLINE_BUCKET]
+    }
+}
+
+/// The task order of one run: indices into `tasks`.
+pub fn submission_order(
+    tasks: &[TraceTask],
+    capacity_milli: u64,
+    tune: f64,
+    rng: &mut impl Rng,
+) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..tasks.len()).collect();
+    order.shuffle(rng);
+    let target = tune * capacity_milli as f64;
+    let demand = |i: usize| tasks[i].request.gpu.total_milli();
+    let mut total: u64 = order.iter().map(|&i| demand(i)).sum();
+    if total as f64 > target {
+        while total as f64 > target && !order.is_empty() {
+            let k = rng.random_range(0..order.len());
+            total -= demand(order.remove(k));
+        }
+    } else if !tasks.is_empty() {
+        loop {
+            let i = rng.random_range(0..tasks.len());
+            // The artifact's test: the running total plus the task's per-GPU share.
+            let share = u64::from(tasks[i].request.gpu.milli_per_gpu().0);
+            if (total + share) as f64 > target {
+                break;
+            }
+            total += demand(i);
+            order.push(i);
+        }
+    }
+    order
+}
+
+/// A fixed tie-break priority for the nodes: `ranks[i]` is node `i`'s place (lower first),
+/// from a seeded permutation over the nodes sorted by name.
+pub fn node_ranks(nodes: &[NodeSpec], rng: &mut impl Rng) -> Vec<u32> {
+    let mut by_name: Vec<usize> = (0..nodes.len()).collect();
+    by_name.sort_by(|&a, &b| nodes[a].name.cmp(&nodes[b].name));
+    let mut perm: Vec<u32> = (0..nodes.len() as u32).collect();
+    perm.shuffle(rng);
+    let mut ranks = vec![0; nodes.len()];
+    for (k, &node) in by_name.iter().enumerate() {
+        ranks[node] = perm[k];
+    }
+    ranks
+}
+
+/// Places one request with a per-node, per-shape score cache: a node's score for a request
+/// depends only on the node and the request, so it stays valid until the node changes.
+struct CachedChooser {
+    shapes: usize,
+    cache: Vec<Option<Option<Scored>>>,
+}
+
+impl CachedChooser {
+    fn choose(
+        &mut self,
+        policy: &Policy,
+        nodes: &[NodeLedger],
+        ranks: &[u32],
+        shape: usize,
+        request: &Request,
+        rng: &mut ChaCha8Rng,
+    ) -> Option<(usize, Scored)> {
+        let mut best: Option<(usize, Scored)> = None;
+        for (i, node) in nodes.iter().enumerate() {
+            let slot = &mut self.cache[i * self.shapes + shape];
+            let scored = *slot.get_or_insert_with(|| policy.score(node, request, rng));
+            if let Some(s) = scored {
+                if cluster::beats(s.score, ranks[i], best.map(|(b, bs)| (bs.score, ranks[b]))) {
+                    best = Some((i, s));
+                }
+            }
+        }
+        best
+    }
+
+    fn invalidate(&mut self, node: usize) {
+        self.cache[node * self.shapes..(node + 1) * self.shapes].fill(None);
+    }
+}
+
+/// Runs one seed of one policy.
+pub fn replay_seed(
+    workload: &Workload,
+    target: &Arc<TargetWorkload>,
+    kind: PolicyKind,
+    seed: u64,
+    options: &ReplayOptions,
+) -> Result<SeedOutcome, ReplayError> {
+    let capacity = workload.gpu_capacity_milli();
+    if capacity == 0 {
+        return Err(ReplayError::NoGpus(workload.name.clone()));
+    }
+    if workload.tasks.is_empty() {
+        return Err(ReplayError::NoTasks(workload.name.clone()));
+    }
+    let mut order_rng = ChaCha8Rng::seed_from_u64(seed);
+    let order = submission_order(&workload.tasks, capacity, options.tune, &mut order_rng);
+    let ranks = node_ranks(&workload.nodes, &mut order_rng);
+    let mut decision_rng = ChaCha8Rng::seed_from_u64(seed);
+    decision_rng.set_stream(1);
+
+    let mut nodes = workload
+        .nodes
+        .iter()
+        .map(|n| NodeLedger::new(n.clone()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| ReplayError::Node { workload: workload.name.clone(), source })?;
+    let policy = Policy::new(kind, Arc::clone(target), options.normalisers);
+
+    let mut shape_ids: HashMap<&Request, usize> = HashMap::new();
+    let shape_of: Vec<usize> = workload
+        .tasks
+        .iter()
+        .map(|t| {
+            let next = shape_ids.len();
+            *shape_ids.entry(&t.request).or_insert(next)
+        })
+        .collect();
+    let mut chooser =
+        CachedChooser { shapes: shape_ids.len(), cache: vec![None; nodes.len() * shape_ids.len()] };
+
+    let mut node_frag: Vec<f64> = nodes.iter().map(|n| frag::ledger_fragment(target, n)).collect();
+    let mut arrived: u64 = 0;
+    let mut allocated: u64 = 0;
+    let mut placed = 0;
+    let mut rows: Vec<Row> = Vec::with_capacity(order.len());
+    for (seq, &task) in order.iter().enumerate() {
+        let request = &workload.tasks[task].request;
+        let choice = if kind.is_deterministic() {
+            chooser.choose(&policy, &nodes, &ranks, shape_of[task], request, &mut decision_rng)
+        } else {
+            cluster::select_node(&policy, &nodes, &ranks, request, &mut decision_rng)
+        };
+        arrived += request.gpu.total_milli();
+        if let Some((n, scored)) = choice {
+            nodes[n].allocate(AllocationId(seq as u64), request, scored.gpus).map_err(
+                |source| ReplayError::Refused {
+                    workload: workload.name.clone(),
+                    policy: kind,
+                    seed,
+                    source,
+                },
+            )?;
+            chooser.invalidate(n);
+            node_frag[n] = frag::ledger_fragment(target, &nodes[n]);
+            allocated += request.gpu.total_milli();
+            placed += 1;
+        }
+        let fragment: f64 = node_frag.iter().sum();
+        let idle = (capacity - allocated) as f64;
+        rows.push(Row {
+            arrived_pct: 100.0 * arrived as f64 / capacity as f64,
+            values: [
+                100.0 - 100.0 * allocated as f64 / capacity as f64,
+                100.0 * fragment / capacity as f64,
+                if idle > 0.0 { 100.0 * fragment / idle } else { 0.0 },
+            ],
+        });
+    }
+    let [unallocated_pct, frag_amount_pct, frag_ratio_pct] = bucket(&rows);
+    Ok(SeedOutcome {
+        seed,
+        submitted: order.len(),
+        placed,
+        unallocated_pct,
+        frag_amount_pct,
+        frag_ratio_pct,
+    })
+}
+
+/// One record: arrived % and the values measured after a task.
+struct Row {
+    arrived_pct: f64,
+    values: [f64; 3],
+}
+
+/// Averages rows per arrived-% bucket (rounded half to even); an empty bucket averages the rows
+/// of its neighbours (±1), as the paper's analysis does; NaN where those are empty too.
+fn bucket(rows: &[Row]) -> [Vec<f64>; 3] {
+    let mut sums = vec![[0.0f64; 3]; BUCKETS];
+    let mut counts = vec![0u32; BUCKETS];
+    for row in rows {
+        let b = row.arrived_pct.round_ties_even();
+        if (0.0..BUCKETS as f64).contains(&b) {
+            let b = b as usize;
+            counts[b] += 1;
+            for k in 0..3 {
+                sums[b][k] += row.values[k];
+            }
+        }
+    }
+    let mut out: [Vec<f64>; 3] = Default::default();
+    for b in 0..BUCKETS {
+        let span =
+            if counts[b] > 0 { b..=b } else { b.saturating_sub(1)..=(b + 1).min(BUCKETS - 1) };
+        let n: u32 = counts[span.clone()].iter().sum();
+        for (k, curve) in out.iter_mut().enumerate() {
+            let s: f64 = sums[span.clone()].iter().map(|v| v[k]).sum();
+            curve.push(if n > 0 { s / f64::from(n) } else { f64::NAN });
+        }
+    }
+    out
+}
+
+/// Mean, standard deviation and values over seeds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SeedStat {
+    /// Mean.
+    pub mean: f64,
+    /// Sample standard deviation (n - 1); 0 for one seed.
+    pub sd: f64,
+    /// One value per seed, in seed order.
+    pub per_seed: Vec<f64>,
+}
+
+impl SeedStat {
+    /// Statistics of `values`.
+    pub fn of(values: Vec<f64>) -> Self {
+        let n = values.len() as f64;
+        let mean = values.iter().sum::<f64>() / n;
+        let sd = if values.len() > 1 {
+            (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+        } else {
+            0.0
+        };
+        Self { mean, sd, per_seed: values }
+    }
+}
+
+/// Curves averaged over seeds, one value per arrived-% bucket (`arrived_pct`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Curves {
+    /// The buckets, 0..=130.
+    pub arrived_pct: Vec<u32>,
+    /// Unallocated GPU %.
+    pub unallocated_pct: Vec<f64>,
+    /// Fragmentation amount, % of cluster GPU.
+    pub frag_amount_pct: Vec<f64>,
+    /// Fragmentation ratio, % of idle GPU.
+    pub frag_ratio_pct: Vec<f64>,
+}
+
+/// The result of one policy on one workload over several seeds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PolicySummary {
+    /// The workload name.
+    pub workload: String,
+    /// The policy name.
+    pub policy: String,
+    /// The seeds.
+    pub seeds: Vec<u64>,
+    /// The inflation target.
+    pub tune: f64,
+    /// The headline: unallocated GPU % at arrived = 100 %.
+    pub unallocated_pct_at_100: SeedStat,
+    /// Fragmentation amount % at arrived = 100 %.
+    pub frag_amount_pct_at_100: SeedStat,
+    /// Tasks placed, per seed.
+    pub placed: Vec<usize>,
+    /// Tasks submitted, per seed.
+    pub submitted: Vec<usize>,
+    /// Mean curves over the seeds.
+    pub curves: Curves,
+}
+
+impl PolicySummary {
+    /// Summarises the outcomes of one policy (in seed order).
+    pub fn of(workload: &str, kind: PolicyKind, tune: f64, outcomes: &[SeedOutcome]) -> Self {
+        let mean_curve = |f: &dyn Fn(&SeedOutcome) -> &Vec<f64>| -> Vec<f64> {
+            (0..BUCKETS)
+                .map(|b| outcomes.iter().map(|o| f(o)[b]).sum::<f64>() / outcomes.len() as f64)
+                .collect()
+        };
+        Self {
+            workload: workload.to_owned(),
+            policy: kind.name().to_owned(),
+            seeds: outcomes.iter().map(|o| o.seed).collect(),
+            tune,
+            unallocated_pct_at_100: SeedStat::of(
+                outcomes.iter().map(SeedOutcome::unallocated_at_100).collect(),
+            ),
+            frag_amount_pct_at_100: SeedStat::of(
+                outcomes.iter().map(|o| o.frag_amount_pct[HEADLINE_BUCKET]).collect(),
+            ),
+            placed: outcomes.iter().map(|o| o.placed).collect(),
+            submitted: outcomes.iter().map(|o| o.submitted).collect(),
+            curves: Curves {
+                arrived_pct: (0..BUCKETS as u32).collect(),
+                unallocated_pct: mean_curve(&|o| &o.unallocated_pct),
+                frag_amount_pct: mean_curve(&|o| &o.frag_amount_pct),
+                frag_ratio_pct: mean_curve(&|o| &o.frag_ratio_pct),
+            },
+        }
+    }
+}
+
+/// Runs every (policy, seed) pair on `threads` threads and summarises each policy, in the
+/// order of `kinds`.
+pub fn replay(
+    workload: &Workload,
+    kinds: &[PolicyKind],
+    seeds: &[u64],
+    options: &ReplayOptions,
+    threads: usize,
+) -> Result<Vec<PolicySummary>, ReplayError> {
+    let target = Arc::new(workload.target(options.coverage));
+    let jobs: Vec<(PolicyKind, u64)> =
+        kinds.iter().flat_map(|&k| seeds.iter().map(move |&s| (k, s))).collect();
+    let results: Mutex<Vec<Option<Result<SeedOutcome, ReplayError>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.clamp(1, jobs.len().max(1)) {
+            scope.spawn(|| {
+                loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(kind, seed)) = jobs.get(j) else { break };
+                    let outcome = replay_seed(workload, &target, kind, seed, options);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[j] = Some(outcome);
+                }
+            });
+        }
+    });
+    let results = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    let mut outcomes = results.into_iter().flatten();
+    kinds
+        .iter()
+        .map(|&kind| {
+            let runs = outcomes.by_ref().take(seeds.len()).collect::<Result<Vec<_>, _>>()?;
+            Ok(PolicySummary::of(&workload.name, kind, options.tune, &runs))
+        })
+        .collect()
+}
