@@ -234,3 +234,158 @@ impl NodeLedger {
         Ok(alloc)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{GpuModel, GpuSpec};
+    use proptest::prelude::*;
+
+    fn spec(gpus: usize, units: u32) -> NodeSpec {
+        let model = GpuModel::new("H200");
+        NodeSpec {
+            name: "node-a".into(),
+            cpu: MilliCpu(16_000),
+            memory: MemMib(64_000),
+            gpus: (0..gpus)
+                .map(|i| GpuSpec { memory_units: MemUnits(units), ..GpuSpec::plain(format!("GPU-{i}"), model.clone()) })
+                .collect(),
+        }
+    }
+
+    fn shared(milli: u32, units: u32) -> Request {
+        Request {
+            cpu: MilliCpu(1000),
+            memory: MemMib(1000),
+            gpu: GpuDemand::Shared { milli: MilliGpu(milli), memory: MemUnits(units) },
+            allowed_models: vec![],
+        }
+    }
+
+    fn whole(count: u32) -> Request {
+        Request { cpu: MilliCpu(1000), memory: MemMib(1000), gpu: GpuDemand::Whole { count }, allowed_models: vec![] }
+    }
+
+    fn set(indices: &[usize]) -> GpuSet {
+        GpuSet::from_indices(indices.iter().copied()).expect("small indices")
+    }
+
+    #[test]
+    fn allocate_and_release_restore_everything() {
+        let mut l = NodeLedger::new(spec(2, 80)).expect("valid");
+        l.allocate(AllocationId(1), &shared(250, 20), set(&[1])).expect("fits");
+        assert_eq!(l.gpus()[1], GpuFree { milli: MilliGpu(750), memory: MemUnits(60) });
+        assert_eq!(l.free_cpu(), MilliCpu(15_000));
+        l.allocate(AllocationId(2), &whole(1), set(&[0])).expect("fits");
+        assert_eq!(l.gpus()[0], GpuFree { milli: MilliGpu(0), memory: MemUnits(0) });
+        l.release(AllocationId(1)).expect("known");
+        l.release(AllocationId(2)).expect("known");
+        assert!(l.gpus_idle());
+        assert_eq!((l.free_cpu(), l.free_memory()), (MilliCpu(16_000), MemMib(64_000)));
+    }
+
+    #[test]
+    fn refusals_name_the_problem_and_change_nothing() {
+        let mut l = NodeLedger::new(spec(2, 80)).expect("valid");
+        l.allocate(AllocationId(1), &shared(500, 10), set(&[0])).expect("fits");
+        let before = l.clone();
+        let cases = [
+            (AllocationId(1), shared(100, 1), set(&[1]), "already exists"),
+            (AllocationId(2), whole(1), set(&[0]), "GPU 0"),
+            (AllocationId(3), shared(600, 1), set(&[0]), "GPU 0"),
+            (AllocationId(4), shared(100, 90), set(&[1]), "GPU 1"),
+            (AllocationId(5), shared(100, 1), set(&[0, 1]), "needs 1 GPUs, 2 were chosen"),
+            (AllocationId(6), shared(100, 1), set(&[7]), "GPU index 7 does not exist"),
+            (AllocationId(7), whole(2), set(&[0, 1]), "GPU 0"),
+        ];
+        for (id, req, gpus, needle) in cases {
+            let err = l.allocate(id, &req, gpus).expect_err("must refuse");
+            assert!(err.to_string().contains(needle), "{err} should mention {needle}");
+            assert!(err.to_string().contains("node-a"), "{err} should name the node");
+            assert_eq!(l.gpus(), before.gpus());
+            assert_eq!(l.free_cpu(), before.free_cpu());
+        }
+        let mut big = shared(100, 1);
+        big.cpu = MilliCpu(100_000);
+        assert!(l.allocate(AllocationId(8), &big, set(&[1])).expect_err("short").to_string().contains("CPU"));
+        assert!(matches!(l.release(AllocationId(9)), Err(LedgerError::UnknownAllocation { .. })));
+    }
+
+    #[test]
+    fn model_constraint_is_checked() {
+        let mut l = NodeLedger::new(spec(1, 80)).expect("valid");
+        let mut req = shared(100, 1);
+        req.allowed_models = vec![GpuModel::new("T4")];
+        assert!(l.allocate(AllocationId(1), &req, set(&[0])).is_err());
+    }
+
+    #[test]
+    fn bad_nodes_are_refused() {
+        let mut s = spec(2, 80);
+        s.gpus[0].nvlink_peers = vec![5];
+        assert!(NodeLedger::new(s).expect_err("bad peer").to_string().contains("NVLink peer index 5"));
+        assert!(NodeLedger::new(spec(65, 1)).is_err());
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Shared { gpu: usize, milli: u32, units: u32, cpu: u64 },
+        Whole { gpus: Vec<usize> },
+        Release(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0usize..4, 1u32..=1000, 0u32..=40, 0u64..=6000)
+                .prop_map(|(gpu, milli, units, cpu)| Op::Shared { gpu, milli, units, cpu }),
+            proptest::collection::vec(0usize..5, 1..4).prop_map(|gpus| Op::Whole { gpus }),
+            (0u64..40).prop_map(Op::Release),
+        ]
+    }
+
+    proptest! {
+        /// Whatever sequence of allocations and releases is attempted, what is free plus what
+        /// the recorded allocations hold is exactly the capacity: nothing is over-committed,
+        /// lost or counted twice.
+        #[test]
+        fn never_over_commits(ops in proptest::collection::vec(op(), 1..60)) {
+            let mut l = NodeLedger::new(spec(4, 40)).expect("valid");
+            for (n, op) in ops.into_iter().enumerate() {
+                let id = AllocationId(n as u64);
+                let _ = match op {
+                    Op::Shared { gpu, milli, units, cpu } => {
+                        let mut r = shared(milli, units);
+                        r.cpu = MilliCpu(cpu);
+                        l.allocate(id, &r, set(&[gpu])).map(|_| ())
+                    }
+                    Op::Whole { gpus } => {
+                        let mut dedup = gpus.clone();
+                        dedup.sort();
+                        dedup.dedup();
+                        l.allocate(id, &whole(dedup.len() as u32), set(&dedup)).map(|_| ())
+                    }
+                    Op::Release(k) => l.release(AllocationId(k)).map(|_| ()),
+                };
+                let mut cpu = l.free_cpu().0;
+                let mut milli = vec![0u32; 4];
+                let mut units = vec![0u32; 4];
+                for (i, g) in l.gpus().iter().enumerate() {
+                    milli[i] += g.milli.0;
+                    units[i] += g.memory.0;
+                }
+                for (_, a) in l.allocations() {
+                    cpu += a.request.cpu.0;
+                    for i in a.gpus.iter() {
+                        match a.request.gpu {
+                            GpuDemand::Whole { .. } => { milli[i] += 1000; units[i] += 40; }
+                            _ => { milli[i] += a.request.gpu.milli_per_gpu().0; units[i] += a.request.gpu.memory_per_gpu().0; }
+                        }
+                    }
+                }
+                prop_assert_eq!(cpu, 16_000);
+                prop_assert_eq!(milli, vec![1000; 4]);
+                prop_assert_eq!(units, vec![40; 4]);
+            }
+        }
+    }
+}

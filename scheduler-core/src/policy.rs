@@ -309,3 +309,195 @@ fn gpu_packing(node: &NodeLedger, request: &Request) -> Option<Scored> {
     };
     Some(Scored { score, gpus })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frag::TaskShape;
+    use crate::ledger::AllocationId;
+    use crate::model::{GpuModel, GpuSpec, NodeSpec};
+    use crate::units::{MemMib, MemUnits, MilliGpu};
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    fn node(cpu: u64, gpus: usize) -> NodeLedger {
+        let model = GpuModel::new("G2");
+        NodeLedger::new(NodeSpec {
+            name: "n".into(),
+            cpu: MilliCpu(cpu),
+            memory: MemMib(393_216),
+            gpus: (0..gpus).map(|i| GpuSpec::plain(format!("g{i}"), model.clone())).collect(),
+        })
+        .expect("valid node")
+    }
+
+    fn shared(cpu: u64, milli: u32) -> Request {
+        Request {
+            cpu: MilliCpu(cpu),
+            memory: MemMib(1000),
+            gpu: GpuDemand::Shared { milli: MilliGpu(milli), memory: MemUnits::ZERO },
+            allowed_models: vec![],
+        }
+    }
+
+    fn whole(cpu: u64, count: u32) -> Request {
+        Request { cpu: MilliCpu(cpu), memory: MemMib(1000), gpu: GpuDemand::Whole { count }, allowed_models: vec![] }
+    }
+
+    fn cpu_only(cpu: u64) -> Request {
+        Request { cpu: MilliCpu(cpu), memory: MemMib(1000), gpu: GpuDemand::None, allowed_models: vec![] }
+    }
+
+    fn policy(kind: PolicyKind) -> Policy {
+        Policy::new(kind, Arc::new(TargetWorkload::default()), Normalisers::default())
+    }
+
+    fn score(kind: PolicyKind, node: &NodeLedger, request: &Request) -> Option<Scored> {
+        policy(kind).score(node, request, &mut ChaCha8Rng::seed_from_u64(1))
+    }
+
+    fn place(node: &mut NodeLedger, id: u64, request: &Request, gpus: &[usize]) {
+        let set = GpuSet::from_indices(gpus.iter().copied()).expect("small indices");
+        node.allocate(AllocationId(id), request, set).expect("fits");
+    }
+
+    #[test]
+    fn names_round_trip_and_unknown_is_refused() {
+        for k in PolicyKind::ALL {
+            assert_eq!(k.name().parse::<PolicyKind>().expect("known"), k);
+        }
+        let err = "fastest".parse::<PolicyKind>().expect_err("unknown");
+        assert!(err.to_string().contains("fastest"));
+    }
+
+    #[test]
+    fn infeasible_nodes_get_no_score() {
+        let n = node(2000, 1);
+        for k in PolicyKind::ALL {
+            assert_eq!(score(k, &n, &shared(4000, 500)), None, "{k}: CPU short");
+            assert_eq!(score(k, &n, &whole(1000, 2)), None, "{k}: too few GPUs");
+        }
+    }
+
+    #[test]
+    fn dot_prod_score() {
+        // cn = .75, c = 1/32, Un = 1, g = 1/16: 100 (1 - (.75/32 + 1/16) / 2) = 95.70
+        let s = score(PolicyKind::DotProd, &node(96_000, 8), &shared(4000, 500)).expect("fits");
+        assert_eq!(s.score, 95);
+        assert_eq!(s.gpus, GpuSet::single(0));
+        // CPU-only tasks are scored too: 100 (1 - (.75 * 1/32) / 2) = 98.83
+        assert_eq!(score(PolicyKind::DotProd, &node(96_000, 8), &cpu_only(4000)).expect("fits").score, 98);
+    }
+
+    #[test]
+    fn best_fit_score_and_device() {
+        let mut n = node(96_000, 8);
+        // 100 (1 - (.5 (.75 - 1/32) + .5 (1 - 1/16))) = 17.19
+        assert_eq!(score(PolicyKind::BestFit, &n, &shared(4000, 500)).expect("fits").score, 17);
+        place(&mut n, 1, &shared(0, 300), &[3]);
+        place(&mut n, 2, &shared(0, 600), &[5]);
+        // GPU 5 has 400 free, GPU 3 has 700: the tightest fit is GPU 5.
+        let s = score(PolicyKind::BestFit, &n, &shared(4000, 400)).expect("fits");
+        assert_eq!(s.gpus, GpuSet::single(5));
+        assert_eq!(score(PolicyKind::BestFit, &n, &shared(4000, 500)).expect("fits").gpus, GpuSet::single(3));
+    }
+
+    #[test]
+    fn best_fit_normalise_is_min_max() {
+        let mut scores = [10, 20, 30];
+        policy(PolicyKind::BestFit).normalise(&mut scores);
+        assert_eq!(scores, [0, 50, 100]);
+        let mut same = [7, 7];
+        policy(PolicyKind::BestFit).normalise(&mut same);
+        assert_eq!(same, [100, 100]);
+        let mut other = [10, 20];
+        policy(PolicyKind::Fgd).normalise(&mut other);
+        assert_eq!(other, [10, 20]);
+    }
+
+    #[test]
+    fn gpu_clustering_tiers() {
+        let mut n = node(96_000, 8);
+        assert_eq!(score(PolicyKind::GpuClustering, &n, &shared(1000, 500)).expect("fits").score, 25);
+        assert_eq!(score(PolicyKind::GpuClustering, &n, &cpu_only(1000)).expect("fits").score, 0);
+        place(&mut n, 1, &shared(0, 500), &[0]);
+        // Only its own class: 75, plus floor(25 * 500 / 8000) = 1.
+        assert_eq!(score(PolicyKind::GpuClustering, &n, &shared(1000, 200)).expect("fits").score, 76);
+        // Only other classes: 0 + 1.
+        assert_eq!(score(PolicyKind::GpuClustering, &n, &whole(1000, 1)).expect("fits").score, 1);
+        place(&mut n, 2, &whole(0, 1), &[1]);
+        // Own class among others: 50 + floor(25 * 1500 / 8000) = 54.
+        assert_eq!(score(PolicyKind::GpuClustering, &n, &shared(1000, 200)).expect("fits").score, 54);
+    }
+
+    #[test]
+    fn gpu_packing_tiers() {
+        let mut n = node(96_000, 8);
+        // Idle node: max(33 - 8, 8).
+        assert_eq!(score(PolicyKind::GpuPacking, &n, &shared(1000, 300)).expect("fits").score, 25);
+        assert_eq!(score(PolicyKind::GpuPacking, &node(96_000, 2), &shared(1000, 300)).expect("fits").score, 31);
+        assert_eq!(score(PolicyKind::GpuPacking, &n, &cpu_only(1000)).expect("fits").score, 0);
+        place(&mut n, 1, &shared(0, 450), &[2]);
+        // Fits the partly used GPU 2 (55 % free): 100 - 55 / 10 = 95.
+        let s = score(PolicyKind::GpuPacking, &n, &shared(1000, 300)).expect("fits");
+        assert_eq!((s.score, s.gpus), (95, GpuSet::single(2)));
+        // Needs a free GPU on a used node: 50 - 1; two whole GPUs: 50 - 2.
+        assert_eq!(score(PolicyKind::GpuPacking, &n, &shared(1000, 600)).expect("fits").score, 49);
+        assert_eq!(score(PolicyKind::GpuPacking, &n, &whole(1000, 2)).expect("fits").score, 48);
+    }
+
+    #[test]
+    fn fgd_picks_the_gpu_that_fragments_least() {
+        let shape = |milli: u32, count: u32| TaskShape {
+            cpu: MilliCpu(1000),
+            milli_per_gpu: MilliGpu(milli),
+            gpu_count: count,
+            models: vec![],
+        };
+        let target = TargetWorkload::from_shapes(vec![(shape(500, 1), 0.5), (shape(1000, 1), 0.5)]);
+        let fgd = Policy::new(PolicyKind::Fgd, Arc::new(target), Normalisers::default());
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut n = node(8000, 2);
+        // Empty: F = 0. Either GPU leaves 700 that a whole GPU cannot use: F' = 350,
+        // score floor(100 sigmoid(-0.35)) = 41, lowest index on the tie.
+        let s = fgd.score(&n, &shared(1000, 300), &mut rng).expect("fits");
+        assert_eq!((s.score, s.gpus), (41, GpuSet::single(0)));
+        place(&mut n, 1, &shared(1000, 300), &[0]);
+        // Now GPU 0 (700 free) gives F' = 400 (delta -50, score 48); GPU 1 gives F' = 700
+        // (delta -350, score 41).
+        let s = fgd.score(&n, &shared(1000, 300), &mut rng).expect("fits");
+        assert_eq!((s.score, s.gpus), (48, GpuSet::single(0)));
+    }
+
+    #[test]
+    fn random_picks_any_fitting_gpu_and_whole_gpus_lowest_first() {
+        let mut n = node(96_000, 4);
+        place(&mut n, 1, &shared(0, 900), &[1]);
+        let random = policy(PolicyKind::Random);
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut seen = GpuSet::EMPTY;
+        for _ in 0..200 {
+            let s = random.score(&n, &shared(1000, 500), &mut rng).expect("fits");
+            assert_eq!(s.score, 0);
+            assert!(!s.gpus.contains(1), "GPU 1 has only 100 free");
+            seen.insert(s.gpus.iter().next().expect("one GPU"));
+        }
+        assert_eq!(seen, GpuSet::from_indices([0, 2, 3]).expect("small"));
+        let s = random.score(&n, &whole(1000, 2), &mut rng).expect("fits");
+        assert_eq!(s.gpus, GpuSet::from_indices([0, 2]).expect("small"));
+    }
+
+    #[test]
+    fn model_constraints_are_respected() {
+        let n = node(96_000, 2);
+        let mut req = shared(1000, 500);
+        req.allowed_models = vec![GpuModel::new("T4")];
+        for k in PolicyKind::ALL {
+            assert_eq!(score(k, &n, &req), None, "{k}");
+        }
+        req.allowed_models.push(GpuModel::new("G2"));
+        for k in PolicyKind::ALL {
+            assert!(score(k, &n, &req).is_some(), "{k}");
+        }
+    }
+}
