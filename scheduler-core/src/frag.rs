@@ -80,7 +80,7 @@ impl TargetWorkload {
         let distinct = groups.len();
         let total: u64 = groups.iter().map(|g| g.1).sum();
         // A stable sort keeps first appearance among equal counts.
-        groups.sort_by(|a, b| b.1.cmp(&a.1));
+        groups.sort_by_key(|g| std::cmp::Reverse(g.1));
         let mut kept = 0;
         let mut covered = 0u64;
         for (_, count) in &groups {

@@ -248,7 +248,10 @@ mod tests {
             cpu: MilliCpu(16_000),
             memory: MemMib(64_000),
             gpus: (0..gpus)
-                .map(|i| GpuSpec { memory_units: MemUnits(units), ..GpuSpec::plain(format!("GPU-{i}"), model.clone()) })
+                .map(|i| GpuSpec {
+                    memory_units: MemUnits(units),
+                    ..GpuSpec::plain(format!("GPU-{i}"), model.clone())
+                })
                 .collect(),
         }
     }
@@ -263,7 +266,12 @@ mod tests {
     }
 
     fn whole(count: u32) -> Request {
-        Request { cpu: MilliCpu(1000), memory: MemMib(1000), gpu: GpuDemand::Whole { count }, allowed_models: vec![] }
+        Request {
+            cpu: MilliCpu(1000),
+            memory: MemMib(1000),
+            gpu: GpuDemand::Whole { count },
+            allowed_models: vec![],
+        }
     }
 
     fn set(indices: &[usize]) -> GpuSet {
@@ -307,7 +315,12 @@ mod tests {
         }
         let mut big = shared(100, 1);
         big.cpu = MilliCpu(100_000);
-        assert!(l.allocate(AllocationId(8), &big, set(&[1])).expect_err("short").to_string().contains("CPU"));
+        assert!(
+            l.allocate(AllocationId(8), &big, set(&[1]))
+                .expect_err("short")
+                .to_string()
+                .contains("CPU")
+        );
         assert!(matches!(l.release(AllocationId(9)), Err(LedgerError::UnknownAllocation { .. })));
     }
 
@@ -323,7 +336,9 @@ mod tests {
     fn bad_nodes_are_refused() {
         let mut s = spec(2, 80);
         s.gpus[0].nvlink_peers = vec![5];
-        assert!(NodeLedger::new(s).expect_err("bad peer").to_string().contains("NVLink peer index 5"));
+        assert!(
+            NodeLedger::new(s).expect_err("bad peer").to_string().contains("NVLink peer index 5")
+        );
         assert!(NodeLedger::new(spec(65, 1)).is_err());
     }
 

@@ -341,11 +341,21 @@ mod tests {
     }
 
     fn whole(cpu: u64, count: u32) -> Request {
-        Request { cpu: MilliCpu(cpu), memory: MemMib(1000), gpu: GpuDemand::Whole { count }, allowed_models: vec![] }
+        Request {
+            cpu: MilliCpu(cpu),
+            memory: MemMib(1000),
+            gpu: GpuDemand::Whole { count },
+            allowed_models: vec![],
+        }
     }
 
     fn cpu_only(cpu: u64) -> Request {
-        Request { cpu: MilliCpu(cpu), memory: MemMib(1000), gpu: GpuDemand::None, allowed_models: vec![] }
+        Request {
+            cpu: MilliCpu(cpu),
+            memory: MemMib(1000),
+            gpu: GpuDemand::None,
+            allowed_models: vec![],
+        }
     }
 
     fn policy(kind: PolicyKind) -> Policy {
@@ -386,7 +396,10 @@ mod tests {
         assert_eq!(s.score, 95);
         assert_eq!(s.gpus, GpuSet::single(0));
         // CPU-only tasks are scored too: 100 (1 - (.75 * 1/32) / 2) = 98.83
-        assert_eq!(score(PolicyKind::DotProd, &node(96_000, 8), &cpu_only(4000)).expect("fits").score, 98);
+        assert_eq!(
+            score(PolicyKind::DotProd, &node(96_000, 8), &cpu_only(4000)).expect("fits").score,
+            98
+        );
     }
 
     #[test]
@@ -399,7 +412,10 @@ mod tests {
         // GPU 5 has 400 free, GPU 3 has 700: the tightest fit is GPU 5.
         let s = score(PolicyKind::BestFit, &n, &shared(4000, 400)).expect("fits");
         assert_eq!(s.gpus, GpuSet::single(5));
-        assert_eq!(score(PolicyKind::BestFit, &n, &shared(4000, 500)).expect("fits").gpus, GpuSet::single(3));
+        assert_eq!(
+            score(PolicyKind::BestFit, &n, &shared(4000, 500)).expect("fits").gpus,
+            GpuSet::single(3)
+        );
     }
 
     #[test]
@@ -418,16 +434,25 @@ mod tests {
     #[test]
     fn gpu_clustering_tiers() {
         let mut n = node(96_000, 8);
-        assert_eq!(score(PolicyKind::GpuClustering, &n, &shared(1000, 500)).expect("fits").score, 25);
+        assert_eq!(
+            score(PolicyKind::GpuClustering, &n, &shared(1000, 500)).expect("fits").score,
+            25
+        );
         assert_eq!(score(PolicyKind::GpuClustering, &n, &cpu_only(1000)).expect("fits").score, 0);
         place(&mut n, 1, &shared(0, 500), &[0]);
         // Only its own class: 75, plus floor(25 * 500 / 8000) = 1.
-        assert_eq!(score(PolicyKind::GpuClustering, &n, &shared(1000, 200)).expect("fits").score, 76);
+        assert_eq!(
+            score(PolicyKind::GpuClustering, &n, &shared(1000, 200)).expect("fits").score,
+            76
+        );
         // Only other classes: 0 + 1.
         assert_eq!(score(PolicyKind::GpuClustering, &n, &whole(1000, 1)).expect("fits").score, 1);
         place(&mut n, 2, &whole(0, 1), &[1]);
         // Own class among others: 50 + floor(25 * 1500 / 8000) = 54.
-        assert_eq!(score(PolicyKind::GpuClustering, &n, &shared(1000, 200)).expect("fits").score, 54);
+        assert_eq!(
+            score(PolicyKind::GpuClustering, &n, &shared(1000, 200)).expect("fits").score,
+            54
+        );
     }
 
     #[test]
@@ -435,7 +460,12 @@ mod tests {
         let mut n = node(96_000, 8);
         // Idle node: max(33 - 8, 8).
         assert_eq!(score(PolicyKind::GpuPacking, &n, &shared(1000, 300)).expect("fits").score, 25);
-        assert_eq!(score(PolicyKind::GpuPacking, &node(96_000, 2), &shared(1000, 300)).expect("fits").score, 31);
+        assert_eq!(
+            score(PolicyKind::GpuPacking, &node(96_000, 2), &shared(1000, 300))
+                .expect("fits")
+                .score,
+            31
+        );
         assert_eq!(score(PolicyKind::GpuPacking, &n, &cpu_only(1000)).expect("fits").score, 0);
         place(&mut n, 1, &shared(0, 450), &[2]);
         // Fits the partly used GPU 2 (55 % free): 100 - 55 / 10 = 95.

@@ -327,8 +327,8 @@ fn bucket(rows: &[Row]) -> [Vec<f64>; 3] {
         if (0.0..BUCKETS as f64).contains(&b) {
             let b = b as usize;
             counts[b] += 1;
-            for k in 0..3 {
-                sums[b][k] += row.values[k];
+            for (sum, value) in sums[b].iter_mut().zip(row.values) {
+                *sum += value;
             }
         }
     }

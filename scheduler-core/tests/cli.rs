@@ -30,7 +30,8 @@ fn run_with(nodes: &str, pods: &str, extra: &[&str]) -> Output {
     let dir = tempfile::tempdir().expect("temp dir");
     let n = write(dir.path(), "nodes.csv", nodes);
     let p = write(dir.path(), "pods.csv", pods);
-    let mut args = vec!["--nodes", n.to_str().expect("utf-8"), "--pods", p.to_str().expect("utf-8")];
+    let mut args =
+        vec!["--nodes", n.to_str().expect("utf-8"), "--pods", p.to_str().expect("utf-8")];
     args.extend_from_slice(extra);
     sim(&args)
 }
@@ -54,8 +55,14 @@ fn json_has_one_object_per_policy_with_the_promised_fields() {
         assert_eq!(v["workload"], "pods");
         assert_eq!(v["seeds"], serde_json::json!([1, 2, 3]));
         assert_eq!(v["unallocated_pct_at_100"]["per_seed"].as_array().expect("array").len(), 3);
-        assert!(v["unallocated_pct_at_100"]["mean"].is_number() || v["unallocated_pct_at_100"]["mean"].is_null());
-        assert!(v["unallocated_pct_at_100"]["sd"].is_number() || v["unallocated_pct_at_100"]["sd"].is_null());
+        assert!(
+            v["unallocated_pct_at_100"]["mean"].is_number()
+                || v["unallocated_pct_at_100"]["mean"].is_null()
+        );
+        assert!(
+            v["unallocated_pct_at_100"]["sd"].is_number()
+                || v["unallocated_pct_at_100"]["sd"].is_null()
+        );
         assert_eq!(v["curves"]["unallocated_pct"].as_array().expect("array").len(), 131);
         assert_eq!(v["curves"]["frag_amount_pct"].as_array().expect("array").len(), 131);
     }
@@ -74,7 +81,8 @@ fn all_runs_every_policy_in_a_table() {
 #[test]
 fn results_are_deterministic_for_a_seed() {
     let a = run_with(NODES, PODS, &["--policy", "all", "--seeds", "5,9", "--json"]);
-    let b = run_with(NODES, PODS, &["--policy", "all", "--seeds", "5,9", "--json", "--threads", "1"]);
+    let b =
+        run_with(NODES, PODS, &["--policy", "all", "--seeds", "5,9", "--json", "--threads", "1"]);
     assert!(a.status.success() && b.status.success());
     assert_eq!(a.stdout, b.stdout);
 }
@@ -89,7 +97,14 @@ fn assert_bad(out: &Output, needles: &[&str]) {
 
 #[test]
 fn missing_file_is_named() {
-    let out = sim(&["--nodes", "/nonexistent/nodes.csv", "--pods", "/nonexistent/pods.csv", "--policy", "fgd"]);
+    let out = sim(&[
+        "--nodes",
+        "/nonexistent/nodes.csv",
+        "--pods",
+        "/nonexistent/pods.csv",
+        "--policy",
+        "fgd",
+    ]);
     assert_bad(&out, &["/nonexistent/nodes.csv"]);
 }
 
@@ -124,10 +139,13 @@ fn unknown_policy_and_bad_seeds_are_refused() {
     assert_bad(&run_with(NODES, PODS, &["--policy", "fastest"]), &["fastest", "best-fit"]);
     assert_bad(&run_with(NODES, PODS, &["--policy", "fgd", "--seeds", "9..3"]), &["9..3"]);
     assert_bad(&run_with(NODES, PODS, &["--policy", "fgd", "--seeds", "x"]), &["`x`"]);
-    assert_bad(&run_with(NODES, PODS, &["--policy", "fgd", "--tune", "-1"]), &["--tune"]);
+    assert_bad(&run_with(NODES, PODS, &["--policy", "fgd", "--tune=-1"]), &["--tune"]);
 }
 
 #[test]
 fn empty_task_list_is_refused() {
-    assert_bad(&run_with(NODES, "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n", &["--policy", "fgd"]), &["no rows"]);
+    assert_bad(
+        &run_with(NODES, "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n", &["--policy", "fgd"]),
+        &["no rows"],
+    );
 }

@@ -11,8 +11,11 @@ use baleen_scheduler_core::units::{MemMib, MilliCpu};
 
 fn default_workload() -> Workload {
     let dir = common::trace_dir();
-    Workload::load(&dir.join("openb_node_list_gpu_node.csv"), &dir.join("openb_pod_list_default.csv"))
-        .expect("the default trace loads")
+    Workload::load(
+        &dir.join("openb_node_list_gpu_node.csv"),
+        &dir.join("openb_pod_list_default.csv"),
+    )
+    .expect("the default trace loads")
 }
 
 fn node(model: &str, gpus: usize) -> NodeSpec {

@@ -22,7 +22,8 @@ const SEEDS: [u64; 2] = [42, 43];
 /// Published mean unallocated % at arrived = 100 % per artifact policy, for one workload.
 fn published(workload: &str) -> HashMap<String, f64> {
     let path = common::trace_dir().join("expected_results/analysis_allo_discrete.csv");
-    let mut reader = csv::Reader::from_path(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut reader =
+        csv::Reader::from_path(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let headers = reader.headers().expect("header").clone();
     let col = |name: &str| headers.iter().position(|h| h == name).expect("column present");
     let (w, p, at100) = (col("workload"), col("sc_policy"), col("100"));
@@ -43,9 +44,11 @@ fn published(workload: &str) -> HashMap<String, f64> {
 #[test]
 fn default_trace_matches_published_best_fit_and_fgd() {
     let dir = common::trace_dir();
-    let workload =
-        Workload::load(&dir.join("openb_node_list_gpu_node.csv"), &dir.join("openb_pod_list_default.csv"))
-            .expect("the default trace loads");
+    let workload = Workload::load(
+        &dir.join("openb_node_list_gpu_node.csv"),
+        &dir.join("openb_pod_list_default.csv"),
+    )
+    .expect("the default trace loads");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let results = replay::replay(
         &workload,
@@ -60,7 +63,7 @@ fn default_trace_matches_published_best_fit_and_fgd() {
     for (summary, artifact) in results.iter().zip(["05-BestFit", "06-FGD"]) {
         let want = published[artifact];
         let got = summary.unallocated_pct_at_100.mean;
-        eprintln!("{}: ours {got:.2} %, published {want:.2} %", summary.policy, );
+        eprintln!("{}: ours {got:.2} %, published {want:.2} %", summary.policy,);
         assert!(
             (got - want).abs() <= TOLERANCE,
             "{}: unallocated at 100 % is {got:.2}, published {want:.2}, tolerance {TOLERANCE}",

@@ -17,7 +17,7 @@ struct Args {
     /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model).
     #[arg(long, value_name = "FILE")]
     nodes: PathBuf,
-    /// Task list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec]).
+    /// Task list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli and optionally gpu_spec).
     #[arg(long, value_name = "FILE")]
     pods: PathBuf,
     /// Policies: random, dotprod, gpu-clustering, gpu-packing, best-fit, fgd, or all.

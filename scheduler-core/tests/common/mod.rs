@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 /// The Alibaba trace folder in `../shared/`, or a panic that says what is missing.
-pub fn trace_dir() -> PathBuf {
+pub(crate) fn trace_dir() -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../shared/traces/alibaba-gpu-v2023")
         .canonicalize()
@@ -13,6 +13,10 @@ pub fn trace_dir() -> PathBuf {
                  beside the repository ({e}); check out `shared/` next to the repository"
             )
         });
-    assert!(dir.join("openb_node_list_gpu_node.csv").is_file(), "{} lacks the node list", dir.display());
+    assert!(
+        dir.join("openb_node_list_gpu_node.csv").is_file(),
+        "{} lacks the node list",
+        dir.display()
+    );
     dir
 }
