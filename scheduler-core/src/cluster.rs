@@ -49,3 +49,146 @@ pub fn select_node(
     }
     best
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fit;
+    use crate::frag::TargetWorkload;
+    use crate::ledger::AllocationId;
+    use crate::model::{GpuDemand, GpuModel, GpuSpec, NodeSpec};
+    use crate::policy::{Normalisers, PolicyKind};
+    use crate::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
+    use proptest::prelude::*;
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+    use std::sync::Arc;
+
+    fn node_spec(i: usize, cpu: u64, gpus: usize, model: &str) -> NodeSpec {
+        let model = GpuModel::new(model);
+        NodeSpec {
+            name: format!("n{i}"),
+            cpu: MilliCpu(cpu),
+            memory: MemMib(64_000),
+            gpus: (0..gpus).map(|g| GpuSpec::plain(format!("n{i}/g{g}"), model.clone())).collect(),
+        }
+    }
+
+    fn request() -> impl Strategy<Value = Request> {
+        (0u64..=16_000, 0u32..=8, 0u32..=1000, any::<bool>()).prop_map(|(cpu, count, milli, t4)| {
+            let gpu = match (count, milli) {
+                (0, _) => GpuDemand::None,
+                (_, 0) | (_, 1000) => GpuDemand::Whole { count: count.min(4) },
+                (_, m) => GpuDemand::Shared { milli: MilliGpu(m), memory: MemUnits::ZERO },
+            };
+            let allowed_models = if t4 { vec![GpuModel::new("T4")] } else { vec![] };
+            Request { cpu: MilliCpu(cpu), memory: MemMib(1000), gpu, allowed_models }
+        })
+    }
+
+    fn cluster() -> impl Strategy<Value = Vec<NodeSpec>> {
+        proptest::collection::vec((0u64..=64_000, 0usize..=8, any::<bool>()), 1..8).prop_map(
+            |nodes| {
+                nodes
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (cpu, gpus, t4))| {
+                        node_spec(i, cpu, gpus, if t4 { "T4" } else { "A100" })
+                    })
+                    .collect()
+            },
+        )
+    }
+
+    fn policy(kind: PolicyKind, requests: &[Request]) -> Policy {
+        Policy::new(
+            kind,
+            Arc::new(TargetWorkload::from_requests(requests, 0.95)),
+            Normalisers::default(),
+        )
+    }
+
+    /// Places `requests` one by one; returns the placements. Panics if the ledger refuses one.
+    fn run(
+        kind: PolicyKind,
+        specs: &[NodeSpec],
+        requests: &[Request],
+        seed: u64,
+    ) -> Vec<Option<(usize, Scored)>> {
+        let p = policy(kind, requests);
+        let mut nodes: Vec<NodeLedger> =
+            specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
+        let ranks: Vec<u32> = (0..nodes.len() as u32).rev().collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        requests
+            .iter()
+            .enumerate()
+            .map(|(k, r)| {
+                let choice = select_node(&p, &nodes, &ranks, r, &mut rng);
+                if let Some((n, s)) = choice {
+                    nodes[n]
+                        .allocate(AllocationId(k as u64), r, s.gpus)
+                        .expect("policies only choose what fits");
+                }
+                choice
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// Every policy only ever chooses placements the ledger accepts (so never over-commits),
+        /// and gives the same placements for the same seed.
+        #[test]
+        fn placements_fit_and_are_deterministic(
+            specs in cluster(),
+            requests in proptest::collection::vec(request(), 1..40),
+            seed in any::<u64>(),
+        ) {
+            for kind in PolicyKind::ALL {
+                let a = run(kind, &specs, &requests, seed);
+                let b = run(kind, &specs, &requests, seed);
+                prop_assert_eq!(a, b, "{} is not deterministic", kind);
+            }
+        }
+
+        /// A request that fits somewhere still fits when a node is added, and a node is found
+        /// exactly when one fits.
+        #[test]
+        fn adding_capacity_keeps_feasible_requests_feasible(
+            specs in cluster(),
+            extra in (0u64..=64_000, 0usize..=8, any::<bool>()),
+            r in request(),
+        ) {
+            let mut bigger = specs.clone();
+            bigger.push(node_spec(99, extra.0, extra.1, if extra.2 { "T4" } else { "A100" }));
+            for kind in PolicyKind::ALL {
+                let p = policy(kind, std::slice::from_ref(&r));
+                let mut rng = ChaCha8Rng::seed_from_u64(3);
+                let small: Vec<NodeLedger> = specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
+                let big: Vec<NodeLedger> = bigger.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
+                let fits_small = small.iter().any(|n| fit::node_fits(n, &r));
+                let chosen_small = select_node(&p, &small, &vec![0; small.len()], &r, &mut rng).is_some();
+                let chosen_big = select_node(&p, &big, &vec![0; big.len()], &r, &mut rng).is_some();
+                prop_assert_eq!(chosen_small, fits_small);
+                prop_assert!(!chosen_small || chosen_big, "{}: adding a node lost a placement", kind);
+            }
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_first_ranked_node() {
+        let specs: Vec<NodeSpec> = (0..4).map(|i| node_spec(i, 32_000, 2, "A100")).collect();
+        let nodes: Vec<NodeLedger> =
+            specs.into_iter().map(|s| NodeLedger::new(s).expect("valid")).collect();
+        let r = Request {
+            cpu: MilliCpu(1000),
+            memory: MemMib(1000),
+            gpu: GpuDemand::Whole { count: 1 },
+            allowed_models: vec![],
+        };
+        let p = policy(PolicyKind::BestFit, std::slice::from_ref(&r));
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let (n, _) = select_node(&p, &nodes, &[3, 1, 0, 2], &r, &mut rng).expect("fits");
+        assert_eq!(n, 2);
+    }
+}

@@ -9,6 +9,41 @@
 //! - [`cluster`]: choose a node across a cluster with a fixed tie-break order;
 //! - [`trace`] and [`replay`]: the Alibaba GPU trace and the paper's replay protocol, behind the
 //!   `baleen-sim` tool.
+//!
+//! # Example
+//!
+//! Score a node for a request and record the placement:
+//!
+//! ```
+//! use baleen_scheduler_core::frag::TargetWorkload;
+//! use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
+//! use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSpec, NodeSpec, Request};
+//! use baleen_scheduler_core::policy::{Normalisers, Policy, PolicyKind};
+//! use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
+//! use rand::SeedableRng;
+//! use std::sync::Arc;
+//!
+//! let model = GpuModel::new("H200");
+//! let mut node = NodeLedger::new(NodeSpec {
+//!     name: "node-a".into(),
+//!     cpu: MilliCpu(64_000),
+//!     memory: MemMib(512 * 1024),
+//!     gpus: (0..2).map(|i| GpuSpec::plain(format!("GPU-{i}"), model.clone())).collect(),
+//! })?;
+//! let request = Request {
+//!     cpu: MilliCpu(4_000),
+//!     memory: MemMib(16 * 1024),
+//!     gpu: GpuDemand::Shared { milli: MilliGpu(250), memory: MemUnits(0) },
+//!     allowed_models: vec![],
+//! };
+//! let target = TargetWorkload::from_requests([&request], 0.95);
+//! let policy = Policy::new(PolicyKind::Fgd, Arc::new(target), Normalisers::default());
+//! let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+//! let scored = policy.score(&node, &request, &mut rng).expect("the request fits");
+//! node.allocate(AllocationId(1), &request, scored.gpus)?;
+//! assert_eq!(node.gpus()[0].milli, MilliGpu(750));
+//! # Ok::<(), baleen_scheduler_core::ledger::LedgerError>(())
+//! ```
 
 pub mod cluster;
 pub mod fit;

@@ -7,6 +7,7 @@
 
 use crate::model::{GpuDemand, GpuModel, GpuSpec, NodeSpec, Request};
 use crate::units::{MemMib, MilliCpu, MilliGpu};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
@@ -72,22 +73,21 @@ pub struct TraceTask {
     pub request: Request,
 }
 
-struct Table {
+struct Table<R> {
     path: PathBuf,
-    reader: csv::Reader<std::fs::File>,
+    reader: csv::Reader<R>,
     columns: Vec<Option<usize>>,
 }
 
-impl Table {
+impl<R: Read> Table<R> {
     fn open(
+        input: R,
         path: &Path,
         required: &[&'static str],
         optional: &[&'static str],
     ) -> Result<Self, TraceError> {
-        let file = std::fs::File::open(path)
-            .map_err(|source| TraceError::Io { path: path.into(), source })?;
         let mut reader =
-            csv::ReaderBuilder::new().has_headers(true).flexible(true).from_reader(file);
+            csv::ReaderBuilder::new().has_headers(true).flexible(true).from_reader(input);
         let header = reader
             .headers()
             .map_err(|e| TraceError::Row { path: path.into(), line: 1, reason: e.to_string() })?
@@ -112,7 +112,7 @@ impl Table {
     fn rows(
         mut self,
         names: &[&'static str],
-        mut row: impl FnMut(&Fields<'_>) -> Result<(), TraceError>,
+        mut row: impl FnMut(&Fields<'_, R>) -> Result<(), TraceError>,
     ) -> Result<(), TraceError> {
         let mut record = csv::StringRecord::new();
         let mut any = false;
@@ -133,14 +133,14 @@ impl Table {
     }
 }
 
-struct Fields<'a> {
-    table: &'a Table,
+struct Fields<'a, R> {
+    table: &'a Table<R>,
     names: &'a [&'static str],
     record: &'a csv::StringRecord,
     line: u64,
 }
 
-impl Fields<'_> {
+impl<R> Fields<'_, R> {
     /// The field of column number `k` (in the order given to `Table::open`), if present.
     fn get(&self, k: usize) -> Result<Option<&str>, TraceError> {
         let Some(i) = self.table.columns[k] else { return Ok(None) };
@@ -181,9 +181,18 @@ impl Fields<'_> {
 
 const NODE_COLUMNS: [&str; 5] = ["sn", "cpu_milli", "memory_mib", "gpu", "model"];
 
-/// Reads a node list. Nodes without GPUs are kept (with no GPUs).
+fn open(path: &Path) -> Result<std::fs::File, TraceError> {
+    std::fs::File::open(path).map_err(|source| TraceError::Io { path: path.into(), source })
+}
+
+/// Reads a node list file. Nodes without GPUs are kept (with no GPUs).
 pub fn read_nodes(path: &Path) -> Result<Vec<NodeSpec>, TraceError> {
-    let table = Table::open(path, &NODE_COLUMNS, &[])?;
+    parse_nodes(open(path)?, path)
+}
+
+/// Parses a node list; `path` names it in errors.
+pub fn parse_nodes(input: impl Read, path: &Path) -> Result<Vec<NodeSpec>, TraceError> {
+    let table = Table::open(input, path, &NODE_COLUMNS, &[])?;
     let mut nodes = Vec::new();
     table.rows(&NODE_COLUMNS, |f| {
         let name = f.text(0)?;
@@ -216,9 +225,14 @@ pub fn read_nodes(path: &Path) -> Result<Vec<NodeSpec>, TraceError> {
 const TASK_COLUMNS: [&str; 6] =
     ["name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli", "gpu_spec"];
 
-/// Reads a task list.
+/// Reads a task list file.
 pub fn read_tasks(path: &Path) -> Result<Vec<TraceTask>, TraceError> {
-    let table = Table::open(path, &TASK_COLUMNS[..5], &TASK_COLUMNS[5..])?;
+    parse_tasks(open(path)?, path)
+}
+
+/// Parses a task list; `path` names it in errors.
+pub fn parse_tasks(input: impl Read, path: &Path) -> Result<Vec<TraceTask>, TraceError> {
+    let table = Table::open(input, path, &TASK_COLUMNS[..5], &TASK_COLUMNS[5..])?;
     let mut tasks = Vec::new();
     table.rows(&TASK_COLUMNS, |f| {
         let num_gpu = f.number(3)?;
@@ -260,4 +274,70 @@ pub fn read_tasks(path: &Path) -> Result<Vec<TraceTask>, TraceError> {
         Ok(())
     })?;
     Ok(tasks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn tasks(text: &str) -> Result<Vec<TraceTask>, TraceError> {
+        parse_tasks(text.as_bytes(), Path::new("pods.csv"))
+    }
+
+    #[test]
+    fn task_kinds_and_models() {
+        let t = tasks(
+            "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n\
+             a,1000,10,0,0,\n\
+             b,2000,20,1,450,nan\n\
+             c,3000,30,4,1000,V100M16|V100M32\n",
+        )
+        .expect("valid");
+        assert_eq!(t[0].request.gpu, GpuDemand::None);
+        assert_eq!(t[1].request.gpu.milli_per_gpu(), MilliGpu(450));
+        assert!(t[1].request.allowed_models.is_empty());
+        assert_eq!(t[2].request.gpu, GpuDemand::Whole { count: 4 });
+        assert_eq!(
+            t[2].request.allowed_models,
+            vec![GpuModel::new("V100M16"), GpuModel::new("V100M32")]
+        );
+        assert_eq!(t[2].request.cpu, MilliCpu(3000));
+    }
+
+    #[test]
+    fn gpu_spec_column_is_optional() {
+        let t =
+            tasks("name,cpu_milli,memory_mib,num_gpu,gpu_milli\na,1000,10,1,300\n").expect("valid");
+        assert!(t[0].request.allowed_models.is_empty());
+    }
+
+    #[test]
+    fn node_without_model_is_refused() {
+        let err = parse_nodes(
+            "sn,cpu_milli,memory_mib,gpu,model\nn,1,1,2,\n".as_bytes(),
+            Path::new("nodes.csv"),
+        )
+        .expect_err("no model");
+        assert_eq!(
+            err.to_string(),
+            "nodes.csv:2: column `model`: a node with GPUs needs a GPU model: ``"
+        );
+    }
+
+    proptest! {
+        /// Any input gives tasks or an error naming the file, never a panic.
+        #[test]
+        fn arbitrary_input_never_panics(text in "(?s).{0,400}") {
+            let header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n";
+            for input in [text.clone(), format!("{header}{text}")] {
+                if let Err(e) = tasks(&input) {
+                    prop_assert!(e.to_string().starts_with("pods.csv"), "{}", e);
+                }
+                if let Err(e) = parse_nodes(input.as_bytes(), Path::new("nodes.csv")) {
+                    prop_assert!(e.to_string().starts_with("nodes.csv"), "{}", e);
+                }
+            }
+        }
+    }
 }
