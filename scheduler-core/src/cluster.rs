@@ -103,7 +103,7 @@ mod tests {
     fn policy(kind: PolicyKind, requests: &[Request]) -> Policy {
         Policy::new(
             kind,
-            Arc::new(TargetWorkload::from_requests(requests, 0.95)),
+            Arc::new(TargetWorkload::from_requests(requests, 0.95, false)),
             Normalisers::default(),
         )
     }

@@ -15,7 +15,7 @@
 
 use crate::ledger::NodeLedger;
 use crate::model::{GpuModel, NodeSpec, Request};
-use crate::units::{MilliCpu, MilliGpu};
+use crate::units::{MemMib, MilliCpu, MilliGpu};
 use std::collections::HashMap;
 
 /// The parts of a request that fragmentation looks at.
@@ -29,11 +29,13 @@ pub struct TaskShape {
     pub gpu_count: u32,
     /// Allowed GPU models (empty = any), sorted.
     pub models: Vec<GpuModel>,
+    /// Host memory, when fragmentation counts it (the paper's measure does not).
+    pub memory: Option<MemMib>,
 }
 
 impl TaskShape {
-    /// The shape of `request`.
-    pub fn of(request: &Request) -> Self {
+    /// The shape of `request`, with or without its memory.
+    pub fn of(request: &Request, with_memory: bool) -> Self {
         let mut models = request.allowed_models.clone();
         models.sort();
         Self {
@@ -41,6 +43,7 @@ impl TaskShape {
             milli_per_gpu: request.gpu.milli_per_gpu(),
             gpu_count: request.gpu.gpu_count(),
             models,
+            memory: with_memory.then_some(request.memory),
         }
     }
 
@@ -58,17 +61,18 @@ pub struct TargetWorkload {
 
 impl TargetWorkload {
     /// Builds the target workload from a list of requests, as the FGD paper does: group by
-    /// shape, sort the groups by count (descending; ties keep first appearance), keep the
+    /// shape (with memory as part of the shape if `with_memory`; the paper leaves it out), sort the groups by count (descending; ties keep first appearance), keep the
     /// shortest prefix covering at least `coverage` (0..=1) of the requests, and renormalise
     /// the kept counts into probabilities.
     pub fn from_requests<'a>(
         requests: impl IntoIterator<Item = &'a Request>,
         coverage: f64,
+        with_memory: bool,
     ) -> Self {
         let mut index: HashMap<TaskShape, usize> = HashMap::new();
         let mut groups: Vec<(TaskShape, u64)> = Vec::new();
         for request in requests {
-            let shape = TaskShape::of(request);
+            let shape = TaskShape::of(request, with_memory);
             match index.get(&shape) {
                 Some(&i) => groups[i].1 += 1,
                 None => {
@@ -112,18 +116,28 @@ impl TargetWorkload {
     }
 }
 
+/// What is free on a node, as fragmentation sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeFree<'a> {
+    /// Free CPU.
+    pub cpu: MilliCpu,
+    /// Free host memory.
+    pub memory: MemMib,
+    /// Free compute of each GPU, in device order.
+    pub gpus: &'a [u32],
+}
+
 /// Free compute of a node that `shape` cannot use, in milli-GPU.
-///
-/// `free` holds the free compute of each GPU of `spec`, in device order.
-pub fn shape_fragment(shape: &TaskShape, spec: &NodeSpec, cpu_free: MilliCpu, free: &[u32]) -> u64 {
-    let total: u64 = free.iter().map(|&r| u64::from(r)).sum();
-    if shape.gpu_count == 0 || cpu_free < shape.cpu {
+pub fn shape_fragment(shape: &TaskShape, spec: &NodeSpec, free: &NodeFree<'_>) -> u64 {
+    let total: u64 = free.gpus.iter().map(|&r| u64::from(r)).sum();
+    if shape.gpu_count == 0 || free.cpu < shape.cpu || shape.memory.is_some_and(|m| free.memory < m)
+    {
         return total;
     }
     let g = shape.milli_per_gpu.0;
     let mut usable = 0u32;
     let mut unusable = 0u64;
-    for (r, gpu) in free.iter().zip(&spec.gpus) {
+    for (r, gpu) in free.gpus.iter().zip(&spec.gpus) {
         if *r >= g && shape.allows(&gpu.model) {
             usable += 1;
         } else {
@@ -134,24 +148,16 @@ pub fn shape_fragment(shape: &TaskShape, spec: &NodeSpec, cpu_free: MilliCpu, fr
 }
 
 /// Expected fragment of a node over `target`, in milli-GPU.
-pub fn node_fragment(
-    target: &TargetWorkload,
-    spec: &NodeSpec,
-    cpu_free: MilliCpu,
-    free: &[u32],
-) -> f64 {
-    target
-        .shapes
-        .iter()
-        .map(|(shape, p)| p * shape_fragment(shape, spec, cpu_free, free) as f64)
-        .sum()
+pub fn node_fragment(target: &TargetWorkload, spec: &NodeSpec, free: &NodeFree<'_>) -> f64 {
+    target.shapes.iter().map(|(shape, p)| p * shape_fragment(shape, spec, free) as f64).sum()
 }
 
 /// Expected fragment of a node in its current state.
 pub fn ledger_fragment(target: &TargetWorkload, node: &NodeLedger) -> f64 {
-    let mut free = [0u32; crate::model::MAX_GPUS_PER_NODE];
-    let n = fill_free(node, &mut free);
-    node_fragment(target, node.spec(), node.free_cpu(), &free[..n])
+    let mut gpus = [0u32; crate::model::MAX_GPUS_PER_NODE];
+    let n = fill_free(node, &mut gpus);
+    let free = NodeFree { cpu: node.free_cpu(), memory: node.free_memory(), gpus: &gpus[..n] };
+    node_fragment(target, node.spec(), &free)
 }
 
 /// Copies the free compute of each GPU of `node` into `out` and returns how many there are.

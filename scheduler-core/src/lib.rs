@@ -36,7 +36,7 @@
 //!     gpu: GpuDemand::Shared { milli: MilliGpu(250), memory: MemUnits(0) },
 //!     allowed_models: vec![],
 //! };
-//! let target = TargetWorkload::from_requests([&request], 0.95);
+//! let target = TargetWorkload::from_requests([&request], 0.95, false);
 //! let policy = Policy::new(PolicyKind::Fgd, Arc::new(target), Normalisers::default());
 //! let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
 //! let scored = policy.score(&node, &request, &mut rng).expect("the request fits");

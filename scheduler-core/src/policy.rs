@@ -21,7 +21,7 @@ use crate::fit;
 use crate::frag::{self, TargetWorkload};
 use crate::ledger::NodeLedger;
 use crate::model::{GpuDemand, GpuSet, MAX_GPUS_PER_NODE, Request};
-use crate::units::MilliCpu;
+use crate::units::{MemMib, MilliCpu};
 use rand::{Rng, RngCore};
 use std::fmt;
 use std::str::FromStr;
@@ -215,43 +215,59 @@ impl Policy {
     }
 
     fn fgd(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
-        let mut free = [0u32; MAX_GPUS_PER_NODE];
-        let n = frag::fill_free(node, &mut free);
-        let spec = node.spec();
-        let before = frag::node_fragment(&self.target, spec, node.free_cpu(), &free[..n]);
-        let cpu_after = MilliCpu(node.free_cpu().0 - request.cpu.0);
-        let after = |gpus: GpuSet, free: &mut [u32; MAX_GPUS_PER_NODE]| {
-            let share = request.gpu.milli_per_gpu().0;
-            for i in gpus.iter() {
-                free[i] -= share;
-            }
-            let f = frag::node_fragment(&self.target, spec, cpu_after, &free[..n]);
-            for i in gpus.iter() {
-                free[i] += share;
-            }
-            f
-        };
-        let score_of = |delta: f64| (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
-        let best = match request.gpu {
-            GpuDemand::Shared { .. } => {
-                // Try every fitting GPU; the best integer score wins, the lowest index on ties
-                // (as in the paper's simulator).
-                let mut best: Option<Scored> = None;
-                for i in fit::fitting_gpus(node, request).iter() {
-                    let gpus = GpuSet::single(i);
-                    let score = score_of(before - after(gpus, &mut free));
-                    if best.is_none_or(|b| score > b.score) {
-                        best = Some(Scored { score, gpus });
-                    }
+        let score_of =
+            |delta: f64, _: GpuSet| (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
+        frag_descent(&self.target, node, request, score_of)
+    }
+}
+
+/// Scores each way of placing `request` on `node` by the drop in expected fragmentation it
+/// causes (`score_of(F_before - F_after, gpus)`) and keeps the best: a shared request tries
+/// every fitting GPU (the lowest index wins ties), other requests use the lowest-index GPUs.
+fn frag_descent(
+    target: &TargetWorkload,
+    node: &NodeLedger,
+    request: &Request,
+    score_of: impl Fn(f64, GpuSet) -> i64,
+) -> Option<Scored> {
+    let mut gpus = [0u32; MAX_GPUS_PER_NODE];
+    let n = frag::fill_free(node, &mut gpus);
+    let spec = node.spec();
+    let before = frag::node_fragment(
+        target,
+        spec,
+        &frag::NodeFree { cpu: node.free_cpu(), memory: node.free_memory(), gpus: &gpus[..n] },
+    );
+    let cpu = MilliCpu(node.free_cpu().0 - request.cpu.0);
+    let memory = MemMib(node.free_memory().0 - request.memory.0);
+    let share = request.gpu.milli_per_gpu().0;
+    let mut delta = |set: GpuSet| {
+        for i in set.iter() {
+            gpus[i] -= share;
+        }
+        let after =
+            frag::node_fragment(target, spec, &frag::NodeFree { cpu, memory, gpus: &gpus[..n] });
+        for i in set.iter() {
+            gpus[i] += share;
+        }
+        before - after
+    };
+    match request.gpu {
+        GpuDemand::Shared { .. } => {
+            let mut best: Option<Scored> = None;
+            for i in fit::fitting_gpus(node, request).iter() {
+                let set = GpuSet::single(i);
+                let score = score_of(delta(set), set);
+                if best.is_none_or(|b| score > b.score) {
+                    best = Some(Scored { score, gpus: set });
                 }
-                best?
             }
-            GpuDemand::None | GpuDemand::Whole { .. } => {
-                let gpus = fit::lowest_index_gpus(node, request)?;
-                Scored { score: score_of(before - after(gpus, &mut free)), gpus }
-            }
-        };
-        Some(best)
+            best
+        }
+        GpuDemand::None | GpuDemand::Whole { .. } => {
+            let set = fit::lowest_index_gpus(node, request)?;
+            Some(Scored { score: score_of(delta(set), set), gpus: set })
+        }
     }
 }
 
@@ -483,6 +499,7 @@ mod tests {
             milli_per_gpu: MilliGpu(milli),
             gpu_count: count,
             models: vec![],
+            memory: None,
         };
         let target = TargetWorkload::from_shapes(vec![(shape(500, 1), 0.5), (shape(1000, 1), 0.5)]);
         let fgd = Policy::new(PolicyKind::Fgd, Arc::new(target), Normalisers::default());

@@ -64,7 +64,7 @@ impl Workload {
 
     /// The target workload of this task list.
     pub fn target(&self, coverage: f64) -> TargetWorkload {
-        TargetWorkload::from_requests(self.tasks.iter().map(|t| &t.request), coverage)
+        TargetWorkload::from_requests(self.tasks.iter().map(|t| &t.request), coverage, false)
     }
 }
 
@@ -131,6 +131,20 @@ pub struct SeedOutcome {
     pub frag_amount_pct: Vec<f64>,
     /// Fragmentation ratio (% of idle GPU) per bucket.
     pub frag_ratio_pct: Vec<f64>,
+    /// Tasks that failed while arrived % was at most 100 (rounded), by class: what the
+    /// headline figure is made of.
+    pub failed_up_to_100: Vec<FailedClass>,
+}
+
+/// Failed tasks of one class.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FailedClass {
+    /// `None` for CPU-only, `Some(0)` for shared GPUs, `Some(k)` for `k` whole GPUs.
+    pub class: Option<u32>,
+    /// How many failed.
+    pub tasks: usize,
+    /// Their GPU demand in milli-GPU.
+    pub gpu_milli: u64,
 }
 
 impl SeedOutcome {
@@ -266,6 +280,7 @@ pub fn replay_seed(
     let mut arrived: u64 = 0;
     let mut allocated: u64 = 0;
     let mut placed = 0;
+    let mut failed: Vec<FailedClass> = Vec::new();
     let mut rows: Vec<Row> = Vec::with_capacity(order.len());
     for (seq, &task) in order.iter().enumerate() {
         let request = &workload.tasks[task].request;
@@ -288,6 +303,17 @@ pub fn replay_seed(
             node_frag[n] = frag::ledger_fragment(target, &nodes[n]);
             allocated += request.gpu.total_milli();
             placed += 1;
+        } else if (100.0 * arrived as f64 / capacity as f64).round_ties_even()
+            <= HEADLINE_BUCKET as f64
+        {
+            let class = request.gpu.class();
+            let i =
+                failed.iter().position(|f: &FailedClass| f.class == class).unwrap_or_else(|| {
+                    failed.push(FailedClass { class, tasks: 0, gpu_milli: 0 });
+                    failed.len() - 1
+                });
+            failed[i].tasks += 1;
+            failed[i].gpu_milli += request.gpu.total_milli();
         }
         let fragment: f64 = node_frag.iter().sum();
         let idle = (capacity - allocated) as f64;
@@ -308,6 +334,10 @@ pub fn replay_seed(
         unallocated_pct,
         frag_amount_pct,
         frag_ratio_pct,
+        failed_up_to_100: {
+            failed.sort_by_key(|f| f.class);
+            failed
+        },
     })
 }
 
@@ -398,6 +428,8 @@ pub struct PolicySummary {
     pub unallocated_pct_at_100: SeedStat,
     /// Fragmentation amount % at arrived = 100 %.
     pub frag_amount_pct_at_100: SeedStat,
+    /// Tasks that failed up to arrived = 100 %, by class, averaged over seeds.
+    pub failed_up_to_100: Vec<FailedSummary>,
     /// Tasks placed, per seed.
     pub placed: Vec<usize>,
     /// Tasks submitted, per seed.
@@ -408,7 +440,13 @@ pub struct PolicySummary {
 
 impl PolicySummary {
     /// Summarises the outcomes of one policy (in seed order).
-    pub fn of(workload: &str, kind: PolicyKind, tune: f64, outcomes: &[SeedOutcome]) -> Self {
+    pub fn of(
+        workload: &str,
+        kind: PolicyKind,
+        tune: f64,
+        capacity_milli: u64,
+        outcomes: &[SeedOutcome],
+    ) -> Self {
         let mean_curve = |f: &dyn Fn(&SeedOutcome) -> &Vec<f64>| -> Vec<f64> {
             (0..BUCKETS)
                 .map(|b| outcomes.iter().map(|o| f(o)[b]).sum::<f64>() / outcomes.len() as f64)
@@ -425,6 +463,7 @@ impl PolicySummary {
             frag_amount_pct_at_100: SeedStat::of(
                 outcomes.iter().map(|o| o.frag_amount_pct[HEADLINE_BUCKET]).collect(),
             ),
+            failed_up_to_100: FailedSummary::of(outcomes, capacity_milli),
             placed: outcomes.iter().map(|o| o.placed).collect(),
             submitted: outcomes.iter().map(|o| o.submitted).collect(),
             curves: Curves {
@@ -434,6 +473,45 @@ impl PolicySummary {
                 frag_ratio_pct: mean_curve(&|o| &o.frag_ratio_pct),
             },
         }
+    }
+}
+
+/// Failed tasks of one class, averaged over seeds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FailedSummary {
+    /// `cpu-only`, `shared`, or `K-gpu`.
+    pub class: String,
+    /// Mean number of failed tasks per seed.
+    pub tasks: f64,
+    /// Mean failed GPU demand, % of cluster GPU.
+    pub gpu_pct: f64,
+}
+
+impl FailedSummary {
+    fn of(outcomes: &[SeedOutcome], capacity_milli: u64) -> Vec<Self> {
+        let mut classes: Vec<Option<u32>> =
+            outcomes.iter().flat_map(|o| o.failed_up_to_100.iter().map(|f| f.class)).collect();
+        classes.sort();
+        classes.dedup();
+        let n = outcomes.len().max(1) as f64;
+        classes
+            .into_iter()
+            .map(|class| {
+                let (tasks, milli) = outcomes
+                    .iter()
+                    .flat_map(|o| o.failed_up_to_100.iter().filter(|f| f.class == class))
+                    .fold((0usize, 0u64), |(t, m), f| (t + f.tasks, m + f.gpu_milli));
+                FailedSummary {
+                    class: match class {
+                        None => "cpu-only".to_owned(),
+                        Some(0) => "shared".to_owned(),
+                        Some(k) => format!("{k}-gpu"),
+                    },
+                    tasks: tasks as f64 / n,
+                    gpu_pct: 100.0 * milli as f64 / capacity_milli as f64 / n,
+                }
+            })
+            .collect()
     }
 }
 
@@ -470,7 +548,13 @@ pub fn replay(
         .iter()
         .map(|&kind| {
             let runs = outcomes.by_ref().take(seeds.len()).collect::<Result<Vec<_>, _>>()?;
-            Ok(PolicySummary::of(&workload.name, kind, options.tune, &runs))
+            Ok(PolicySummary::of(
+                &workload.name,
+                kind,
+                options.tune,
+                workload.gpu_capacity_milli(),
+                &runs,
+            ))
         })
         .collect()
 }

@@ -29,7 +29,8 @@ fn node(model: &str, gpus: usize) -> NodeSpec {
 }
 
 fn frag_of(target: &TargetWorkload, model: &str, cpu_free: u64, free: &[u32]) -> f64 {
-    frag::node_fragment(target, &node(model, free.len()), MilliCpu(cpu_free), free)
+    let view = frag::NodeFree { cpu: MilliCpu(cpu_free), memory: MemMib(0), gpus: free };
+    frag::node_fragment(target, &node(model, free.len()), &view)
 }
 
 fn assert_close(got: f64, want: f64, what: &str) {
