@@ -147,6 +147,64 @@ pub fn shape_fragment(shape: &TaskShape, spec: &NodeSpec, free: &NodeFree<'_>) -
     if usable < shape.gpu_count { total } else { unusable }
 }
 
+/// Free compute of a node that copies of `shape`, packed until one more does not fit, leave
+/// unused, in milli-GPU: `U_n - N k g` where `N` is how many copies fit the node's free GPUs, CPU
+/// and memory together.
+pub fn shape_stranded(shape: &TaskShape, spec: &NodeSpec, free: &NodeFree<'_>) -> u64 {
+    let total: u64 = free.gpus.iter().map(|&r| u64::from(r)).sum();
+    if shape.gpu_count == 0 {
+        return total;
+    }
+    let g = shape.milli_per_gpu.0;
+    let mut slots = 0u64;
+    for (r, gpu) in free.gpus.iter().zip(&spec.gpus) {
+        if *r >= g && shape.allows(&gpu.model) {
+            slots += u64::from(*r / g);
+        }
+    }
+    let mut copies = slots / u64::from(shape.gpu_count);
+    if shape.cpu.0 > 0 {
+        copies = copies.min(free.cpu.0 / shape.cpu.0);
+    }
+    if let Some(m) = shape.memory.filter(|m| m.0 > 0) {
+        copies = copies.min(free.memory.0 / m.0);
+    }
+    total - copies * u64::from(g) * u64::from(shape.gpu_count)
+}
+
+/// Expected stranded compute of a node over `target`, in milli-GPU.
+pub fn node_stranded(target: &TargetWorkload, spec: &NodeSpec, free: &NodeFree<'_>) -> f64 {
+    target.shapes.iter().map(|(shape, p)| p * shape_stranded(shape, spec, free) as f64).sum()
+}
+
+/// CPU (milli) and memory (MiB) the target's GPU tasks need per milli-GPU.
+pub fn per_gpu_needs(target: &TargetWorkload) -> (f64, f64) {
+    let (mut cpu, mut mem, mut gpu) = (0.0, 0.0, 0.0);
+    for (s, p) in &target.shapes {
+        if s.gpu_count == 0 {
+            continue;
+        }
+        cpu += p * s.cpu.0 as f64;
+        mem += p * s.memory.map_or(0.0, |m| m.0 as f64);
+        gpu += p * f64::from(s.milli_per_gpu.0) * f64::from(s.gpu_count);
+    }
+    if gpu == 0.0 { (0.0, 0.0) } else { (cpu / gpu, mem / gpu) }
+}
+
+/// Free GPU compute that the node's free CPU or memory cannot feed at the target's average
+/// needs per milli-GPU, in milli-GPU.
+pub fn host_stranded(needs: (f64, f64), free: &NodeFree<'_>) -> f64 {
+    let u: f64 = free.gpus.iter().map(|&r| f64::from(r)).sum();
+    let mut usable = u;
+    if needs.0 > 0.0 {
+        usable = usable.min(free.cpu.0 as f64 / needs.0);
+    }
+    if needs.1 > 0.0 {
+        usable = usable.min(free.memory.0 as f64 / needs.1);
+    }
+    u - usable
+}
+
 /// Expected fragment of a node over `target`, in milli-GPU.
 pub fn node_fragment(target: &TargetWorkload, spec: &NodeSpec, free: &NodeFree<'_>) -> f64 {
     target.shapes.iter().map(|(shape, p)| p * shape_fragment(shape, spec, free) as f64).sum()

@@ -42,17 +42,20 @@ pub enum PolicyKind {
     BestFit,
     /// Fragmentation gradient descent.
     Fgd,
+    /// baleen's own policy.
+    Baleen,
 }
 
 impl PolicyKind {
     /// Every policy, in the paper's order.
-    pub const ALL: [PolicyKind; 6] = [
+    pub const ALL: [PolicyKind; 7] = [
         PolicyKind::Random,
         PolicyKind::DotProd,
         PolicyKind::GpuClustering,
         PolicyKind::GpuPacking,
         PolicyKind::BestFit,
         PolicyKind::Fgd,
+        PolicyKind::Baleen,
     ];
 
     /// The policy's name on the command line and in results.
@@ -64,6 +67,7 @@ impl PolicyKind {
             PolicyKind::GpuPacking => "gpu-packing",
             PolicyKind::BestFit => "best-fit",
             PolicyKind::Fgd => "fgd",
+            PolicyKind::Baleen => "baleen",
         }
     }
 
@@ -77,6 +81,35 @@ impl PolicyKind {
 impl fmt::Display for PolicyKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// Knobs of the baleen policy (exploration).
+#[derive(Clone, Copy, Debug)]
+pub struct BaleenParams {
+    /// Count host memory in fragmentation.
+    pub memory_aware: bool,
+    /// Integer sigmoid scores as FGD.
+    pub quantise: bool,
+    /// Break ties by best fit.
+    pub best_fit_ties: bool,
+    /// Stranded measure.
+    pub stranded: bool,
+    /// Weight of host stranding.
+    pub lambda: f64,
+}
+
+impl BaleenParams {
+    /// From `BALEEN_PARAMS` (exploration only).
+    pub fn current() -> Self {
+        let v = std::env::var("BALEEN_PARAMS").unwrap_or_default();
+        Self {
+            memory_aware: v.contains("mem"),
+            quantise: v.contains("quant"),
+            best_fit_ties: v.contains("bf"),
+            stranded: v.contains("strand"),
+            lambda: v.split(',').find_map(|p| p.strip_prefix("lambda=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
+        }
     }
 }
 
@@ -166,6 +199,7 @@ impl Policy {
             PolicyKind::GpuPacking => gpu_packing(node, request),
             PolicyKind::BestFit => self.best_fit(node, request),
             PolicyKind::Fgd => self.fgd(node, request),
+            PolicyKind::Baleen => self.baleen(node, request),
         }
     }
 
@@ -214,6 +248,37 @@ impl Policy {
         Some(Scored { score, gpus: fit::best_fit_gpus(node, request)? })
     }
 
+    fn baleen(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
+        let p = BaleenParams::current();
+        let (cn, c, un, g) = self.fractions(node, request);
+        let leftover = 0.5 * (cn - c) + 0.5 * (un - g);
+        let score_of = |delta: f64, _: GpuSet| {
+            let primary = if p.quantise {
+                (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64
+            } else {
+                (delta * 1000.0).round() as i64
+            };
+            if p.best_fit_ties {
+                primary * 10_000 + ((1.0 - leftover) * 9999.0) as i64
+            } else {
+                primary
+            }
+        };
+        if p.lambda > 0.0 {
+            let needs = frag::per_gpu_needs(&self.target);
+            let lambda = p.lambda;
+            let target = &self.target;
+            let measure = move |spec: &crate::model::NodeSpec, free: &frag::NodeFree<'_>| {
+                frag::node_fragment(target, spec, free) + lambda * frag::host_stranded(needs, free)
+            };
+            frag_descent_with(node, request, score_of, measure)
+        } else if p.stranded {
+            frag_descent_with(node, request, score_of, |spec, free| frag::node_stranded(&self.target, spec, free))
+        } else {
+            frag_descent(&self.target, node, request, score_of)
+        }
+    }
+
     fn fgd(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
         let score_of =
             |delta: f64, _: GpuSet| (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
@@ -230,11 +295,19 @@ fn frag_descent(
     request: &Request,
     score_of: impl Fn(f64, GpuSet) -> i64,
 ) -> Option<Scored> {
+    frag_descent_with(node, request, score_of, |spec, free| frag::node_fragment(target, spec, free))
+}
+
+fn frag_descent_with(
+    node: &NodeLedger,
+    request: &Request,
+    score_of: impl Fn(f64, GpuSet) -> i64,
+    measure: impl Fn(&crate::model::NodeSpec, &frag::NodeFree<'_>) -> f64,
+) -> Option<Scored> {
     let mut gpus = [0u32; MAX_GPUS_PER_NODE];
     let n = frag::fill_free(node, &mut gpus);
     let spec = node.spec();
-    let before = frag::node_fragment(
-        target,
+    let before = measure(
         spec,
         &frag::NodeFree { cpu: node.free_cpu(), memory: node.free_memory(), gpus: &gpus[..n] },
     );
@@ -245,8 +318,7 @@ fn frag_descent(
         for i in set.iter() {
             gpus[i] -= share;
         }
-        let after =
-            frag::node_fragment(target, spec, &frag::NodeFree { cpu, memory, gpus: &gpus[..n] });
+        let after = measure(spec, &frag::NodeFree { cpu, memory, gpus: &gpus[..n] });
         for i in set.iter() {
             gpus[i] += share;
         }

@@ -63,8 +63,8 @@ impl Workload {
     }
 
     /// The target workload of this task list.
-    pub fn target(&self, coverage: f64) -> TargetWorkload {
-        TargetWorkload::from_requests(self.tasks.iter().map(|t| &t.request), coverage, false)
+    pub fn target(&self, coverage: f64, with_memory: bool) -> TargetWorkload {
+        TargetWorkload::from_requests(self.tasks.iter().map(|t| &t.request), coverage, with_memory)
     }
 }
 
@@ -524,7 +524,15 @@ pub fn replay(
     options: &ReplayOptions,
     threads: usize,
 ) -> Result<Vec<PolicySummary>, ReplayError> {
-    let target = Arc::new(workload.target(options.coverage));
+    let plain = Arc::new(workload.target(options.coverage, false));
+    let with_memory = Arc::new(workload.target(options.coverage, true));
+    let target_of = |kind: PolicyKind| {
+        if kind == PolicyKind::Baleen && crate::policy::BaleenParams::current().memory_aware {
+            &with_memory
+        } else {
+            &plain
+        }
+    };
     let jobs: Vec<(PolicyKind, u64)> =
         kinds.iter().flat_map(|&k| seeds.iter().map(move |&s| (k, s))).collect();
     let results: Mutex<Vec<Option<Result<SeedOutcome, ReplayError>>>> =
@@ -536,7 +544,7 @@ pub fn replay(
                 loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
                     let Some(&(kind, seed)) = jobs.get(j) else { break };
-                    let outcome = replay_seed(workload, &target, kind, seed, options);
+                    let outcome = replay_seed(workload, target_of(kind), kind, seed, options);
                     results.lock().unwrap_or_else(|e| e.into_inner())[j] = Some(outcome);
                 }
             });

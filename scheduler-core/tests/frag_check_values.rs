@@ -39,7 +39,7 @@ fn assert_close(got: f64, want: f64, what: &str) {
 
 #[test]
 fn target_workload_of_the_default_list() {
-    let target = default_workload().target(0.95);
+    let target = default_workload().target(0.95, false);
     assert_eq!(target.distinct_shapes(), 91);
     assert_eq!(target.shapes().len(), 35);
     let sum: f64 = target.shapes().iter().map(|s| s.1).sum();
@@ -48,7 +48,7 @@ fn target_workload_of_the_default_list() {
 
 #[test]
 fn node_check_values() {
-    let t = default_workload().target(0.95);
+    let t = default_workload().target(0.95, false);
     assert_close(frag_of(&t, "G2", 96_000, &[1000; 8]), 1087.82, "empty 8-GPU G2 node");
     assert_close(frag_of(&t, "T4", 104_000, &[1000; 2]), 271.95, "empty 2-GPU T4 node");
     assert_close(frag_of(&t, "P100", 16_000, &[1000; 2]), 359.26, "empty P100 node, 16 vCPU");
@@ -62,7 +62,7 @@ fn node_check_values() {
 #[test]
 fn empty_cluster_check_value() {
     let w = default_workload();
-    let t = w.target(0.95);
+    let t = w.target(0.95, false);
     let total: f64 = w
         .nodes
         .iter()
