@@ -12,7 +12,8 @@ fn main() {
     let dir = Path::new("../shared/traces/alibaba-gpu-v2023");
     let w = Workload::load(&dir.join("openb_node_list_gpu_node.csv"), &dir.join("openb_pod_list_default.csv")).unwrap();
     let kind: PolicyKind = std::env::args().nth(1).unwrap_or("fgd".into()).parse().unwrap();
-    let target = Arc::new(w.target(0.95, false));
+    let bp = baleen_scheduler_core::policy::BaleenParams::current();
+    let target = Arc::new(if kind == PolicyKind::Baleen { w.target(bp.coverage.unwrap_or(0.95), bp.memory_aware) } else { w.target(0.95, false) });
     let policy = Policy::new(kind, target, Normalisers::default());
     let cap = w.gpu_capacity_milli();
     let mut rng = ChaCha8Rng::seed_from_u64(42);
@@ -20,14 +21,23 @@ fn main() {
     let ranks = node_ranks(&w.nodes, &mut rng);
     let mut nodes: Vec<NodeLedger> = w.nodes.iter().map(|n| NodeLedger::new(n.clone()).unwrap()).collect();
     let mut arrived = 0u64;
+    let mut small: BTreeMap<(u32, u32), u32> = BTreeMap::new();
     let mut fails: BTreeMap<String, (u32, u64)> = BTreeMap::new();
     for (seq, &t) in order.iter().enumerate() {
         let r = &w.tasks[t].request;
         arrived += r.gpu.total_milli();
         if arrived as f64 > cap as f64 { break; }
         match select_node(&policy, &nodes, &ranks, r, &mut rng) {
-            Some((n, s)) => nodes[n].allocate(AllocationId(seq as u64), r, s.gpus).unwrap(),
+            Some((n, s)) => {
+                let m = r.gpu.milli_per_gpu().0;
+                if m > 0 && m <= 190 {
+                    let d = s.gpus.iter().next().unwrap();
+                    *small.entry((m, nodes[n].gpus()[d].milli.0 / 10 * 10)).or_insert(0) += 1;
+                }
+                nodes[n].allocate(AllocationId(seq as u64), r, s.gpus).unwrap()
+            }
             None => {
+                if r.gpu.gpu_count() >= 2 { println!("fail {:?} at {:.2}%: cpu {} mem {}", r.gpu, 100.0 * arrived as f64 / cap as f64, r.cpu.0, r.memory.0); }
                 let key = format!("{:?} cpu{} mem{}", r.gpu.class(), r.cpu.0 / 1000, r.memory.0 / 1024);
                 let e = fails.entry(key).or_default();
                 e.0 += 1;
@@ -35,6 +45,7 @@ fn main() {
             }
         }
     }
+    println!("small tasks (size, gap before): count: {small:?}");
     println!("failures (class cpu mem): count, milli");
     let mut f: Vec<_> = fails.into_iter().collect();
     f.sort_by_key(|x| std::cmp::Reverse(x.1.1));
@@ -51,6 +62,18 @@ fn main() {
         let e = by.entry(format!("{model:8} {band:8}")).or_default();
         e.0 += idle; e.1 += full; e.2 += 1;
     }
+    let mut hist: BTreeMap<u32, (u32, u64)> = BTreeMap::new();
+    for n in &nodes {
+        for g in n.gpus() {
+            if g.milli.0 > 0 {
+                let e = hist.entry(g.milli.0 / 50 * 50).or_default();
+                e.0 += 1;
+                e.1 += u64::from(g.milli.0);
+            }
+        }
+    }
+    println!("per-GPU free histogram (bucket 50): gpus, milli");
+    for (k, v) in &hist { println!("  {k}: {v:?}"); }
     println!("idle milli by (model, free cpu band, free mem GiB floor16): idle milli, full free GPUs, nodes");
     for (k, v) in by { println!("  {k}: {v:?}"); }
 }

@@ -57,6 +57,7 @@ impl TaskShape {
 pub struct TargetWorkload {
     shapes: Vec<(TaskShape, f64)>,
     distinct: usize,
+    needs: (f64, f64),
 }
 
 impl TargetWorkload {
@@ -96,13 +97,82 @@ impl TargetWorkload {
         }
         groups.truncate(kept);
         let shapes = groups.into_iter().map(|(s, c)| (s, c as f64 / covered as f64)).collect();
-        Self { shapes, distinct }
+        Self::from_parts(shapes, distinct)
+    }
+
+    fn from_parts(shapes: Vec<(TaskShape, f64)>, distinct: usize) -> Self {
+        let mut t = Self { shapes, distinct, needs: (0.0, 0.0) };
+        t.needs = per_gpu_needs(&t);
+        t
     }
 
     /// A target workload with given shapes and probabilities (which should sum to 1).
     pub fn from_shapes(shapes: Vec<(TaskShape, f64)>) -> Self {
         let distinct = shapes.len();
-        Self { shapes, distinct }
+        Self::from_parts(shapes, distinct)
+    }
+
+    /// Reweights shapes by GPU demand to the power alpha (exploration).
+    pub fn demand_weighted(&self, alpha: f64) -> Self {
+        let mut shapes: Vec<(TaskShape, f64)> = self
+            .shapes
+            .iter()
+            .map(|(s, p)| {
+                let d = f64::from(s.milli_per_gpu.0) * f64::from(s.gpu_count) / 1000.0;
+                (s.clone(), p * d.powf(alpha))
+            })
+            .collect();
+        let sum: f64 = shapes.iter().map(|x| x.1).sum();
+        for x in &mut shapes {
+            x.1 /= sum;
+        }
+        Self { shapes, distinct: self.distinct, needs: self.needs }
+    }
+
+    /// Reweights shapes by scarcity: (nodes / nodes able to host the shape when empty)^beta.
+    pub fn scarcity_weighted(&self, nodes: &[NodeSpec], beta: f64) -> Self {
+        let mut shapes: Vec<(TaskShape, f64)> = self
+            .shapes
+            .iter()
+            .map(|(s, p)| {
+                let able = nodes
+                    .iter()
+                    .filter(|n| {
+                        let gpus: Vec<u32> = vec![1000; n.gpus.len()];
+                        let free = NodeFree { cpu: n.cpu, memory: n.memory, gpus: &gpus };
+                        s.gpu_count > 0
+                            && shape_fragment(s, n, &free) < gpus.iter().map(|&g| u64::from(g)).sum::<u64>()
+                            || s.gpu_count == 0 && n.cpu >= s.cpu
+                    })
+                    .count();
+                let w = if able == 0 { 1.0 } else { nodes.len() as f64 / able as f64 };
+                (s.clone(), p * w.powf(beta))
+            })
+            .collect();
+        let sum: f64 = shapes.iter().map(|x| x.1).sum();
+        for x in &mut shapes {
+            x.1 /= sum;
+        }
+        Self { shapes, distinct: self.distinct, needs: self.needs }
+    }
+
+    /// CPU (milli) and memory (MiB) the GPU tasks of the workload need per milli-GPU.
+    pub fn host_needs(&self) -> (f64, f64) {
+        self.needs
+    }
+
+    /// The same, over the shapes that a GPU of `model` can serve.
+    pub fn host_needs_for(&self, model: &GpuModel) -> (f64, f64) {
+        let (mut cpu, mut mem, mut gpu) = (0.0, 0.0, 0.0);
+        for (s, p) in &self.shapes {
+            if s.gpu_count == 0 || !s.allows(model) {
+                continue;
+            }
+            cpu += p * s.cpu.0 as f64;
+            mem += p * s.memory.map_or(0.0, |m| m.0 as f64);
+            gpu += p * f64::from(s.milli_per_gpu.0) * f64::from(s.gpu_count);
+        }
+        if gpu == 0.0 { (0.0, 0.0) } else { (cpu / gpu, mem / gpu) }
     }
 
     /// The kept shapes and their probabilities.
@@ -178,7 +248,7 @@ pub fn node_stranded(target: &TargetWorkload, spec: &NodeSpec, free: &NodeFree<'
 }
 
 /// CPU (milli) and memory (MiB) the target's GPU tasks need per milli-GPU.
-pub fn per_gpu_needs(target: &TargetWorkload) -> (f64, f64) {
+fn per_gpu_needs(target: &TargetWorkload) -> (f64, f64) {
     let (mut cpu, mut mem, mut gpu) = (0.0, 0.0, 0.0);
     for (s, p) in &target.shapes {
         if s.gpu_count == 0 {
@@ -203,6 +273,34 @@ pub fn host_stranded(needs: (f64, f64), free: &NodeFree<'_>) -> f64 {
         usable = usable.min(free.memory.0 as f64 / needs.1);
     }
     u - usable
+}
+
+/// FGD fragment plus `lambda` times the GPU usable by each shape that the node's free CPU and
+/// memory cannot feed at that shape's needs (exploration).
+pub fn node_fragment_host(target: &TargetWorkload, spec: &NodeSpec, free: &NodeFree<'_>, lambda: f64) -> f64 {
+    let total: u64 = free.gpus.iter().map(|&r| u64::from(r)).sum();
+    let mut sum = 0.0;
+    for (shape, p) in &target.shapes {
+        let f = shape_fragment(shape, spec, free);
+        let mut v = f as f64;
+        if shape.gpu_count > 0 && f < total {
+            let usable = (total - f) as f64;
+            let per = f64::from(shape.milli_per_gpu.0) * f64::from(shape.gpu_count);
+            let mut copies = f64::INFINITY;
+            if shape.cpu.0 > 0 {
+                copies = copies.min(free.cpu.0 as f64 / shape.cpu.0 as f64);
+            }
+            if let Some(m) = shape.memory.filter(|m| m.0 > 0) {
+                copies = copies.min(free.memory.0 as f64 / m.0 as f64);
+            }
+            let fed = copies * per;
+            if fed < usable {
+                v += lambda * (usable - fed);
+            }
+        }
+        sum += p * v;
+    }
+    sum
 }
 
 /// Expected fragment of a node over `target`, in milli-GPU.

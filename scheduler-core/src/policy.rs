@@ -97,6 +97,24 @@ pub struct BaleenParams {
     pub stranded: bool,
     /// Weight of host stranding.
     pub lambda: f64,
+    /// Target coverage.
+    pub coverage: Option<f64>,
+    /// Raw quantum.
+    pub q: f64,
+    /// Demand weighting exponent.
+    pub alpha: f64,
+    /// Scarcity weighting exponent.
+    pub beta: f64,
+    /// Sum-of-squares weight.
+    pub mu: f64,
+    /// GPU best-fit weight.
+    pub nu: f64,
+    /// Apply nu to fresh GPUs too.
+    pub nu_fresh: bool,
+    /// Per-model host needs.
+    pub per_model: bool,
+    /// Per-shape host stranding weight.
+    pub per_shape: f64,
 }
 
 impl BaleenParams {
@@ -108,6 +126,15 @@ impl BaleenParams {
             quantise: v.contains("quant"),
             best_fit_ties: v.contains("bf"),
             stranded: v.contains("strand"),
+            nu: v.split(',').find_map(|p| p.strip_prefix("nu=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
+            nu_fresh: v.contains("fresh"),
+            per_model: v.contains("pm"),
+            per_shape: v.split(',').find_map(|p| p.strip_prefix("ps=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
+            mu: v.split(',').find_map(|p| p.strip_prefix("mu=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
+            beta: v.split(',').find_map(|p| p.strip_prefix("beta=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
+            alpha: v.split(',').find_map(|p| p.strip_prefix("alpha=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
+            q: v.split(',').find_map(|p| p.strip_prefix("q=")).and_then(|x| x.parse().ok()).unwrap_or(0.001),
+            coverage: v.split(',').find_map(|p| p.strip_prefix("cov=")).and_then(|x| x.parse().ok()),
             lambda: v.split(',').find_map(|p| p.strip_prefix("lambda=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
         }
     }
@@ -252,11 +279,21 @@ impl Policy {
         let p = BaleenParams::current();
         let (cn, c, un, g) = self.fractions(node, request);
         let leftover = 0.5 * (cn - c) + 0.5 * (un - g);
-        let score_of = |delta: f64, _: GpuSet| {
+        let share = request.gpu.milli_per_gpu().0;
+        let shared = matches!(request.gpu, GpuDemand::Shared { .. });
+        let score_of = |delta: f64, set: GpuSet| {
+            let mut delta = delta;
+            if shared && p.nu != 0.0 {
+                let d = set.iter().next().unwrap_or(0);
+                let gap = node.gpus()[d].milli.0;
+                if gap < 1000 || p.nu_fresh {
+                    delta -= p.nu * f64::from(gap - share);
+                }
+            }
             let primary = if p.quantise {
                 (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64
             } else {
-                (delta * 1000.0).round() as i64
+                (delta / p.q).floor() as i64
             };
             if p.best_fit_ties {
                 primary * 10_000 + ((1.0 - leftover) * 9999.0) as i64
@@ -264,8 +301,20 @@ impl Policy {
                 primary
             }
         };
-        if p.lambda > 0.0 {
-            let needs = frag::per_gpu_needs(&self.target);
+        if p.per_shape > 0.0 {
+            let target = &self.target;
+            let lambda = p.per_shape;
+            let l2 = p.lambda;
+            let needs = self.target.host_needs();
+            frag_descent_with(node, request, score_of, move |spec, free| {
+                frag::node_fragment_host(target, spec, free, lambda) + l2 * frag::host_stranded(needs, free)
+            })
+        } else if p.lambda > 0.0 {
+            let needs = if p.per_model {
+                node.spec().gpus.first().map_or((0.0, 0.0), |g| self.target.host_needs_for(&g.model))
+            } else {
+                self.target.host_needs()
+            };
             let lambda = p.lambda;
             let target = &self.target;
             let measure = move |spec: &crate::model::NodeSpec, free: &frag::NodeFree<'_>| {
@@ -277,6 +326,27 @@ impl Policy {
         } else {
             frag_descent(&self.target, node, request, score_of)
         }
+    }
+
+    /// Exploration: every candidate placement of the baleen measure with its raw delta.
+    pub fn baleen_candidates(&self, node: &NodeLedger, request: &Request) -> Vec<(GpuSet, f64)> {
+        if !fit::node_fits(node, request) {
+            return Vec::new();
+        }
+        let p = BaleenParams::current();
+        let out = std::cell::RefCell::new(Vec::new());
+        let score_of = |delta: f64, set: GpuSet| {
+            out.borrow_mut().push((set, delta));
+            0
+        };
+        let needs = self.target.host_needs();
+        let lambda = p.lambda;
+        let target = &self.target;
+        let measure = move |spec: &crate::model::NodeSpec, free: &frag::NodeFree<'_>| {
+            frag::node_fragment(target, spec, free) + lambda * frag::host_stranded(needs, free)
+        };
+        frag_descent_with(node, request, score_of, measure);
+        out.into_inner()
     }
 
     fn fgd(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {

@@ -205,6 +205,7 @@ pub fn node_ranks(nodes: &[NodeSpec], rng: &mut impl Rng) -> Vec<u32> {
 struct CachedChooser {
     shapes: usize,
     cache: Vec<Option<Option<Scored>>>,
+    cands: Vec<Option<Vec<(crate::model::GpuSet, f64)>>>,
 }
 
 impl CachedChooser {
@@ -217,6 +218,37 @@ impl CachedChooser {
         request: &Request,
         rng: &mut ChaCha8Rng,
     ) -> Option<(usize, Scored)> {
+        let mu = crate::policy::BaleenParams::current().mu;
+        if policy.kind() == PolicyKind::Baleen && mu > 0.0 && matches!(request.gpu, crate::model::GpuDemand::Shared { .. }) {
+            let mut counts = vec![0i64; 1001];
+            for n in nodes {
+                for g in n.gpus() {
+                    counts[g.milli.0 as usize] += 1;
+                }
+            }
+            let s = request.gpu.milli_per_gpu().0 as usize;
+            let mut best: Option<(usize, Scored, f64)> = None;
+            for (i, node) in nodes.iter().enumerate() {
+                let slot = &mut self.cands[i * self.shapes + shape];
+                let cands = slot.get_or_insert_with(|| policy.baleen_candidates(node, request));
+                for &(set, delta) in cands.iter() {
+                    let dev = set.iter().next().unwrap_or(0);
+                    let h = node.gpus()[dev].milli.0 as usize;
+                    let mut dss = 0i64;
+                    if h < 1000 { dss += -2 * counts[h] + 1; }
+                    if h - s > 0 { dss += 2 * counts[h - s] + 1; }
+                    let v = delta - mu * dss as f64;
+                    let better = match &best {
+                        None => true,
+                        Some((b, _, bv)) => v > *bv || (v == *bv && ranks[i] < ranks[*b]),
+                    };
+                    if better {
+                        best = Some((i, Scored { score: 0, gpus: set }, v));
+                    }
+                }
+            }
+            return best.map(|(i, s, _)| (i, s));
+        }
         let mut best: Option<(usize, Scored)> = None;
         for (i, node) in nodes.iter().enumerate() {
             let slot = &mut self.cache[i * self.shapes + shape];
@@ -232,6 +264,7 @@ impl CachedChooser {
 
     fn invalidate(&mut self, node: usize) {
         self.cache[node * self.shapes..(node + 1) * self.shapes].fill(None);
+        self.cands[node * self.shapes..(node + 1) * self.shapes].fill(None);
     }
 }
 
@@ -274,7 +307,7 @@ pub fn replay_seed(
         })
         .collect();
     let mut chooser =
-        CachedChooser { shapes: shape_ids.len(), cache: vec![None; nodes.len() * shape_ids.len()] };
+        CachedChooser { shapes: shape_ids.len(), cache: vec![None; nodes.len() * shape_ids.len()], cands: vec![None; nodes.len() * shape_ids.len()] };
 
     let mut node_frag: Vec<f64> = nodes.iter().map(|n| frag::ledger_fragment(target, n)).collect();
     let mut arrived: u64 = 0;
@@ -525,10 +558,14 @@ pub fn replay(
     threads: usize,
 ) -> Result<Vec<PolicySummary>, ReplayError> {
     let plain = Arc::new(workload.target(options.coverage, false));
-    let with_memory = Arc::new(workload.target(options.coverage, true));
+    let bp = crate::policy::BaleenParams::current();
+    let baleen_target = Arc::new(
+        workload.target(bp.coverage.unwrap_or(options.coverage), bp.memory_aware).demand_weighted(bp.alpha)
+            .scarcity_weighted(&workload.nodes, bp.beta),
+    );
     let target_of = |kind: PolicyKind| {
-        if kind == PolicyKind::Baleen && crate::policy::BaleenParams::current().memory_aware {
-            &with_memory
+        if kind == PolicyKind::Baleen {
+            &baleen_target
         } else {
             &plain
         }
