@@ -5,10 +5,11 @@
 //! carry a prefix from a seeded permutation). The random policy picks a feasible node
 //! uniformly instead.
 
-use crate::ledger::NodeLedger;
-use crate::model::Request;
+use crate::ledger::{Allocation, AllocationId, LedgerError, NodeLedger};
+use crate::model::{GpuSet, Request};
 use crate::policy::{Policy, Scored};
 use rand::{Rng, RngCore};
+use std::collections::HashMap;
 
 /// Whether a node with `score` and priority `rank` beats the best so far.
 pub fn beats(score: i64, rank: u32, best: Option<(i64, u32)>) -> bool {
@@ -48,6 +49,106 @@ pub fn select_node(
         }
     }
     best
+}
+
+/// A cluster's nodes with a policy, a tie-break order and a score cache: the decision loop
+/// of the extender and of the replay tool.
+///
+/// A node's score for a request depends only on the node and the request (for every policy but
+/// `random`), so it is computed once per node state and request shape and kept until that node
+/// changes: a decision costs one cache look-up per node, plus a fresh score for the few nodes
+/// that changed since the last decision with that request shape. Each node carries a
+/// generation number, bumped on every change, so invalidation is O(1).
+#[derive(Debug)]
+pub struct ClusterScheduler {
+    policy: Policy,
+    nodes: Vec<NodeLedger>,
+    ranks: Vec<u32>,
+    generations: Vec<u32>,
+    shapes: HashMap<Request, usize>,
+    /// `cache[shape][node]`: the node's generation when scored, and its score.
+    cache: Vec<Vec<(u32, Option<Scored>)>>,
+}
+
+/// A generation no node has, marking an empty cache slot.
+const UNSCORED: u32 = u32::MAX;
+
+impl ClusterScheduler {
+    /// A scheduler over `nodes`, where `ranks[i]` is node `i`'s place in the tie-break order.
+    ///
+    /// # Panics
+    /// If `ranks` and `nodes` differ in length.
+    pub fn new(policy: Policy, nodes: Vec<NodeLedger>, ranks: Vec<u32>) -> Self {
+        assert_eq!(nodes.len(), ranks.len(), "one rank per node");
+        let generations = vec![0; nodes.len()];
+        Self { policy, nodes, ranks, generations, shapes: HashMap::new(), cache: Vec::new() }
+    }
+
+    /// The nodes.
+    pub fn nodes(&self) -> &[NodeLedger] {
+        &self.nodes
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Chooses a node and GPUs for `request` without placing it; `None` if no node fits.
+    pub fn choose(&mut self, request: &Request, rng: &mut dyn RngCore) -> Option<(usize, Scored)> {
+        if !self.policy.kind().is_deterministic() {
+            return select_node(&self.policy, &self.nodes, &self.ranks, request, rng);
+        }
+        let shape = match self.shapes.get(request) {
+            Some(&s) => s,
+            None => {
+                let s = self.cache.len();
+                self.shapes.insert(request.clone(), s);
+                self.cache.push(vec![(UNSCORED, None); self.nodes.len()]);
+                s
+            }
+        };
+        let slots = &mut self.cache[shape];
+        let mut best: Option<(usize, Scored)> = None;
+        for (i, node) in self.nodes.iter().enumerate() {
+            let slot = &mut slots[i];
+            if slot.0 != self.generations[i] {
+                *slot = (self.generations[i], self.policy.score(node, request, rng));
+            }
+            if let Some(s) = slot.1 {
+                if beats(s.score, self.ranks[i], best.map(|(b, bs)| (bs.score, self.ranks[b]))) {
+                    best = Some((i, s));
+                }
+            }
+        }
+        best
+    }
+
+    /// Records an allocation on node `node` (see [`NodeLedger::allocate`]).
+    pub fn place(
+        &mut self,
+        node: usize,
+        id: AllocationId,
+        request: &Request,
+        gpus: GpuSet,
+    ) -> Result<(), LedgerError> {
+        self.nodes[node].allocate(id, request, gpus)?;
+        self.touch(node);
+        Ok(())
+    }
+
+    /// Releases an allocation on node `node`.
+    pub fn release(&mut self, node: usize, id: AllocationId) -> Result<Allocation, LedgerError> {
+        let alloc = self.nodes[node].release(id)?;
+        self.touch(node);
+        Ok(alloc)
+    }
+
+    fn touch(&mut self, node: usize) {
+        // Skip UNSCORED so that a wrapped generation never looks valid.
+        let g = &mut self.generations[node];
+        *g = if *g + 1 == UNSCORED { 0 } else { *g + 1 };
+    }
 }
 
 #[cfg(test)]

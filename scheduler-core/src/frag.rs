@@ -112,67 +112,10 @@ impl TargetWorkload {
         Self::from_parts(shapes, distinct)
     }
 
-    /// Reweights shapes by GPU demand to the power alpha (exploration).
-    pub fn demand_weighted(&self, alpha: f64) -> Self {
-        let mut shapes: Vec<(TaskShape, f64)> = self
-            .shapes
-            .iter()
-            .map(|(s, p)| {
-                let d = f64::from(s.milli_per_gpu.0) * f64::from(s.gpu_count) / 1000.0;
-                (s.clone(), p * d.powf(alpha))
-            })
-            .collect();
-        let sum: f64 = shapes.iter().map(|x| x.1).sum();
-        for x in &mut shapes {
-            x.1 /= sum;
-        }
-        Self { shapes, distinct: self.distinct, needs: self.needs }
-    }
-
-    /// Reweights shapes by scarcity: (nodes / nodes able to host the shape when empty)^beta.
-    pub fn scarcity_weighted(&self, nodes: &[NodeSpec], beta: f64) -> Self {
-        let mut shapes: Vec<(TaskShape, f64)> = self
-            .shapes
-            .iter()
-            .map(|(s, p)| {
-                let able = nodes
-                    .iter()
-                    .filter(|n| {
-                        let gpus: Vec<u32> = vec![1000; n.gpus.len()];
-                        let free = NodeFree { cpu: n.cpu, memory: n.memory, gpus: &gpus };
-                        s.gpu_count > 0
-                            && shape_fragment(s, n, &free) < gpus.iter().map(|&g| u64::from(g)).sum::<u64>()
-                            || s.gpu_count == 0 && n.cpu >= s.cpu
-                    })
-                    .count();
-                let w = if able == 0 { 1.0 } else { nodes.len() as f64 / able as f64 };
-                (s.clone(), p * w.powf(beta))
-            })
-            .collect();
-        let sum: f64 = shapes.iter().map(|x| x.1).sum();
-        for x in &mut shapes {
-            x.1 /= sum;
-        }
-        Self { shapes, distinct: self.distinct, needs: self.needs }
-    }
-
-    /// CPU (milli) and memory (MiB) the GPU tasks of the workload need per milli-GPU.
+    /// CPU (milli) and memory (MiB) the GPU tasks of the workload need per milli-GPU, on
+    /// average (memory 0 unless shapes carry memory).
     pub fn host_needs(&self) -> (f64, f64) {
         self.needs
-    }
-
-    /// The same, over the shapes that a GPU of `model` can serve.
-    pub fn host_needs_for(&self, model: &GpuModel) -> (f64, f64) {
-        let (mut cpu, mut mem, mut gpu) = (0.0, 0.0, 0.0);
-        for (s, p) in &self.shapes {
-            if s.gpu_count == 0 || !s.allows(model) {
-                continue;
-            }
-            cpu += p * s.cpu.0 as f64;
-            mem += p * s.memory.map_or(0.0, |m| m.0 as f64);
-            gpu += p * f64::from(s.milli_per_gpu.0) * f64::from(s.gpu_count);
-        }
-        if gpu == 0.0 { (0.0, 0.0) } else { (cpu / gpu, mem / gpu) }
     }
 
     /// The kept shapes and their probabilities.
@@ -217,37 +160,6 @@ pub fn shape_fragment(shape: &TaskShape, spec: &NodeSpec, free: &NodeFree<'_>) -
     if usable < shape.gpu_count { total } else { unusable }
 }
 
-/// Free compute of a node that copies of `shape`, packed until one more does not fit, leave
-/// unused, in milli-GPU: `U_n - N k g` where `N` is how many copies fit the node's free GPUs, CPU
-/// and memory together.
-pub fn shape_stranded(shape: &TaskShape, spec: &NodeSpec, free: &NodeFree<'_>) -> u64 {
-    let total: u64 = free.gpus.iter().map(|&r| u64::from(r)).sum();
-    if shape.gpu_count == 0 {
-        return total;
-    }
-    let g = shape.milli_per_gpu.0;
-    let mut slots = 0u64;
-    for (r, gpu) in free.gpus.iter().zip(&spec.gpus) {
-        if *r >= g && shape.allows(&gpu.model) {
-            slots += u64::from(*r / g);
-        }
-    }
-    let mut copies = slots / u64::from(shape.gpu_count);
-    if shape.cpu.0 > 0 {
-        copies = copies.min(free.cpu.0 / shape.cpu.0);
-    }
-    if let Some(m) = shape.memory.filter(|m| m.0 > 0) {
-        copies = copies.min(free.memory.0 / m.0);
-    }
-    total - copies * u64::from(g) * u64::from(shape.gpu_count)
-}
-
-/// Expected stranded compute of a node over `target`, in milli-GPU.
-pub fn node_stranded(target: &TargetWorkload, spec: &NodeSpec, free: &NodeFree<'_>) -> f64 {
-    target.shapes.iter().map(|(shape, p)| p * shape_stranded(shape, spec, free) as f64).sum()
-}
-
-/// CPU (milli) and memory (MiB) the target's GPU tasks need per milli-GPU.
 fn per_gpu_needs(target: &TargetWorkload) -> (f64, f64) {
     let (mut cpu, mut mem, mut gpu) = (0.0, 0.0, 0.0);
     for (s, p) in &target.shapes {
@@ -261,8 +173,9 @@ fn per_gpu_needs(target: &TargetWorkload) -> (f64, f64) {
     if gpu == 0.0 { (0.0, 0.0) } else { (cpu / gpu, mem / gpu) }
 }
 
-/// Free GPU compute that the node's free CPU or memory cannot feed at the target's average
-/// needs per milli-GPU, in milli-GPU.
+/// Free GPU compute that the node's free CPU or memory cannot feed at the workload's average
+/// needs per milli-GPU ([`TargetWorkload::host_needs`]), in milli-GPU: `U_n - min(c_n / cpu
+/// per milli-GPU, m_n / memory per milli-GPU)`, at least 0.
 pub fn host_stranded(needs: (f64, f64), free: &NodeFree<'_>) -> f64 {
     let u: f64 = free.gpus.iter().map(|&r| f64::from(r)).sum();
     let mut usable = u;
@@ -275,9 +188,17 @@ pub fn host_stranded(needs: (f64, f64), free: &NodeFree<'_>) -> f64 {
     u - usable
 }
 
-/// FGD fragment plus `lambda` times the GPU usable by each shape that the node's free CPU and
-/// memory cannot feed at that shape's needs (exploration).
-pub fn node_fragment_host(target: &TargetWorkload, spec: &NodeSpec, free: &NodeFree<'_>, lambda: f64) -> f64 {
+/// Expected fragment of a node over `target` (as [`node_fragment`]) plus `weight` times, for
+/// each shape, the GPU compute that shape could use but the node's free CPU and memory cannot
+/// feed: usable compute beyond `min(c_n / c_m, m_n / mem_m) * g_m * k_m`. The FGD measure sees
+/// CPU only as a cliff (one more task fits or not); this term also counts the GPU that a node
+/// short of CPU or memory strands for the tasks after the next one.
+pub fn node_fragment_with_host(
+    target: &TargetWorkload,
+    spec: &NodeSpec,
+    free: &NodeFree<'_>,
+    weight: f64,
+) -> f64 {
     let total: u64 = free.gpus.iter().map(|&r| u64::from(r)).sum();
     let mut sum = 0.0;
     for (shape, p) in &target.shapes {
@@ -295,7 +216,7 @@ pub fn node_fragment_host(target: &TargetWorkload, spec: &NodeSpec, free: &NodeF
             }
             let fed = copies * per;
             if fed < usable {
-                v += lambda * (usable - fed);
+                v += weight * (usable - fed);
             }
         }
         sum += p * v;

@@ -84,58 +84,35 @@ impl fmt::Display for PolicyKind {
     }
 }
 
-/// Knobs of the baleen policy (exploration).
-#[derive(Clone, Copy, Debug)]
+/// The knobs of the `baleen` policy. The defaults are the values the trace replay chose
+/// (`docs/benchmarks.md`, "baleen policy"); change them only with a new measurement.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BaleenParams {
-    /// Count host memory in fragmentation.
-    pub memory_aware: bool,
-    /// Integer sigmoid scores as FGD.
-    pub quantise: bool,
-    /// Break ties by best fit.
-    pub best_fit_ties: bool,
-    /// Stranded measure.
-    pub stranded: bool,
-    /// Weight of host stranding.
-    pub lambda: f64,
-    /// Target coverage.
-    pub coverage: Option<f64>,
-    /// Raw quantum.
-    pub q: f64,
-    /// Demand weighting exponent.
-    pub alpha: f64,
-    /// Scarcity weighting exponent.
-    pub beta: f64,
-    /// Sum-of-squares weight.
-    pub mu: f64,
-    /// GPU best-fit weight.
-    pub nu: f64,
-    /// Apply nu to fresh GPUs too.
-    pub nu_fresh: bool,
-    /// Per-model host needs.
-    pub per_model: bool,
-    /// Per-shape host stranding weight.
-    pub per_shape: f64,
+    /// Share of requests the target workload covers (the paper's 0.95 leaves out the rare
+    /// shapes, such as 8-GPU tasks, whose needs then go unseen).
+    pub coverage: f64,
+    /// Whether host memory is part of a shape (the FGD measure ignores memory).
+    pub memory_in_shapes: bool,
+    /// Weight of each shape's GPU that the node's free CPU and memory cannot feed
+    /// ([`frag::node_fragment_with_host`]).
+    pub shape_host_weight: f64,
+    /// Weight of the GPU that the node's free CPU and memory cannot feed at the workload's
+    /// average needs ([`frag::host_stranded`]).
+    pub host_weight: f64,
+    /// Score levels: the score is `floor(levels * sigmoid(ΔF / 1000))`. Coarse levels make
+    /// near-equal placements tie, and ties go to the fixed node priority, which fills nodes one
+    /// at a time; FGD uses 100.
+    pub score_levels: f64,
 }
 
-impl BaleenParams {
-    /// From `BALEEN_PARAMS` (exploration only).
-    pub fn current() -> Self {
-        let v = std::env::var("BALEEN_PARAMS").unwrap_or_default();
+impl Default for BaleenParams {
+    fn default() -> Self {
         Self {
-            memory_aware: v.contains("mem"),
-            quantise: v.contains("quant"),
-            best_fit_ties: v.contains("bf"),
-            stranded: v.contains("strand"),
-            nu: v.split(',').find_map(|p| p.strip_prefix("nu=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
-            nu_fresh: v.contains("fresh"),
-            per_model: v.contains("pm"),
-            per_shape: v.split(',').find_map(|p| p.strip_prefix("ps=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
-            mu: v.split(',').find_map(|p| p.strip_prefix("mu=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
-            beta: v.split(',').find_map(|p| p.strip_prefix("beta=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
-            alpha: v.split(',').find_map(|p| p.strip_prefix("alpha=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
-            q: v.split(',').find_map(|p| p.strip_prefix("q=")).and_then(|x| x.parse().ok()).unwrap_or(0.001),
-            coverage: v.split(',').find_map(|p| p.strip_prefix("cov=")).and_then(|x| x.parse().ok()),
-            lambda: v.split(',').find_map(|p| p.strip_prefix("lambda=")).and_then(|x| x.parse().ok()).unwrap_or(0.0),
+            coverage: 1.0,
+            memory_in_shapes: true,
+            shape_host_weight: 0.5,
+            host_weight: 3.0,
+            score_levels: 25.0,
         }
     }
 }
@@ -187,13 +164,34 @@ pub struct Policy {
     kind: PolicyKind,
     target: Arc<TargetWorkload>,
     normalisers: Normalisers,
+    baleen: BaleenParams,
 }
 
 impl Policy {
-    /// A policy. `target` is the workload FGD measures fragmentation against (the others
-    /// ignore it).
+    /// A policy with an explicit target workload: the workload `fgd` and `baleen` measure
+    /// fragmentation against (the others ignore it). [`Policy::for_requests`] builds the target
+    /// each policy expects.
     pub fn new(kind: PolicyKind, target: Arc<TargetWorkload>, normalisers: Normalisers) -> Self {
-        Self { kind, target, normalisers }
+        Self { kind, target, normalisers, baleen: BaleenParams::default() }
+    }
+
+    /// A policy whose target workload is learned from `requests` (those seen so far, or a
+    /// trace) the way the policy expects: `fgd` as the paper (shapes without memory, covering
+    /// `fgd_coverage` of the requests), `baleen` per its [`BaleenParams`].
+    pub fn for_requests<'a>(
+        kind: PolicyKind,
+        requests: impl IntoIterator<Item = &'a Request>,
+        fgd_coverage: f64,
+        normalisers: Normalisers,
+    ) -> Self {
+        let params = BaleenParams::default();
+        let target = match kind {
+            PolicyKind::Baleen => {
+                TargetWorkload::from_requests(requests, params.coverage, params.memory_in_shapes)
+            }
+            _ => TargetWorkload::from_requests(requests, fgd_coverage, false),
+        };
+        Self { kind, target: Arc::new(target), normalisers, baleen: params }
     }
 
     /// Which policy this is.
@@ -276,77 +274,16 @@ impl Policy {
     }
 
     fn baleen(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
-        let p = BaleenParams::current();
-        let (cn, c, un, g) = self.fractions(node, request);
-        let leftover = 0.5 * (cn - c) + 0.5 * (un - g);
-        let share = request.gpu.milli_per_gpu().0;
-        let shared = matches!(request.gpu, GpuDemand::Shared { .. });
-        let score_of = |delta: f64, set: GpuSet| {
-            let mut delta = delta;
-            if shared && p.nu != 0.0 {
-                let d = set.iter().next().unwrap_or(0);
-                let gap = node.gpus()[d].milli.0;
-                if gap < 1000 || p.nu_fresh {
-                    delta -= p.nu * f64::from(gap - share);
-                }
-            }
-            let primary = if p.quantise {
-                (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64
-            } else {
-                (delta / p.q).floor() as i64
-            };
-            if p.best_fit_ties {
-                primary * 10_000 + ((1.0 - leftover) * 9999.0) as i64
-            } else {
-                primary
-            }
-        };
-        if p.per_shape > 0.0 {
-            let target = &self.target;
-            let lambda = p.per_shape;
-            let l2 = p.lambda;
-            let needs = self.target.host_needs();
-            frag_descent_with(node, request, score_of, move |spec, free| {
-                frag::node_fragment_host(target, spec, free, lambda) + l2 * frag::host_stranded(needs, free)
-            })
-        } else if p.lambda > 0.0 {
-            let needs = if p.per_model {
-                node.spec().gpus.first().map_or((0.0, 0.0), |g| self.target.host_needs_for(&g.model))
-            } else {
-                self.target.host_needs()
-            };
-            let lambda = p.lambda;
-            let target = &self.target;
-            let measure = move |spec: &crate::model::NodeSpec, free: &frag::NodeFree<'_>| {
-                frag::node_fragment(target, spec, free) + lambda * frag::host_stranded(needs, free)
-            };
-            frag_descent_with(node, request, score_of, measure)
-        } else if p.stranded {
-            frag_descent_with(node, request, score_of, |spec, free| frag::node_stranded(&self.target, spec, free))
-        } else {
-            frag_descent(&self.target, node, request, score_of)
-        }
-    }
-
-    /// Exploration: every candidate placement of the baleen measure with its raw delta.
-    pub fn baleen_candidates(&self, node: &NodeLedger, request: &Request) -> Vec<(GpuSet, f64)> {
-        if !fit::node_fits(node, request) {
-            return Vec::new();
-        }
-        let p = BaleenParams::current();
-        let out = std::cell::RefCell::new(Vec::new());
-        let score_of = |delta: f64, set: GpuSet| {
-            out.borrow_mut().push((set, delta));
-            0
-        };
-        let needs = self.target.host_needs();
-        let lambda = p.lambda;
-        let target = &self.target;
-        let measure = move |spec: &crate::model::NodeSpec, free: &frag::NodeFree<'_>| {
-            frag::node_fragment(target, spec, free) + lambda * frag::host_stranded(needs, free)
-        };
-        frag_descent_with(node, request, score_of, measure);
-        out.into_inner()
+        let p = &self.baleen;
+        let levels = p.score_levels;
+        let score_of =
+            |delta: f64, _: GpuSet| (levels / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
+        let target = &*self.target;
+        let needs = target.host_needs();
+        frag_descent_with(node, request, score_of, |spec, free| {
+            frag::node_fragment_with_host(target, spec, free, p.shape_host_weight)
+                + p.host_weight * frag::host_stranded(needs, free)
+        })
     }
 
     fn fgd(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {

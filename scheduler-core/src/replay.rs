@@ -15,19 +15,17 @@
 //! fixed seeded node priority. Random streams are ChaCha8 seeded from the seed: the artifact's
 //! streams are not reproduced, only their distribution.
 
-use crate::cluster;
+use crate::cluster::ClusterScheduler;
 use crate::frag::{self, TargetWorkload};
 use crate::ledger::{AllocationId, LedgerError, NodeLedger};
 use crate::model::{NodeSpec, Request};
-use crate::policy::{Normalisers, Policy, PolicyKind, Scored};
+use crate::policy::{Normalisers, Policy, PolicyKind};
 use crate::trace::{self, TraceError, TraceTask};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use thiserror::Error;
@@ -200,82 +198,16 @@ pub fn node_ranks(nodes: &[NodeSpec], rng: &mut impl Rng) -> Vec<u32> {
     ranks
 }
 
-/// Places one request with a per-node, per-shape score cache: a node's score for a request
-/// depends only on the node and the request, so it stays valid until the node changes.
-struct CachedChooser {
-    shapes: usize,
-    cache: Vec<Option<Option<Scored>>>,
-    cands: Vec<Option<Vec<(crate::model::GpuSet, f64)>>>,
-}
-
-impl CachedChooser {
-    fn choose(
-        &mut self,
-        policy: &Policy,
-        nodes: &[NodeLedger],
-        ranks: &[u32],
-        shape: usize,
-        request: &Request,
-        rng: &mut ChaCha8Rng,
-    ) -> Option<(usize, Scored)> {
-        let mu = crate::policy::BaleenParams::current().mu;
-        if policy.kind() == PolicyKind::Baleen && mu > 0.0 && matches!(request.gpu, crate::model::GpuDemand::Shared { .. }) {
-            let mut counts = vec![0i64; 1001];
-            for n in nodes {
-                for g in n.gpus() {
-                    counts[g.milli.0 as usize] += 1;
-                }
-            }
-            let s = request.gpu.milli_per_gpu().0 as usize;
-            let mut best: Option<(usize, Scored, f64)> = None;
-            for (i, node) in nodes.iter().enumerate() {
-                let slot = &mut self.cands[i * self.shapes + shape];
-                let cands = slot.get_or_insert_with(|| policy.baleen_candidates(node, request));
-                for &(set, delta) in cands.iter() {
-                    let dev = set.iter().next().unwrap_or(0);
-                    let h = node.gpus()[dev].milli.0 as usize;
-                    let mut dss = 0i64;
-                    if h < 1000 { dss += -2 * counts[h] + 1; }
-                    if h - s > 0 { dss += 2 * counts[h - s] + 1; }
-                    let v = delta - mu * dss as f64;
-                    let better = match &best {
-                        None => true,
-                        Some((b, _, bv)) => v > *bv || (v == *bv && ranks[i] < ranks[*b]),
-                    };
-                    if better {
-                        best = Some((i, Scored { score: 0, gpus: set }, v));
-                    }
-                }
-            }
-            return best.map(|(i, s, _)| (i, s));
-        }
-        let mut best: Option<(usize, Scored)> = None;
-        for (i, node) in nodes.iter().enumerate() {
-            let slot = &mut self.cache[i * self.shapes + shape];
-            let scored = *slot.get_or_insert_with(|| policy.score(node, request, rng));
-            if let Some(s) = scored {
-                if cluster::beats(s.score, ranks[i], best.map(|(b, bs)| (bs.score, ranks[b]))) {
-                    best = Some((i, s));
-                }
-            }
-        }
-        best
-    }
-
-    fn invalidate(&mut self, node: usize) {
-        self.cache[node * self.shapes..(node + 1) * self.shapes].fill(None);
-        self.cands[node * self.shapes..(node + 1) * self.shapes].fill(None);
-    }
-}
-
-/// Runs one seed of one policy.
+/// Runs one seed of one policy. `metric` is the target workload the fragmentation curves are
+/// measured against (the paper's, whatever the policy).
 pub fn replay_seed(
     workload: &Workload,
-    target: &Arc<TargetWorkload>,
-    kind: PolicyKind,
+    metric: &TargetWorkload,
+    policy: &Policy,
     seed: u64,
     options: &ReplayOptions,
 ) -> Result<SeedOutcome, ReplayError> {
+    let kind = policy.kind();
     let capacity = workload.gpu_capacity_milli();
     if capacity == 0 {
         return Err(ReplayError::NoGpus(workload.name.clone()));
@@ -289,27 +221,14 @@ pub fn replay_seed(
     let mut decision_rng = ChaCha8Rng::seed_from_u64(seed);
     decision_rng.set_stream(1);
 
-    let mut nodes = workload
+    let nodes = workload
         .nodes
         .iter()
         .map(|n| NodeLedger::new(n.clone()))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|source| ReplayError::Node { workload: workload.name.clone(), source })?;
-    let policy = Policy::new(kind, Arc::clone(target), options.normalisers);
-
-    let mut shape_ids: HashMap<&Request, usize> = HashMap::new();
-    let shape_of: Vec<usize> = workload
-        .tasks
-        .iter()
-        .map(|t| {
-            let next = shape_ids.len();
-            *shape_ids.entry(&t.request).or_insert(next)
-        })
-        .collect();
-    let mut chooser =
-        CachedChooser { shapes: shape_ids.len(), cache: vec![None; nodes.len() * shape_ids.len()], cands: vec![None; nodes.len() * shape_ids.len()] };
-
-    let mut node_frag: Vec<f64> = nodes.iter().map(|n| frag::ledger_fragment(target, n)).collect();
+    let mut node_frag: Vec<f64> = nodes.iter().map(|n| frag::ledger_fragment(metric, n)).collect();
+    let mut cluster = ClusterScheduler::new(policy.clone(), nodes, ranks);
     let mut arrived: u64 = 0;
     let mut allocated: u64 = 0;
     let mut placed = 0;
@@ -317,23 +236,13 @@ pub fn replay_seed(
     let mut rows: Vec<Row> = Vec::with_capacity(order.len());
     for (seq, &task) in order.iter().enumerate() {
         let request = &workload.tasks[task].request;
-        let choice = if kind.is_deterministic() {
-            chooser.choose(&policy, &nodes, &ranks, shape_of[task], request, &mut decision_rng)
-        } else {
-            cluster::select_node(&policy, &nodes, &ranks, request, &mut decision_rng)
-        };
+        let choice = cluster.choose(request, &mut decision_rng);
         arrived += request.gpu.total_milli();
         if let Some((n, scored)) = choice {
-            nodes[n].allocate(AllocationId(seq as u64), request, scored.gpus).map_err(
-                |source| ReplayError::Refused {
-                    workload: workload.name.clone(),
-                    policy: kind,
-                    seed,
-                    source,
-                },
-            )?;
-            chooser.invalidate(n);
-            node_frag[n] = frag::ledger_fragment(target, &nodes[n]);
+            cluster.place(n, AllocationId(seq as u64), request, scored.gpus).map_err(|source| {
+                ReplayError::Refused { workload: workload.name.clone(), policy: kind, seed, source }
+            })?;
+            node_frag[n] = frag::ledger_fragment(metric, &cluster.nodes()[n]);
             allocated += request.gpu.total_milli();
             placed += 1;
         } else if (100.0 * arrived as f64 / capacity as f64).round_ties_even()
@@ -557,21 +466,16 @@ pub fn replay(
     options: &ReplayOptions,
     threads: usize,
 ) -> Result<Vec<PolicySummary>, ReplayError> {
-    let plain = Arc::new(workload.target(options.coverage, false));
-    let bp = crate::policy::BaleenParams::current();
-    let baleen_target = Arc::new(
-        workload.target(bp.coverage.unwrap_or(options.coverage), bp.memory_aware).demand_weighted(bp.alpha)
-            .scarcity_weighted(&workload.nodes, bp.beta),
-    );
-    let target_of = |kind: PolicyKind| {
-        if kind == PolicyKind::Baleen {
-            &baleen_target
-        } else {
-            &plain
-        }
-    };
-    let jobs: Vec<(PolicyKind, u64)> =
-        kinds.iter().flat_map(|&k| seeds.iter().map(move |&s| (k, s))).collect();
+    let metric = workload.target(options.coverage, false);
+    let requests: Vec<&Request> = workload.tasks.iter().map(|t| &t.request).collect();
+    let policies: Vec<Policy> = kinds
+        .iter()
+        .map(|&k| {
+            Policy::for_requests(k, requests.iter().copied(), options.coverage, options.normalisers)
+        })
+        .collect();
+    let jobs: Vec<(&Policy, u64)> =
+        policies.iter().flat_map(|p| seeds.iter().map(move |&s| (p, s))).collect();
     let results: Mutex<Vec<Option<Result<SeedOutcome, ReplayError>>>> =
         Mutex::new((0..jobs.len()).map(|_| None).collect());
     let next = AtomicUsize::new(0);
@@ -580,8 +484,8 @@ pub fn replay(
             scope.spawn(|| {
                 loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(kind, seed)) = jobs.get(j) else { break };
-                    let outcome = replay_seed(workload, target_of(kind), kind, seed, options);
+                    let Some(&(policy, seed)) = jobs.get(j) else { break };
+                    let outcome = replay_seed(workload, &metric, policy, seed, options);
                     results.lock().unwrap_or_else(|e| e.into_inner())[j] = Some(outcome);
                 }
             });
