@@ -24,6 +24,22 @@ POLICY_COLUMNS = {
 }
 
 
+def quality_table(rows):
+    """Markdown for --quality: baleen beside our fgd and the published fgd."""
+    out = ["| workload | baleen | fgd (ours) | fgd (published) | baleen - published fgd |",
+           "|---|---|---|---|---|"]
+    for w, res, pub in rows:
+        b = res["baleen"]["unallocated_pct_at_100"]
+        f = res["fgd"]["unallocated_pct_at_100"]
+        p = pub.get((w, "06-FGD"))
+        if p:
+            pm = statistics.mean(p)
+            out.append(f"| {w} | {b['mean']:.2f} ± {b['sd']:.2f} | {f['mean']:.2f} ± {f['sd']:.2f} | {pm:.2f} | {b['mean'] - pm:+.2f} |")
+        else:
+            out.append(f"| {w} | {b['mean']:.2f} ± {b['sd']:.2f} | {f['mean']:.2f} ± {f['sd']:.2f} | – | – |")
+    return "\n".join(out)
+
+
 def published(trace_dir):
     """{(workload, artifact policy): [unallocated % at 100 per seed]}"""
     out = {}
@@ -44,6 +60,8 @@ def main():
     ap.add_argument("--trace", default=os.path.join(root, "..", "shared", "traces", "alibaba-gpu-v2023"))
     ap.add_argument("--sim", default=os.path.join(root, "target", "release", "baleen-sim"))
     ap.add_argument("--extra", default="", help="extra arguments for baleen-sim")
+    ap.add_argument("--quality", action="store_true",
+                    help="run baleen and fgd and print baleen beside our and the published fgd")
     args = ap.parse_args()
     pub = published(args.trace)
     workloads = sorted(
@@ -56,7 +74,10 @@ def main():
              "gpushare80", "gpushare100", "multigpu20", "multigpu30", "multigpu40", "multigpu50",
              "gpuspec10", "gpuspec20", "gpuspec25", "gpuspec33"]
     workloads = [w for w in order if w in workloads] + [w for w in workloads if w not in order]
+    if args.quality:
+        args.policy = "fgd,baleen"
     rows = []
+    quality_rows = []
     policies = None
     for w in workloads:
         cmd = [args.sim, "--nodes", os.path.join(args.trace, "openb_node_list_gpu_node.csv"),
@@ -66,6 +87,7 @@ def main():
         if res.returncode != 0:
             sys.exit(f"{' '.join(cmd)}: exit {res.returncode}: {res.stderr}")
         results = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+        quality_rows.append((w, {r["policy"]: r for r in results}, pub))
         policies = [r["policy"] for r in results]
         cells = []
         for r in results:
@@ -78,6 +100,9 @@ def main():
                 cells.append(f"{ours['mean']:.2f} / –")
         rows.append((w, cells))
         print(f"{w}: done", file=sys.stderr)
+    if args.quality:
+        print(quality_table(quality_rows))
+        return
     print("| workload | " + " | ".join(policies) + " |")
     print("|---|" + "---|" * len(policies))
     for w, cells in rows:

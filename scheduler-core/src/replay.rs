@@ -132,6 +132,9 @@ pub struct SeedOutcome {
     /// Tasks that failed while arrived % was at most 100 (rounded), by class: what the
     /// headline figure is made of.
     pub failed_up_to_100: Vec<FailedClass>,
+    /// Wall time of the run in seconds (kept out of JSON, which stays deterministic).
+    #[serde(skip)]
+    pub seconds: f64,
 }
 
 /// Failed tasks of one class.
@@ -208,6 +211,7 @@ pub fn replay_seed(
     options: &ReplayOptions,
 ) -> Result<SeedOutcome, ReplayError> {
     let kind = policy.kind();
+    let started = std::time::Instant::now();
     let capacity = workload.gpu_capacity_milli();
     if capacity == 0 {
         return Err(ReplayError::NoGpus(workload.name.clone()));
@@ -280,6 +284,7 @@ pub fn replay_seed(
             failed.sort_by_key(|f| f.class);
             failed
         },
+        seconds: started.elapsed().as_secs_f64(),
     })
 }
 
@@ -376,6 +381,9 @@ pub struct PolicySummary {
     pub placed: Vec<usize>,
     /// Tasks submitted, per seed.
     pub submitted: Vec<usize>,
+    /// Wall seconds of each seed's run (kept out of JSON, which stays deterministic).
+    #[serde(skip)]
+    pub seconds: Vec<f64>,
     /// Mean curves over the seeds.
     pub curves: Curves,
 }
@@ -408,6 +416,7 @@ impl PolicySummary {
             failed_up_to_100: FailedSummary::of(outcomes, capacity_milli),
             placed: outcomes.iter().map(|o| o.placed).collect(),
             submitted: outcomes.iter().map(|o| o.submitted).collect(),
+            seconds: outcomes.iter().map(|o| o.seconds).collect(),
             curves: Curves {
                 arrived_pct: (0..BUCKETS as u32).collect(),
                 unallocated_pct: mean_curve(&|o| &o.unallocated_pct),

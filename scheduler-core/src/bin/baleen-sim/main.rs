@@ -1,8 +1,12 @@
 //! `baleen-sim`: replays a GPU trace under one or more placement policies, following the FGD
 //! paper's protocol, and prints a table or JSON (one object per policy, one per line).
 //!
+//! With `--plot FILE.svg` it also draws the unallocated-% curves.
+//!
 //! Exit codes: 0 success, 2 bad input (arguments or trace files; the message names the file,
 //! line and column), 1 an internal failure.
+
+mod plot;
 
 use baleen_scheduler_core::policy::PolicyKind;
 use baleen_scheduler_core::replay::{self, PolicySummary, ReplayOptions, Workload};
@@ -33,6 +37,9 @@ struct Args {
     /// Print one JSON object per policy, one per line, instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also draw unallocated GPU % against arrived % for every policy into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
     /// Worker threads (default: the number of CPUs).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -79,17 +86,18 @@ fn table(workload: &Workload, summaries: &[PolicySummary]) -> String {
         summaries.first().map_or(0.0, |s| s.tune),
     );
     out.push_str(&format!(
-        "{:<16} {:>20} {:>22} {:>10}\n",
-        "policy", "unallocated% @100", "frag amount% @100", "placed"
+        "{:<16} {:>20} {:>22} {:>12} {:>8}\n",
+        "policy", "unallocated% @100", "frag amount% @100", "placed", "s/seed"
     ));
     for s in summaries {
         let u = &s.unallocated_pct_at_100;
         let f = &s.frag_amount_pct_at_100;
         let placed = s.placed.iter().sum::<usize>() as f64 / s.placed.len().max(1) as f64;
         let submitted = s.submitted.iter().sum::<usize>() as f64 / s.submitted.len().max(1) as f64;
+        let seconds = s.seconds.iter().sum::<f64>() / s.seconds.len().max(1) as f64;
         out.push_str(&format!(
-            "{:<16} {:>12.2} ± {:<5.2} {:>14.2} ± {:<5.2} {:>5.0}/{:.0}\n",
-            s.policy, u.mean, u.sd, f.mean, f.sd, placed, submitted
+            "{:<16} {:>12.2} ± {:<5.2} {:>14.2} ± {:<5.2} {:>6.0}/{:<5.0} {:>8.2}\n",
+            s.policy, u.mean, u.sd, f.mean, f.sd, placed, submitted, seconds
         ));
     }
     out
@@ -109,6 +117,13 @@ fn main() -> ExitCode {
     if !(args.tune.is_finite() && args.tune > 0.0) {
         eprintln!("baleen-sim: --tune must be a positive number, got {}", args.tune);
         return ExitCode::from(2);
+    }
+    if let Some(path) = &args.plot {
+        // Fail before a long replay, not after it.
+        if let Err(e) = std::fs::File::create(path) {
+            eprintln!("baleen-sim: --plot {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
     }
     let workload = match Workload::load(&args.nodes, &args.pods) {
         Ok(w) => w,
@@ -131,6 +146,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(path) = &args.plot {
+        if let Err(e) = plot::unallocated_svg(path, &summaries) {
+            eprintln!("baleen-sim: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     if args.json {
         for s in &summaries {
             match serde_json::to_string(s) {
