@@ -33,9 +33,13 @@ struct Loaded {
 }
 
 fn workload() -> Workload {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces/alibaba-gpu-v2023");
-    Workload::load(&dir.join("openb_node_list_gpu_node.csv"), &dir.join("openb_pod_list_default.csv"))
-        .unwrap_or_else(|e| panic!("the benchmark reads the trace from ../shared ({e})"))
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces/alibaba-gpu-v2023");
+    Workload::load(
+        &dir.join("openb_node_list_gpu_node.csv"),
+        &dir.join("openb_pod_list_default.csv"),
+    )
+    .unwrap_or_else(|e| panic!("the benchmark reads the trace from ../shared ({e})"))
 }
 
 fn policy(kind: PolicyKind, w: &Workload) -> Policy {

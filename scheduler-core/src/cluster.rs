@@ -276,6 +276,39 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// The cached scheduler chooses exactly what scoring every node afresh chooses, through
+        /// any sequence of placements and releases.
+        #[test]
+        fn cache_never_changes_a_decision(
+            specs in cluster(),
+            requests in proptest::collection::vec(request(), 1..40),
+            release_every in 2usize..5,
+        ) {
+            for kind in PolicyKind::ALL.into_iter().filter(|k| k.is_deterministic()) {
+                let p = policy(kind, &requests);
+                let nodes: Vec<NodeLedger> = specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
+                let ranks: Vec<u32> = (0..nodes.len() as u32).collect();
+                let mut cached = ClusterScheduler::new(p.clone(), nodes, ranks.clone());
+                let mut rng = ChaCha8Rng::seed_from_u64(0);
+                let mut placed = Vec::new();
+                for (k, r) in requests.iter().enumerate() {
+                    let fresh = select_node(&p, cached.nodes(), &ranks, r, &mut rng);
+                    let got = cached.choose(r, &mut rng);
+                    prop_assert_eq!(got, fresh, "{}", kind);
+                    if let Some((n, s)) = got {
+                        cached.place(n, AllocationId(k as u64), r, s.gpus).expect("fits");
+                        placed.push((n, AllocationId(k as u64)));
+                    }
+                    if k % release_every == 0 && !placed.is_empty() {
+                        let (n, id) = placed.remove(0);
+                        cached.release(n, id).expect("placed");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn ties_go_to_the_first_ranked_node() {
         let specs: Vec<NodeSpec> = (0..4).map(|i| node_spec(i, 32_000, 2, "A100")).collect();

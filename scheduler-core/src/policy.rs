@@ -614,6 +614,48 @@ mod tests {
     }
 
     #[test]
+    fn baleen_keeps_cpu_where_gpus_need_it() {
+        // The workload: whole-GPU tasks with 11 cores each. A 32-core CPU-only task on the
+        // 96-core, 8-GPU node leaves 64 cores for 8 GPUs (2 GPUs stranded); on the 104-core,
+        // 2-GPU node it strands nothing. FGD sees no difference (each node still fits one more
+        // GPU task); baleen does.
+        let gpu_task = whole(11_000, 1);
+        let requests =
+            vec![gpu_task.clone(); 9].into_iter().chain([cpu_only(32_000)]).collect::<Vec<_>>();
+        let crowded = node(96_000, 8);
+        let roomy = node(104_000, 2);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let fgd = Policy::for_requests(PolicyKind::Fgd, &requests, 0.95, Normalisers::default());
+        let baleen =
+            Policy::for_requests(PolicyKind::Baleen, &requests, 0.95, Normalisers::default());
+        let cpu_task = cpu_only(32_000);
+        let fgd_scores =
+            [&crowded, &roomy].map(|n| fgd.score(n, &cpu_task, &mut rng).expect("fits").score);
+        assert_eq!(fgd_scores[0], fgd_scores[1], "fgd is indifferent");
+        let b =
+            [&crowded, &roomy].map(|n| baleen.score(n, &cpu_task, &mut rng).expect("fits").score);
+        assert!(b[1] > b[0], "baleen prefers the node where no GPU is stranded: {b:?}");
+        // With nothing stranded either way, baleen is indifferent too.
+        let small = cpu_only(1_000);
+        let b = [&crowded, &roomy].map(|n| baleen.score(n, &small, &mut rng).expect("fits").score);
+        assert_eq!(b[0], b[1]);
+    }
+
+    #[test]
+    fn baleen_target_covers_every_shape_with_memory() {
+        let mut big = whole(64_000, 8);
+        big.memory = MemMib(256_000);
+        let requests: Vec<Request> =
+            std::iter::repeat_n(shared(1000, 500), 99).chain([big]).collect();
+        let fgd = Policy::for_requests(PolicyKind::Fgd, &requests, 0.95, Normalisers::default());
+        let baleen =
+            Policy::for_requests(PolicyKind::Baleen, &requests, 0.95, Normalisers::default());
+        assert_eq!(fgd.target().shapes().len(), 1, "the paper drops the rare 8-GPU shape");
+        assert_eq!(baleen.target().shapes().len(), 2);
+        assert!(baleen.target().shapes().iter().all(|(s, _)| s.memory.is_some()));
+    }
+
+    #[test]
     fn model_constraints_are_respected() {
         let n = node(96_000, 2);
         let mut req = shared(1000, 500);

@@ -149,3 +149,27 @@ fn empty_task_list_is_refused() {
         &["no rows"],
     );
 }
+
+#[test]
+fn plot_draws_one_curve_per_policy() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let svg = dir.path().join("curves.svg");
+    let out = run_with(
+        NODES,
+        PODS,
+        &["--policy", "fgd,baleen", "--seeds", "1", "--plot", svg.to_str().expect("utf-8")],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(&svg).expect("the plot was written");
+    assert!(text.starts_with("<svg"), "an SVG document");
+    assert!(text.contains("fgd (") && text.contains("baleen ("), "a legend entry per policy");
+    assert!(text.matches("<polyline").count() >= 2, "a curve per policy");
+}
+
+#[test]
+fn unwritable_plot_path_is_refused_before_the_replay() {
+    assert_bad(
+        &run_with(NODES, PODS, &["--policy", "fgd", "--plot", "/nonexistent/dir/p.svg"]),
+        &["--plot", "/nonexistent/dir/p.svg"],
+    );
+}

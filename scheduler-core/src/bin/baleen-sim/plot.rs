@@ -61,7 +61,9 @@ pub(crate) fn unallocated_svg(path: &Path, summaries: &[PolicySummary]) -> Resul
             .draw_series(LineSeries::new(points, colour.stroke_width(2)))
             .map_err(|e| fail(&e))?
             .label(format!("{} ({at100:.2} % at 100)", s.policy))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2))
+            });
     }
     chart
         .configure_series_labels()
