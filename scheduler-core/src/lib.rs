@@ -15,13 +15,11 @@
 //! Score a node for a request and record the placement:
 //!
 //! ```
-//! use baleen_scheduler_core::frag::TargetWorkload;
 //! use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
 //! use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSpec, NodeSpec, Request};
 //! use baleen_scheduler_core::policy::{Normalisers, Policy, PolicyKind};
 //! use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
 //! use rand::SeedableRng;
-//! use std::sync::Arc;
 //!
 //! let model = GpuModel::new("H200");
 //! let mut node = NodeLedger::new(NodeSpec {
@@ -36,8 +34,8 @@
 //!     gpu: GpuDemand::Shared { milli: MilliGpu(250), memory: MemUnits(0) },
 //!     allowed_models: vec![],
 //! };
-//! let target = TargetWorkload::from_requests([&request], 0.95, false);
-//! let policy = Policy::new(PolicyKind::Fgd, Arc::new(target), Normalisers::default());
+//! // The default policy (baleen), its target workload learned from the requests seen so far:
+//! let policy = Policy::for_requests(PolicyKind::default(), [&request], 0.95, Normalisers::default());
 //! let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
 //! let scored = policy.score(&node, &request, &mut rng).expect("the request fits");
 //! node.allocate(AllocationId(1), &request, scored.gpus)?;

@@ -13,6 +13,7 @@
 //! | `gpu-packing` | partly used GPUs first, then used nodes, then idle nodes | best fit |
 //! | `best-fit` | `100 (1 - (c_n - c) / 2C - (U_n - g) / 2G)` | best fit |
 //! | `fgd` | `100 sigmoid(ΔF / 1000)`, the drop in expected fragmentation | the GPU with the best ΔF |
+//! | `baleen` (default) | `25 sigmoid(ΔF' / 1000)`, with `F'` = FGD's measure (memory-aware, all shapes) plus the GPU that free CPU and memory cannot feed | the GPU with the best ΔF' |
 //!
 //! `C` and `G` are the [`Normalisers`]; `c_n` and `U_n` the node's free CPU and GPU compute;
 //! `c` and `g` the request's CPU and total GPU demand.
@@ -75,6 +76,13 @@ impl PolicyKind {
     /// `random`), so that it may be cached until the node changes.
     pub fn is_deterministic(self) -> bool {
         self != PolicyKind::Random
+    }
+}
+
+impl Default for PolicyKind {
+    /// `baleen`: the policy the agent and the extender use unless configured otherwise.
+    fn default() -> Self {
+        PolicyKind::Baleen
     }
 }
 
