@@ -6,7 +6,8 @@
 //! measured iteration takes the next request of the rest of the list, chooses a node
 //! (`ClusterScheduler::choose`), places it and releases it again, so the load stays put and the
 //! score cache sees what a live scheduler sees: one node changed per decision. The `cold`
-//! benchmarks drop the cache first and so score every node.
+//! benchmarks start a fresh scheduler, with no cache and no memo, so every node is scored or
+//! looked up by state.
 //!
 //! Needs `../shared/traces/alibaba-gpu-v2023` beside the repository.
 //! Run: `cargo bench -p baleen-scheduler-core --bench decision`.
@@ -129,6 +130,8 @@ fn decisions(c: &mut Criterion) {
         bench_cold(c, "1213-nodes/load-95", kind, &w, &l95);
         let big = scale(&l95, 10_000);
         bench_steady(c, "10000-nodes/load-95", kind, &w, &big);
+        let empty = scale(&load(&w, kind, 0.0), 10_000);
+        bench_cold(c, "10000-nodes/load-0", kind, &w, &empty);
     }
 }
 

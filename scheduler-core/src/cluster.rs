@@ -7,7 +7,7 @@
 
 use crate::ledger::{Allocation, AllocationId, LedgerError, NodeLedger};
 use crate::model::{GpuSet, Request};
-use crate::policy::{Policy, Scored};
+use crate::policy::{Policy, PolicyKind, Scored};
 use rand::{Rng, RngCore};
 use std::collections::HashMap;
 
@@ -59,6 +59,11 @@ pub fn select_node(
 /// changes: a decision costs one cache look-up per node, plus a fresh score for the few nodes
 /// that changed since the last decision with that request shape. Each node carries a
 /// generation number, bumped on every change, so invalidation is O(1).
+///
+/// Behind that cache, nodes in identical states share one score: a memo keyed by the node's
+/// kind (its description less names and IDs), what is free on it and on each GPU, and the
+/// classes of the tasks it runs, so a fresh scheduler over many alike nodes scores each state
+/// once. The memo is cleared when it reaches [`MEMO_LIMIT`] entries.
 #[derive(Debug)]
 pub struct ClusterScheduler {
     policy: Policy,
@@ -68,7 +73,14 @@ pub struct ClusterScheduler {
     shapes: HashMap<Request, usize>,
     /// `cache[shape][node]`: the node's generation when scored, and its score.
     cache: Vec<Vec<(u32, Option<Scored>)>>,
+    /// Each node's kind: equal for nodes with equal descriptions but for names and IDs.
+    kinds: Vec<u64>,
+    memo: HashMap<Box<[u64]>, Option<Scored>>,
+    key: Vec<u64>,
 }
+
+/// The most node states [`ClusterScheduler`] remembers before it forgets them all.
+pub const MEMO_LIMIT: usize = 1 << 18;
 
 /// A generation no node has, marking an empty cache slot.
 const UNSCORED: u32 = u32::MAX;
@@ -81,7 +93,32 @@ impl ClusterScheduler {
     pub fn new(policy: Policy, nodes: Vec<NodeLedger>, ranks: Vec<u32>) -> Self {
         assert_eq!(nodes.len(), ranks.len(), "one rank per node");
         let generations = vec![0; nodes.len()];
-        Self { policy, nodes, ranks, generations, shapes: HashMap::new(), cache: Vec::new() }
+        let mut kind_ids: HashMap<String, u64> = HashMap::new();
+        let kinds = nodes
+            .iter()
+            .map(|n| {
+                let s = n.spec();
+                let gpus: Vec<_> = s
+                    .gpus
+                    .iter()
+                    .map(|g| (&g.model, g.memory_units, g.numa_node, &g.nvlink_peers, g.mig.len()))
+                    .collect();
+                let description = format!("{:?}", (s.cpu, s.memory, gpus));
+                let next = kind_ids.len() as u64;
+                *kind_ids.entry(description).or_insert(next)
+            })
+            .collect();
+        Self {
+            policy,
+            nodes,
+            ranks,
+            generations,
+            shapes: HashMap::new(),
+            cache: Vec::new(),
+            kinds,
+            memo: HashMap::new(),
+            key: Vec::new(),
+        }
     }
 
     /// The nodes.
@@ -108,12 +145,29 @@ impl ClusterScheduler {
                 s
             }
         };
+        // The memo pays where scoring is costly (fragmentation over a target workload); for
+        // the simple formulas building the key costs more than scoring.
+        let memoise = matches!(self.policy.kind(), PolicyKind::Fgd | PolicyKind::Baleen);
         let slots = &mut self.cache[shape];
         let mut best: Option<(usize, Scored)> = None;
         for (i, node) in self.nodes.iter().enumerate() {
             let slot = &mut slots[i];
-            if slot.0 != self.generations[i] {
+            if slot.0 != self.generations[i] && !memoise {
                 *slot = (self.generations[i], self.policy.score(node, request, rng));
+            } else if slot.0 != self.generations[i] {
+                state_key(&mut self.key, shape, self.kinds[i], node);
+                let scored = match self.memo.get(self.key.as_slice()) {
+                    Some(&s) => s,
+                    None => {
+                        let s = self.policy.score(node, request, rng);
+                        if self.memo.len() >= MEMO_LIMIT {
+                            self.memo.clear();
+                        }
+                        self.memo.insert(self.key.clone().into_boxed_slice(), s);
+                        s
+                    }
+                };
+                *slot = (self.generations[i], scored);
             }
             if let Some(s) = slot.1 {
                 if beats(s.score, self.ranks[i], best.map(|(b, bs)| (bs.score, self.ranks[b]))) {
@@ -149,6 +203,23 @@ impl ClusterScheduler {
         let g = &mut self.generations[node];
         *g = if *g + 1 == UNSCORED { 0 } else { *g + 1 };
     }
+}
+
+/// Writes into `key` everything a deterministic policy's score depends on: the request shape,
+/// the node's kind, its free CPU and memory, each GPU's free compute and memory, and the set of
+/// task classes on the node (GPU clustering looks at them).
+fn state_key(key: &mut Vec<u64>, shape: usize, kind: u64, node: &NodeLedger) {
+    key.clear();
+    key.extend([shape as u64, kind, node.free_cpu().0, node.free_memory().0]);
+    key.extend(node.gpus().iter().map(|g| u64::from(g.milli.0) << 32 | u64::from(g.memory.0)));
+    let mut classes = 0u64;
+    for (_, a) in node.allocations() {
+        classes |= match a.request.gpu.class() {
+            None => 1,
+            Some(c) => 1u64 << (c + 1).min(63),
+        };
+    }
+    key.push(classes);
 }
 
 #[cfg(test)]
@@ -285,6 +356,8 @@ mod tests {
             requests in proptest::collection::vec(request(), 1..40),
             release_every in 2usize..5,
         ) {
+            // Every node twice, so that nodes in identical states share memoised scores.
+            let specs: Vec<NodeSpec> = specs.iter().chain(&specs).cloned().collect();
             for kind in PolicyKind::ALL.into_iter().filter(|k| k.is_deterministic()) {
                 let p = policy(kind, &requests);
                 let nodes: Vec<NodeLedger> = specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
