@@ -12,6 +12,10 @@
 //! The fragmentation of a node is the expectation over the target workload `M`; the cluster's is
 //! the sum over nodes. Memory is ignored, as in the paper. The FGD policy scores a placement by
 //! how much it lowers this measure; the replay tool records it as a curve.
+//!
+//! The `baleen` policy extends the measure: shapes may carry memory (checked like CPU), and
+//! [`node_fragment_with_host`] and [`host_stranded`] add the GPU compute that the node's free CPU
+//! and memory cannot feed.
 
 use crate::ledger::NodeLedger;
 use crate::model::{GpuModel, NodeSpec, Request};
@@ -246,4 +250,65 @@ pub(crate) fn fill_free(
         *slot = g.milli.0;
     }
     node.gpus().len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{GpuDemand, GpuSpec};
+
+    fn spec(gpus: usize) -> NodeSpec {
+        let model = GpuModel::new("G2");
+        NodeSpec {
+            name: "n".into(),
+            cpu: MilliCpu(96_000),
+            memory: MemMib(393_216),
+            gpus: (0..gpus).map(|i| GpuSpec::plain(format!("g{i}"), model.clone())).collect(),
+        }
+    }
+
+    fn whole(cpu: u64, memory: u64) -> Request {
+        Request {
+            cpu: MilliCpu(cpu),
+            memory: MemMib(memory),
+            gpu: GpuDemand::Whole { count: 1 },
+            allowed_models: vec![],
+        }
+    }
+
+    #[test]
+    fn host_stranded_counts_gpu_that_cpu_cannot_feed() {
+        let target = TargetWorkload::from_requests([&whole(11_000, 0)], 1.0, false);
+        assert_eq!(target.host_needs(), (11.0, 0.0));
+        let gpus = [1000u32; 8];
+        let free = |cpu| NodeFree { cpu: MilliCpu(cpu), memory: MemMib(0), gpus: &gpus };
+        // 96 cores feed 8 GPUs at 11 cores each: nothing stranded.
+        assert_eq!(host_stranded(target.host_needs(), &free(96_000)), 0.0);
+        // 64 cores feed 5.8 GPUs: 2.18 GPUs stranded.
+        let s = host_stranded(target.host_needs(), &free(64_000));
+        assert!((s - (8000.0 - 64_000.0 / 11.0)).abs() < 1e-9, "{s}");
+    }
+
+    #[test]
+    fn per_shape_host_term_adds_to_the_fgd_measure() {
+        let target = TargetWorkload::from_requests([&whole(11_000, 48_000)], 1.0, true);
+        let gpus = [1000u32; 8];
+        let spec = spec(8);
+        let roomy = NodeFree { cpu: MilliCpu(96_000), memory: MemMib(393_216), gpus: &gpus };
+        let short = NodeFree { cpu: MilliCpu(33_000), memory: MemMib(393_216), gpus: &gpus };
+        for free in [&roomy, &short] {
+            assert_eq!(
+                node_fragment_with_host(&target, &spec, free, 0.0),
+                node_fragment(&target, &spec, free)
+            );
+        }
+        // FGD: one more task fits either way, so nothing is fragmented.
+        assert_eq!(node_fragment(&target, &spec, &short), 0.0);
+        // 33 cores feed 3 tasks: 5 GPUs stranded, counted at the weight.
+        assert!((node_fragment_with_host(&target, &spec, &short, 0.5) - 2500.0).abs() < 1e-9);
+        // Memory too: 100 GiB free feeds 2 tasks of 48,000 MiB.
+        let low_mem = NodeFree { cpu: MilliCpu(96_000), memory: MemMib(100_000), gpus: &gpus };
+        let expected = 1.0 * (8000.0 - 100_000.0 / 48_000.0 * 1000.0);
+        assert!((node_fragment_with_host(&target, &spec, &low_mem, 1.0) - expected).abs() < 1e-9);
+    }
 }
