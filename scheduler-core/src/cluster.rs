@@ -131,6 +131,15 @@ impl ClusterScheduler {
         &self.policy
     }
 
+    /// Replaces the policy (for instance with a target workload learned from more requests);
+    /// every cached and memoised score is dropped.
+    pub fn set_policy(&mut self, policy: Policy) {
+        self.policy = policy;
+        self.shapes.clear();
+        self.cache.clear();
+        self.memo.clear();
+    }
+
     /// Chooses a node and GPUs for `request` without placing it; `None` if no node fits.
     pub fn choose(&mut self, request: &Request, rng: &mut dyn RngCore) -> Option<(usize, Scored)> {
         if !self.policy.kind().is_deterministic() {

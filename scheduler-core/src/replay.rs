@@ -75,11 +75,15 @@ pub struct ReplayOptions {
     pub coverage: f64,
     /// Scales of the dot-product and best-fit scores.
     pub normalisers: Normalisers,
+    /// Learn the policy's target workload online instead of from the whole list: start with
+    /// none and rebuild it from the requests submitted so far every this many tasks, as a live
+    /// scheduler must. `None`: the paper's protocol (the whole original list).
+    pub online_target: Option<usize>,
 }
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        Self { tune: 1.3, coverage: 0.95, normalisers: Normalisers::default() }
+        Self { tune: 1.3, coverage: 0.95, normalisers: Normalisers::default(), online_target: None }
     }
 }
 
@@ -239,6 +243,15 @@ pub fn replay_seed(
     let mut failed: Vec<FailedClass> = Vec::new();
     let mut rows: Vec<Row> = Vec::with_capacity(order.len());
     for (seq, &task) in order.iter().enumerate() {
+        if options.online_target.is_some_and(|every| every > 0 && seq % every == 0) {
+            let seen = order[..seq].iter().map(|&t| &workload.tasks[t].request);
+            cluster.set_policy(Policy::for_requests(
+                kind,
+                seen,
+                options.coverage,
+                options.normalisers,
+            ));
+        }
         let request = &workload.tasks[task].request;
         let choice = cluster.choose(request, &mut decision_rng);
         arrived += request.gpu.total_milli();

@@ -37,6 +37,10 @@ struct Args {
     /// Print one JSON object per policy, one per line, instead of a table.
     #[arg(long)]
     json: bool,
+    /// Learn the target workload online: rebuild it from the tasks submitted so far every N
+    /// tasks, starting from none (default: from the whole list, as the paper).
+    #[arg(long, value_name = "N")]
+    online_target: Option<usize>,
     /// Also draw unallocated GPU % against arrived % for every policy into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
@@ -132,7 +136,15 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let options = ReplayOptions { tune: args.tune, ..ReplayOptions::default() };
+    if args.online_target == Some(0) {
+        eprintln!("baleen-sim: --online-target must be at least 1");
+        return ExitCode::from(2);
+    }
+    let options = ReplayOptions {
+        tune: args.tune,
+        online_target: args.online_target,
+        ..ReplayOptions::default()
+    };
     let threads =
         args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let summaries = match replay::replay(&workload, &kinds, &seeds, &options, threads) {
