@@ -173,3 +173,18 @@ fn unwritable_plot_path_is_refused_before_the_replay() {
         &["--plot", "/nonexistent/dir/p.svg"],
     );
 }
+
+#[test]
+fn online_target_runs_and_zero_is_refused() {
+    let out = run_with(
+        NODES,
+        PODS,
+        &["--policy", "fgd,baleen", "--seeds", "3", "--online-target", "2", "--json"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 2);
+    assert_bad(
+        &run_with(NODES, PODS, &["--policy", "fgd", "--online-target", "0"]),
+        &["--online-target"],
+    );
+}
