@@ -82,6 +82,10 @@ pub struct ClusterScheduler {
 /// The most node states [`ClusterScheduler`] remembers before it forgets them all.
 pub const MEMO_LIMIT: usize = 1 << 18;
 
+/// The most distinct request shapes [`ClusterScheduler`] caches scores for before it forgets
+/// them all.
+pub const SHAPE_LIMIT: usize = 1024;
+
 /// A generation no node has, marking an empty cache slot.
 const UNSCORED: u32 = u32::MAX;
 
@@ -148,6 +152,14 @@ impl ClusterScheduler {
         let shape = match self.shapes.get(request) {
             Some(&s) => s,
             None => {
+                if self.cache.len() >= SHAPE_LIMIT {
+                    // Requests of ever new shapes (an extender serving varied pods) would grow
+                    // the per-shape caches without bound: start over instead. The memo goes too,
+                    // as its keys name shapes by their index.
+                    self.shapes.clear();
+                    self.cache.clear();
+                    self.memo.clear();
+                }
                 let s = self.cache.len();
                 self.shapes.insert(request.clone(), s);
                 self.cache.push(vec![(UNSCORED, None); self.nodes.len()]);
@@ -389,6 +401,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn many_request_shapes_stay_correct_past_the_cache_limit() {
+        let specs: Vec<NodeSpec> = (0..3).map(|i| node_spec(i, 64_000, 4, "A100")).collect();
+        let requests: Vec<Request> = (0..SHAPE_LIMIT as u64 + 50)
+            .map(|k| Request {
+                cpu: MilliCpu(1 + k % 3000),
+                memory: MemMib(1 + k),
+                gpu: GpuDemand::Shared {
+                    milli: MilliGpu(100 + (k % 9) as u32 * 100),
+                    memory: MemUnits::ZERO,
+                },
+                allowed_models: vec![],
+            })
+            .collect();
+        let p = policy(PolicyKind::Baleen, &requests);
+        let nodes: Vec<NodeLedger> =
+            specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
+        let ranks = vec![2, 0, 1];
+        let mut cached = ClusterScheduler::new(p.clone(), nodes, ranks.clone());
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        for (k, r) in requests.iter().enumerate() {
+            let fresh = select_node(&p, cached.nodes(), &ranks, r, &mut rng);
+            assert_eq!(cached.choose(r, &mut rng), fresh, "request {k}");
+        }
+        assert!(cached.cache.len() <= SHAPE_LIMIT);
     }
 
     #[test]
