@@ -6,8 +6,9 @@
 //! uniformly instead.
 
 use crate::ledger::{Allocation, AllocationId, LedgerError, NodeLedger};
-use crate::model::{GpuSet, Request};
+use crate::model::{GpuModel, GpuSet, Request};
 use crate::policy::{Policy, PolicyKind, Scored};
+use crate::units::{MemMib, MemUnits, MilliCpu};
 use rand::{Rng, RngCore};
 use std::collections::HashMap;
 
@@ -97,19 +98,29 @@ impl ClusterScheduler {
     pub fn new(policy: Policy, nodes: Vec<NodeLedger>, ranks: Vec<u32>) -> Self {
         assert_eq!(nodes.len(), ranks.len(), "one rank per node");
         let generations = vec![0; nodes.len()];
-        let mut kind_ids: HashMap<String, u64> = HashMap::new();
+        // A node's kind: its description less the node name and the GPU IDs.
+        type Kind<'a> =
+            (MilliCpu, MemMib, Vec<(&'a GpuModel, MemUnits, Option<u32>, &'a [usize], usize)>);
+        let mut kind_ids: HashMap<Kind<'_>, u64> = HashMap::new();
         let kinds = nodes
             .iter()
             .map(|n| {
                 let s = n.spec();
-                let gpus: Vec<_> = s
+                let gpus = s
                     .gpus
                     .iter()
-                    .map(|g| (&g.model, g.memory_units, g.numa_node, &g.nvlink_peers, g.mig.len()))
+                    .map(|g| {
+                        (
+                            &g.model,
+                            g.memory_units,
+                            g.numa_node,
+                            g.nvlink_peers.as_slice(),
+                            g.mig.len(),
+                        )
+                    })
                     .collect();
-                let description = format!("{:?}", (s.cpu, s.memory, gpus));
                 let next = kind_ids.len() as u64;
-                *kind_ids.entry(description).or_insert(next)
+                *kind_ids.entry((s.cpu, s.memory, gpus)).or_insert(next)
             })
             .collect();
         Self {
@@ -173,20 +184,22 @@ impl ClusterScheduler {
         let mut best: Option<(usize, Scored)> = None;
         for (i, node) in self.nodes.iter().enumerate() {
             let slot = &mut slots[i];
-            if slot.0 != self.generations[i] && !memoise {
-                *slot = (self.generations[i], self.policy.score(node, request, rng));
-            } else if slot.0 != self.generations[i] {
-                state_key(&mut self.key, shape, self.kinds[i], node);
-                let scored = match self.memo.get(self.key.as_slice()) {
-                    Some(&s) => s,
-                    None => {
-                        let s = self.policy.score(node, request, rng);
-                        if self.memo.len() >= MEMO_LIMIT {
-                            self.memo.clear();
+            if slot.0 != self.generations[i] {
+                let scored = if memoise {
+                    state_key(&mut self.key, shape, self.kinds[i], node);
+                    match self.memo.get(self.key.as_slice()) {
+                        Some(&s) => s,
+                        None => {
+                            let s = self.policy.score(node, request, rng);
+                            if self.memo.len() >= MEMO_LIMIT {
+                                self.memo.clear();
+                            }
+                            self.memo.insert(self.key.clone().into_boxed_slice(), s);
+                            s
                         }
-                        self.memo.insert(self.key.clone().into_boxed_slice(), s);
-                        s
                     }
+                } else {
+                    self.policy.score(node, request, rng)
                 };
                 *slot = (self.generations[i], scored);
             }

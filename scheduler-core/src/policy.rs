@@ -283,42 +283,31 @@ impl Policy {
 
     fn baleen(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
         let p = &self.baleen;
-        let levels = p.score_levels;
-        let score_of =
-            |delta: f64, _: GpuSet| (levels / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
         let target = &*self.target;
         let needs = target.host_needs();
-        frag_descent_with(node, request, score_of, |spec, free| {
+        frag_descent(node, request, p.score_levels, |spec, free| {
             frag::node_fragment_with_host(target, spec, free, p.shape_host_weight)
                 + p.host_weight * frag::host_stranded(needs, free)
         })
     }
 
     fn fgd(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
-        let score_of =
-            |delta: f64, _: GpuSet| (100.0 / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
-        frag_descent(&self.target, node, request, score_of)
+        let target = &*self.target;
+        frag_descent(node, request, 100.0, |spec, free| frag::node_fragment(target, spec, free))
     }
 }
 
-/// Scores each way of placing `request` on `node` by the drop in expected fragmentation it
-/// causes (`score_of(F_before - F_after, gpus)`) and keeps the best: a shared request tries
-/// every fitting GPU (the lowest index wins ties), other requests use the lowest-index GPUs.
+/// Scores each way of placing `request` on `node` by the drop in `measure` it causes,
+/// `floor(levels * sigmoid((F_before - F_after) / 1000))`, and keeps the best: a shared request
+/// tries every fitting GPU (the lowest index wins ties), other requests use the lowest-index
+/// GPUs.
 fn frag_descent(
-    target: &TargetWorkload,
     node: &NodeLedger,
     request: &Request,
-    score_of: impl Fn(f64, GpuSet) -> i64,
-) -> Option<Scored> {
-    frag_descent_with(node, request, score_of, |spec, free| frag::node_fragment(target, spec, free))
-}
-
-fn frag_descent_with(
-    node: &NodeLedger,
-    request: &Request,
-    score_of: impl Fn(f64, GpuSet) -> i64,
+    levels: f64,
     measure: impl Fn(&crate::model::NodeSpec, &frag::NodeFree<'_>) -> f64,
 ) -> Option<Scored> {
+    let score_of = |delta: f64| (levels / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
     let mut gpus = [0u32; MAX_GPUS_PER_NODE];
     let n = frag::fill_free(node, &mut gpus);
     let spec = node.spec();
@@ -344,7 +333,7 @@ fn frag_descent_with(
             let mut best: Option<Scored> = None;
             for i in fit::fitting_gpus(node, request).iter() {
                 let set = GpuSet::single(i);
-                let score = score_of(delta(set), set);
+                let score = score_of(delta(set));
                 if best.is_none_or(|b| score > b.score) {
                     best = Some(Scored { score, gpus: set });
                 }
@@ -353,7 +342,7 @@ fn frag_descent_with(
         }
         GpuDemand::None | GpuDemand::Whole { .. } => {
             let set = fit::lowest_index_gpus(node, request)?;
-            Some(Scored { score: score_of(delta(set), set), gpus: set })
+            Some(Scored { score: score_of(delta(set)), gpus: set })
         }
     }
 }
