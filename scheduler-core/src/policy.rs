@@ -127,8 +127,12 @@ impl Default for BaleenParams {
 
 /// An unknown policy name.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown policy `{0}`; known: random, dotprod, gpu-clustering, gpu-packing, best-fit, fgd")]
+#[error("unknown policy `{0}`; known: {known}", known = known_policies())]
 pub struct UnknownPolicy(pub String);
+
+fn known_policies() -> String {
+    PolicyKind::ALL.map(PolicyKind::name).join(", ")
+}
 
 impl FromStr for PolicyKind {
     type Err = UnknownPolicy;

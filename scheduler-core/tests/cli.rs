@@ -136,7 +136,10 @@ fn short_row_is_refused() {
 
 #[test]
 fn unknown_policy_and_bad_seeds_are_refused() {
-    assert_bad(&run_with(NODES, PODS, &["--policy", "fastest"]), &["fastest", "best-fit"]);
+    assert_bad(
+        &run_with(NODES, PODS, &["--policy", "fastest"]),
+        &["fastest", "best-fit", "baleen"],
+    );
     assert_bad(&run_with(NODES, PODS, &["--policy", "fgd", "--seeds", "9..3"]), &["9..3"]);
     assert_bad(&run_with(NODES, PODS, &["--policy", "fgd", "--seeds", "x"]), &["`x`"]);
     assert_bad(&run_with(NODES, PODS, &["--policy", "fgd", "--tune=-1"]), &["--tune"]);

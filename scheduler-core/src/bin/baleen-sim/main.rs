@@ -109,19 +109,23 @@ fn table(workload: &Workload, summaries: &[PolicySummary]) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let (seeds, kinds) = match (parse_seeds(&args.seeds), parse_policies(&args.policy)) {
-        (Ok(s), Ok(k)) => (s, k),
-        (s, k) => {
-            for e in [s.err(), k.err()].into_iter().flatten() {
-                eprintln!("baleen-sim: {e}");
-            }
-            return ExitCode::from(2);
-        }
-    };
+    // Every argument problem is reported at once, before anything is read or written.
+    let seeds = parse_seeds(&args.seeds);
+    let kinds = parse_policies(&args.policy);
+    let mut problems: Vec<String> =
+        [seeds.as_ref().err(), kinds.as_ref().err()].into_iter().flatten().cloned().collect();
     if !(args.tune.is_finite() && args.tune > 0.0) {
-        eprintln!("baleen-sim: --tune must be a positive number, got {}", args.tune);
-        return ExitCode::from(2);
+        problems.push(format!("--tune must be a positive number, got {}", args.tune));
     }
+    if args.online_target == Some(0) {
+        problems.push("--online-target must be at least 1".to_owned());
+    }
+    let (Ok(seeds), Ok(kinds), true) = (seeds, kinds, problems.is_empty()) else {
+        for p in problems {
+            eprintln!("baleen-sim: {p}");
+        }
+        return ExitCode::from(2);
+    };
     if let Some(path) = &args.plot {
         // Fail before a long replay, not after it.
         if let Err(e) = std::fs::File::create(path) {
@@ -136,10 +140,6 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if args.online_target == Some(0) {
-        eprintln!("baleen-sim: --online-target must be at least 1");
-        return ExitCode::from(2);
-    }
     let options = ReplayOptions {
         tune: args.tune,
         online_target: args.online_target,
