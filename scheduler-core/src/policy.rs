@@ -2,8 +2,9 @@
 //!
 //! This is the API the agent (which GPU on this node) and the extender (which node) share. Each
 //! policy gives a feasible node an integer score, highest best, and names the GPUs it would use
-//! there; an infeasible node gets no score. The six policies are those of the FGD paper, defined
-//! in `shared/benchmarks/placement.md`:
+//! there; an infeasible node gets no score. Six policies are those of the FGD paper, defined in
+//! `shared/benchmarks/placement.md`; the seventh, `baleen`, is ours and the default (see
+//! [`BaleenParams`] and `docs/benchmarks.md`):
 //!
 //! | policy | node score | GPUs on the node |
 //! |---|---|---|

@@ -24,7 +24,8 @@ struct Args {
     /// Task list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli and optionally gpu_spec).
     #[arg(long, value_name = "FILE")]
     pods: PathBuf,
-    /// Policies: random, dotprod, gpu-clustering, gpu-packing, best-fit, fgd, or all.
+    /// Policies: random, dotprod, gpu-clustering, gpu-packing, best-fit, fgd (the paper's six),
+    /// baleen (ours), or all.
     /// Repeat the flag or separate with commas.
     #[arg(long, value_name = "NAME", value_delimiter = ',', required = true)]
     policy: Vec<String>,
