@@ -1,5 +1,46 @@
-//! The kubelet gRPC APIs baleen speaks: device plugin `v1beta1` and pod resources `v1`.
+//! The kubelet gRPC APIs baleen speaks, generated at build time from the project's own `.proto`
+//! files in `proto/proto/` (compiled by protox, so no system `protoc` is needed).
 //!
-//! This crate will hold the project's own `.proto` files compiled with tonic/prost, checked
-//! field by field against the upstream copies in `../shared/proto-upstream/` (issue 4). It has
-//! no code yet; it exists so that the workspace has its final shape from the start.
+//! - [`deviceplugin::v1beta1`]: the device-plugin API (`Registration` served by the kubelet,
+//!   `DevicePlugin` served by each plugin).
+//! - [`podresources::v1`]: the pod-resources API (`PodResourcesLister`, served by the kubelet).
+//!
+//! The device-plugin crate is the only user of the generated server traits; the agent uses the
+//! pod-resources client. [`FILE_DESCRIPTOR_SET`] holds the compiled descriptors, which this crate's
+//! tests compare field by field with the upstream definitions.
+
+/// The kubelet device-plugin API, package `v1beta1`.
+pub mod deviceplugin {
+    /// Generated messages, the `Registration` and `DevicePlugin` clients and servers.
+    #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+    pub mod v1beta1 {
+        tonic::include_proto!("v1beta1");
+
+        /// The only API version the kubelet accepts in `RegisterRequest.version`.
+        pub const VERSION: &str = "v1beta1";
+        /// `Device.health` of a device that can be allocated.
+        pub const HEALTHY: &str = "Healthy";
+        /// `Device.health` of a device that must not be allocated.
+        pub const UNHEALTHY: &str = "Unhealthy";
+        /// The kubelet's socket, relative to the device-plugin directory.
+        pub const KUBELET_SOCKET: &str = "kubelet.sock";
+        /// The kubelet's default device-plugin directory.
+        pub const DEFAULT_DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
+    }
+}
+
+/// The kubelet pod-resources API, package `v1`.
+pub mod podresources {
+    /// Generated messages and the `PodResourcesLister` client and server.
+    #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        tonic::include_proto!("v1");
+
+        /// The kubelet's default pod-resources socket.
+        pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+    }
+}
+
+/// The encoded `FileDescriptorSet` of the project's `.proto` files, as compiled.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/baleen_descriptors.bin"));
