@@ -1,5 +1,11 @@
-//! End-to-end tests of baleen: the whole agent against a fake kubelet, fake NVML, fake MPS and
-//! cgroup trees.
+//! End-to-end test support for baleen: fakes of what surrounds the agent on a node.
 //!
-//! Not built yet (issues 4 and 5). The placement replay check against the published Alibaba
-//! results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
+//! - [`fake_kubelet`]: a kubelet that behaves like the real one towards device plugins
+//!   (see `../shared/kubelet-behaviour.md`): Registration on `kubelet.sock`, dial-back,
+//!   GetDevicePluginOptions, ListAndWatch kept open, GetPreferredAllocation then Allocate per
+//!   container, and a restart that wipes the directory.
+//!
+//! The tests themselves are in `tests/tests/`. The placement replay check against the published
+//! Alibaba results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
+
+pub mod fake_kubelet;

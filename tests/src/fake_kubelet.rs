@@ -1,0 +1,468 @@
+//! A fake kubelet that behaves, towards device plugins, like the kubelet's device manager:
+//!
+//! - at start it creates the device-plugin directory (mode 0750), deletes everything in it but
+//!   `kubelet_internal_checkpoint`, and listens on `kubelet.sock`;
+//! - `Register` checks the version (`v1beta1`) and the resource name (an extended resource name)
+//!   and otherwise fails with a plain error (gRPC `Unknown`, the kubelet's messages); it dials the
+//!   plugin's endpoint back (10 s timeout) and calls `GetDevicePluginOptions` *before* answering,
+//!   then keeps `ListAndWatch` open, each message replacing the resource's device list;
+//! - admitting a container ([`FakeKubelet::admit`]) asks `GetPreferredAllocation` when the plugin
+//!   offers it, uses the answer when it is valid, then calls `Allocate` for that one container,
+//!   and keeps the devices in its own books (there is no Deallocate; [`FakeKubelet::release`]
+//!   models a pod ending);
+//! - [`FakeKubelet::restart`] drops every plugin connection, wipes the directory and listens
+//!   again; [`FakeKubelet::stop`] leaves no kubelet at all.
+//!
+//! Tests observe it through [`FakeKubelet::wait_for`], which waits (with a timeout) on a `watch`
+//! channel of [`KubeletView`]; nothing sleeps to synchronise.
+
+use std::collections::{BTreeSet, HashMap};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context as _, anyhow, bail};
+use baleen_proto::deviceplugin::v1beta1 as api;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+type PluginClient = api::device_plugin_client::DevicePluginClient<Channel>;
+
+/// The kubelet's dial-back timeout.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The file the kubelet keeps when it wipes its directory.
+pub const KUBELET_CHECKPOINT: &str = "kubelet_internal_checkpoint";
+
+/// What the fake kubelet has seen, for tests to wait on.
+#[derive(Debug, Clone, Default)]
+pub struct KubeletView {
+    /// Successful registrations per resource, since the fake was created (across restarts).
+    pub registrations: HashMap<String, u64>,
+    /// Refused registrations: (resource name, the kubelet's error message).
+    pub refusals: Vec<(String, String)>,
+    /// The last device list per resource received on ListAndWatch.
+    pub devices: HashMap<String, Vec<api::Device>>,
+    /// ListAndWatch messages received per resource.
+    pub updates: HashMap<String, u64>,
+    /// Resources whose ListAndWatch stream is open now.
+    pub streaming: BTreeSet<String>,
+    /// Times the kubelet (re)started listening.
+    pub starts: u64,
+}
+
+impl KubeletView {
+    /// The device list of `resource` (empty if none was received).
+    pub fn devices_of(&self, resource: &str) -> &[api::Device] {
+        self.devices.get(resource).map_or(&[], Vec::as_slice)
+    }
+
+    /// The healthy device IDs of `resource`.
+    pub fn healthy(&self, resource: &str) -> Vec<String> {
+        self.devices_of(resource)
+            .iter()
+            .filter(|d| d.health == api::HEALTHY)
+            .map(|d| d.id.clone())
+            .collect()
+    }
+}
+
+struct PluginConn {
+    client: PluginClient,
+    options: api::DevicePluginOptions,
+    stream: JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct Books {
+    plugins: HashMap<String, PluginConn>,
+    /// Devices handed out per resource (the kubelet's own accounting).
+    allocated: HashMap<String, BTreeSet<String>>,
+}
+
+struct Shared {
+    dir: PathBuf,
+    view: watch::Sender<KubeletView>,
+    books: Mutex<Books>,
+}
+
+impl Shared {
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        // A panicking test thread may poison the lock; the books are still consistent.
+        self.books.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A container admitted by [`FakeKubelet::admit`].
+#[derive(Debug, Clone)]
+pub struct Admission {
+    /// The plugin's preferred allocation, when it offers one.
+    pub preferred: Option<Vec<String>>,
+    /// The device IDs the kubelet allocated.
+    pub device_ids: Vec<String>,
+    /// The plugin's answer for the container.
+    pub response: api::ContainerAllocateResponse,
+}
+
+/// Why admission failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdmitError {
+    /// No plugin is registered for the resource.
+    #[error("no plugin registered for {0}")]
+    NotRegistered(String),
+    /// Fewer healthy, unallocated devices than requested (the kubelet's own check).
+    #[error("{resource}: {requested} requested, {available} available")]
+    NotEnough {
+        /// The resource.
+        resource: String,
+        /// Devices requested.
+        requested: usize,
+        /// Devices available.
+        available: usize,
+    },
+    /// The plugin answered with an error.
+    #[error("plugin error: {0}")]
+    Rpc(#[from] Status),
+}
+
+/// A fake kubelet listening on `<dir>/kubelet.sock` (or stopped).
+pub struct FakeKubelet {
+    shared: Arc<Shared>,
+    server: Option<(CancellationToken, JoinHandle<()>)>,
+}
+
+impl FakeKubelet {
+    /// Starts a kubelet on `dir`, as the real one starts.
+    pub async fn start(dir: &Path) -> anyhow::Result<Self> {
+        let (view, _) = watch::channel(KubeletView::default());
+        let shared =
+            Arc::new(Shared { dir: dir.to_path_buf(), view, books: Mutex::new(Books::default()) });
+        let mut kubelet = Self { shared, server: None };
+        kubelet.listen()?;
+        Ok(kubelet)
+    }
+
+    /// A kubelet that has not started yet: [`FakeKubelet::restart`] starts it.
+    pub fn absent(dir: &Path) -> Self {
+        let (view, _) = watch::channel(KubeletView::default());
+        let shared =
+            Arc::new(Shared { dir: dir.to_path_buf(), view, books: Mutex::new(Books::default()) });
+        Self { shared, server: None }
+    }
+
+    /// The device-plugin directory.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    fn listen(&mut self) -> anyhow::Result<()> {
+        let dir = &self.shared.dir;
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))?;
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            if entry.file_name() == KUBELET_CHECKPOINT {
+                continue;
+            }
+            let path = entry.path();
+            if entry.file_type()?.is_dir() {
+                std::fs::remove_dir_all(&path)?;
+            } else {
+                std::fs::remove_file(&path)?;
+            }
+        }
+        let listener = UnixListener::bind(dir.join(api::KUBELET_SOCKET))
+            .with_context(|| format!("listen on {}", dir.display()))?;
+        let token = CancellationToken::new();
+        let service =
+            api::registration_server::RegistrationServer::new(Registration(self.shared.clone()));
+        let stop = token.clone();
+        let task = tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    UnixListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                )
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "fake kubelet server failed");
+            }
+        });
+        self.server = Some((token, task));
+        self.shared.view.send_modify(|v| v.starts += 1);
+        Ok(())
+    }
+
+    async fn shut_down(&mut self) {
+        if let Some((token, task)) = self.server.take() {
+            token.cancel();
+            let abort = task.abort_handle();
+            if tokio::time::timeout(Duration::from_secs(2), task).await.is_err() {
+                abort.abort();
+            }
+        }
+        let plugins: Vec<PluginConn> = {
+            let mut books = self.shared.books();
+            books.plugins.drain().map(|(_, c)| c).collect()
+        };
+        for conn in plugins {
+            conn.stream.abort();
+        }
+        self.shared.view.send_modify(|v| v.streaming.clear());
+    }
+
+    /// Stops listening and removes `kubelet.sock`, like a kubelet that died.
+    pub async fn stop(&mut self) {
+        self.shut_down().await;
+        let _ = std::fs::remove_file(self.shared.dir.join(api::KUBELET_SOCKET));
+    }
+
+    /// A kubelet restart: drop every plugin connection, wipe the directory, listen again. The
+    /// kubelet's allocation books survive (they live in its checkpoint).
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.shut_down().await;
+        self.listen()
+    }
+
+    /// What the kubelet has seen so far.
+    pub fn view(&self) -> KubeletView {
+        self.shared.view.borrow().clone()
+    }
+
+    /// Waits until `predicate` holds for the kubelet's view, at most `timeout`.
+    pub async fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut predicate: impl FnMut(&KubeletView) -> bool,
+    ) -> anyhow::Result<KubeletView> {
+        let mut rx = self.shared.view.subscribe();
+        let outcome = tokio::time::timeout(timeout, rx.wait_for(|v| predicate(v)))
+            .await
+            .map(|r| r.map(|view| view.clone()));
+        match outcome {
+            Ok(Ok(view)) => Ok(view),
+            Ok(Err(_)) => bail!("fake kubelet dropped while waiting for {what}"),
+            Err(_) => bail!(
+                "timed out after {timeout:?} waiting for {what}; kubelet view: {:?}",
+                *rx.borrow()
+            ),
+        }
+    }
+
+    /// Waits until `resource` has registered at least `n` times in all.
+    pub async fn wait_registered(&self, resource: &str, n: u64) -> anyhow::Result<KubeletView> {
+        self.wait_for(&format!("{resource} registered {n} time(s)"), Duration::from_secs(10), |v| {
+            v.registrations.get(resource).copied().unwrap_or(0) >= n
+                && v.streaming.contains(resource)
+        })
+        .await
+    }
+
+    fn client(
+        &self,
+        resource: &str,
+    ) -> Result<(PluginClient, api::DevicePluginOptions), AdmitError> {
+        let books = self.shared.books();
+        let conn = books
+            .plugins
+            .get(resource)
+            .ok_or_else(|| AdmitError::NotRegistered(resource.into()))?;
+        Ok((conn.client.clone(), conn.options))
+    }
+
+    /// Admits one container asking for `count` devices of `resource`, as the kubelet does.
+    pub async fn admit(&self, resource: &str, count: usize) -> Result<Admission, AdmitError> {
+        let (mut client, options) = self.client(resource)?;
+        let available: Vec<String> = {
+            let books = self.shared.books();
+            let taken = books.allocated.get(resource);
+            let mut healthy = self.view().healthy(resource);
+            healthy.retain(|id| !taken.is_some_and(|t| t.contains(id)));
+            healthy.sort();
+            healthy
+        };
+        if available.len() < count {
+            return Err(AdmitError::NotEnough {
+                resource: resource.into(),
+                requested: count,
+                available: available.len(),
+            });
+        }
+        let preferred = if options.get_preferred_allocation_available {
+            let request = api::PreferredAllocationRequest {
+                container_requests: vec![api::ContainerPreferredAllocationRequest {
+                    available_device_i_ds: available.clone(),
+                    must_include_device_i_ds: vec![],
+                    allocation_size: i32::try_from(count).unwrap_or(i32::MAX),
+                }],
+            };
+            let answer = with_timeout(client.get_preferred_allocation(request)).await?;
+            Some(
+                answer
+                    .container_responses
+                    .into_iter()
+                    .next()
+                    .map(|c| c.device_i_ds)
+                    .unwrap_or_default(),
+            )
+        } else {
+            None
+        };
+        // The kubelet takes the preference when it is usable, and otherwise chooses itself.
+        let device_ids = match &preferred {
+            Some(p)
+                if p.len() == count
+                    && p.iter().collect::<BTreeSet<_>>().len() == count
+                    && p.iter().all(|id| available.contains(id)) =>
+            {
+                p.clone()
+            }
+            _ => available[..count].to_vec(),
+        };
+        let response = self.allocate_raw(resource, vec![device_ids.clone()]).await?;
+        let response = response
+            .container_responses
+            .into_iter()
+            .next()
+            .ok_or_else(|| Status::internal("plugin returned no container response"))?;
+        self.shared
+            .books()
+            .allocated
+            .entry(resource.to_owned())
+            .or_default()
+            .extend(device_ids.iter().cloned());
+        Ok(Admission { preferred, device_ids, response })
+    }
+
+    /// Calls Allocate with these containers' device IDs, outside the kubelet's books (for
+    /// requests the real kubelet would not make, and for repeated init-container allocations).
+    pub async fn allocate_raw(
+        &self,
+        resource: &str,
+        containers: Vec<Vec<String>>,
+    ) -> Result<api::AllocateResponse, AdmitError> {
+        let (mut client, _) = self.client(resource)?;
+        let request = api::AllocateRequest {
+            container_requests: containers
+                .into_iter()
+                .map(|devices_ids| api::ContainerAllocateRequest { devices_ids })
+                .collect(),
+        };
+        Ok(with_timeout(client.allocate(request)).await?)
+    }
+
+    /// A pod ended: the kubelet frees its devices in its own books and tells the plugin nothing.
+    pub fn release(&self, resource: &str, device_ids: &[String]) {
+        if let Some(set) = self.shared.books().allocated.get_mut(resource) {
+            for id in device_ids {
+                set.remove(id);
+            }
+        }
+    }
+
+    /// Devices the kubelet's books hold as allocated for `resource`.
+    pub fn allocated(&self, resource: &str) -> BTreeSet<String> {
+        self.shared.books().allocated.get(resource).cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for FakeKubelet {
+    fn drop(&mut self) {
+        if let Some((token, task)) = self.server.take() {
+            token.cancel();
+            task.abort();
+        }
+        for (_, conn) in self.shared.books().plugins.drain() {
+            conn.stream.abort();
+        }
+    }
+}
+
+async fn with_timeout<T>(
+    call: impl std::future::Future<Output = Result<Response<T>, Status>>,
+) -> Result<T, Status> {
+    match tokio::time::timeout(Duration::from_secs(10), call).await {
+        Ok(result) => result.map(Response::into_inner),
+        Err(_) => Err(Status::deadline_exceeded("plugin did not answer within 10 s")),
+    }
+}
+
+struct Registration(Arc<Shared>);
+
+impl Registration {
+    async fn connect(&self, request: &api::RegisterRequest) -> anyhow::Result<()> {
+        let shared = &self.0;
+        let resource = request.resource_name.clone();
+        let socket = shared.dir.join(&request.endpoint);
+        let channel = baleen_device_plugin::uds::connect(&socket, DIAL_TIMEOUT)
+            .await
+            .map_err(|e| anyhow!("failed to dial device plugin: {e}"))?;
+        let mut client = PluginClient::new(channel);
+        let options = with_timeout(client.get_device_plugin_options(api::Empty {})).await?;
+        let mut stream = with_timeout(client.list_and_watch(api::Empty {})).await?;
+        shared.view.send_modify(|v| {
+            v.streaming.insert(resource.clone());
+        });
+        let view = shared.view.clone();
+        let name = resource.clone();
+        let task = tokio::spawn(async move {
+            while let Ok(Some(message)) = stream.message().await {
+                view.send_modify(|v| {
+                    v.devices.insert(name.clone(), message.devices);
+                    *v.updates.entry(name.clone()).or_default() += 1;
+                });
+            }
+            view.send_modify(|v| {
+                v.streaming.remove(&name);
+            });
+        });
+        let old = shared
+            .books()
+            .plugins
+            .insert(resource.clone(), PluginConn { client, options, stream: task });
+        if let Some(old) = old {
+            old.stream.abort();
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl api::registration_server::Registration for Registration {
+    async fn register(
+        &self,
+        request: Request<api::RegisterRequest>,
+    ) -> Result<Response<api::Empty>, Status> {
+        let request = request.into_inner();
+        let refuse = |message: String| {
+            self.0
+                .view
+                .send_modify(|v| v.refusals.push((request.resource_name.clone(), message.clone())));
+            // The kubelet returns a plain Go error, which gRPC sends as Unknown.
+            Status::unknown(message)
+        };
+        if request.version != api::VERSION {
+            return Err(refuse(format!(
+                "requested API version {:?} is not supported by kubelet. Supported versions are [\"v1beta1\"]",
+                request.version
+            )));
+        }
+        if baleen_device_plugin::resource_name::validate(&request.resource_name).is_err() {
+            return Err(refuse(format!("the ResourceName {:?} is invalid", request.resource_name)));
+        }
+        if let Err(e) = self.connect(&request).await {
+            return Err(refuse(e.to_string()));
+        }
+        self.0.view.send_modify(|v| {
+            *v.registrations.entry(request.resource_name.clone()).or_default() += 1;
+        });
+        Ok(Response::new(api::Empty {}))
+    }
+}
