@@ -1,0 +1,620 @@
+//! The node's GPU inventory: what GPUs there are, how they are connected, how they are split into
+//! MIG instances, and whether they report errors.
+//!
+//! This module owns the domain types ([`Inventory`], [`Gpu`], [`MigState`], [`HealthEvent`]) and
+//! the [`GpuInventory`] trait that the rest of the agent (the ledger, the resource views, health)
+//! calls. Two backends implement it:
+//!
+//! - [`nvml::NvmlInventory`]: the real one, through NVML (`libnvidia-ml.so.1`); the only module
+//!   of the project that names `nvml_wrapper`;
+//! - [`simulated::SimulatedInventory`]: a YAML topology file, for development and tests on machines
+//!   without a GPU (format in `docs/inventory.md`, examples in `packaging/examples/`).
+//!
+//! The trait is synchronous: NVML calls block, so an async caller runs them with
+//! `tokio::task::spawn_blocking` (or on a thread of its own for the health watch).
+//!
+//! ```
+//! use baleen_agent::inventory::{GpuInventory, MigState, simulated::SimulatedInventory};
+//!
+//! let yaml = r#"
+//! node: example
+//! gpus:
+//!   - index: 0
+//!     model: NVIDIA L4
+//!     memory: 23034MiB
+//!     pci_bus_id: "0000:3b:00.0"
+//!     numa_node: 0
+//! "#;
+//! let backend = SimulatedInventory::from_yaml_str(yaml, "inline.yaml")?;
+//! let inventory = backend.discover()?;
+//! assert_eq!(inventory.gpus[0].memory_bytes, 23034 * 1024 * 1024);
+//! assert_eq!(inventory.gpus[0].pci_bus_id, "00000000:3B:00.0");
+//! assert_eq!(inventory.gpus[0].mig, MigState::Disabled);
+//! # Ok::<(), baleen_agent::inventory::InventoryError>(())
+//! ```
+
+pub mod nvml;
+pub mod simulated;
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use simulated::{TopologyError, TopologyProblem};
+
+/// One mebibyte, the unit NVML uses for MIG memory sizes.
+pub const MIB: u64 = 1024 * 1024;
+/// One gibibyte.
+pub const GIB: u64 = 1024 * MIB;
+
+/// A boxed error from a layer below (NVML, the file system), kept as the `source` of an
+/// [`InventoryError`] so that no vendor type appears in this module's API.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A string that is not a valid GPU or MIG UUID.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{value}` is not a {kind} UUID: expected `{prefix}` followed by letters, digits and dashes"
+)]
+pub struct InvalidUuid {
+    /// The rejected text.
+    pub value: String,
+    /// "GPU" or "MIG".
+    pub kind: &'static str,
+    /// The expected prefix, `GPU-` or `MIG-`.
+    pub prefix: &'static str,
+}
+
+fn check_uuid(value: &str, kind: &'static str, prefix: &'static str) -> Result<(), InvalidUuid> {
+    let rest = value.strip_prefix(prefix);
+    let ok = rest.is_some_and(|rest| {
+        !rest.is_empty() && rest.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    });
+    if ok { Ok(()) } else { Err(InvalidUuid { value: value.to_owned(), kind, prefix }) }
+}
+
+macro_rules! uuid_newtype {
+    ($(#[$doc:meta])* $name:ident, $kind:literal, $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(String);
+
+        impl $name {
+            /// Checks the prefix and the characters, and wraps the text.
+            pub fn new(value: impl Into<String>) -> Result<Self, InvalidUuid> {
+                let value = value.into();
+                check_uuid(&value, $kind, $prefix)?;
+                Ok(Self(value))
+            }
+
+            /// The UUID as NVML prints it.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = InvalidUuid;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::new(s)
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = InvalidUuid;
+            fn try_from(value: String) -> Result<Self, Self::Error> {
+                Self::new(value)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(value: $name) -> String {
+                value.0
+            }
+        }
+    };
+}
+
+uuid_newtype!(
+    /// The UUID of a physical GPU, e.g. `GPU-5a6c8d6e-2f59-4f7b-9a1e-0c2d4b6f8a10`; always starts
+    /// with `GPU-`.
+    GpuUuid,
+    "GPU",
+    "GPU-"
+);
+uuid_newtype!(
+    /// The UUID of a MIG instance, e.g. `MIG-0b1f6a4e-...`; always starts with `MIG-`.
+    MigUuid,
+    "MIG",
+    "MIG-"
+);
+
+/// What the agent knows about a node's GPUs at one moment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inventory {
+    /// The NVIDIA driver version (e.g. `570.124.06`), when the backend knows it.
+    pub driver_version: Option<String>,
+    /// The GPUs, ordered by [`Gpu::index`].
+    pub gpus: Vec<Gpu>,
+}
+
+impl Inventory {
+    /// The GPU with this UUID, if the node has it.
+    pub fn gpu(&self, uuid: &GpuUuid) -> Option<&Gpu> {
+        self.gpus.iter().find(|gpu| &gpu.uuid == uuid)
+    }
+}
+
+/// One physical GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// NVML's index (0..count), the order of `nvidia-smi`.
+    pub index: u32,
+    /// The GPU's UUID.
+    pub uuid: GpuUuid,
+    /// The product name, e.g. `NVIDIA H200`.
+    pub name: String,
+    /// Total memory in bytes, as NVML reports it (e.g. 143771 MiB on an H200 141GB).
+    pub memory_bytes: u64,
+    /// The PCI bus ID, normalised as NVML prints it: `00000000:19:00.0` (8-digit domain, uppercase
+    /// hex). See [`normalize_pci_bus_id`].
+    pub pci_bus_id: String,
+    /// The NUMA node of the GPU's PCI device, `None` when the platform has no NUMA information.
+    pub numa_node: Option<u32>,
+    /// The GPUs reachable from this one over NVLink (directly or through NVSwitch), sorted.
+    pub nvlink_peers: Vec<GpuUuid>,
+    /// MIG mode and, when enabled, the MIG instances that exist.
+    pub mig: MigState,
+}
+
+/// Whether a GPU is split into MIG instances.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum MigState {
+    /// MIG is off (or the GPU does not support it): the GPU is used whole.
+    Disabled,
+    /// MIG is on; the instances that currently exist (possibly none), ordered by GPU-instance
+    /// ID then compute-instance ID.
+    Enabled {
+        /// The MIG devices.
+        instances: Vec<MigInstance>,
+    },
+}
+
+impl MigState {
+    /// The MIG instances (none when MIG is disabled).
+    pub fn instances(&self) -> &[MigInstance] {
+        match self {
+            MigState::Disabled => &[],
+            MigState::Enabled { instances } => instances,
+        }
+    }
+
+    /// Whether MIG mode is on.
+    pub fn is_enabled(&self) -> bool {
+        matches!(self, MigState::Enabled { .. })
+    }
+}
+
+/// One MIG device (a compute instance inside a GPU instance).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigInstance {
+    /// The MIG device's UUID.
+    pub uuid: MigUuid,
+    /// The profile name as NVIDIA's device plugin names it, e.g. `1g.10gb` or `1c.3g.40gb`
+    /// (see [`MigProfile`]).
+    pub profile: String,
+    /// The memory the MIG device offers, in bytes.
+    pub memory_bytes: u64,
+    /// The GPU-instance ID on its GPU.
+    pub gpu_instance_id: u32,
+    /// The compute-instance ID inside its GPU instance.
+    pub compute_instance_id: u32,
+}
+
+/// A MIG profile: GPU-instance slices, compute-instance slices and memory in (rounded) GB.
+///
+/// Named the way NVIDIA's k8s-device-plugin (go-nvlib) names MIG devices: `<g>g.<gb>gb`, with a
+/// `<c>c.` prefix when the compute instance has fewer slices than its GPU instance. Profiles with
+/// attributes (`+me`, `+gfx`) are not modelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MigProfile {
+    /// Compute-instance slices.
+    pub compute_slices: u32,
+    /// GPU-instance slices.
+    pub gpu_slices: u32,
+    /// Memory in GB as the name shows it.
+    pub memory_gb: u64,
+}
+
+/// A MIG profile name that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{0}` is not a MIG profile name: expected `<g>g.<gb>gb` or `<c>c.<g>g.<gb>gb`, e.g. \
+     `1g.10gb`, `3g.40gb` or `1c.3g.40gb` (profiles with attributes such as `+me` are not supported)"
+)]
+pub struct InvalidMigProfile(pub String);
+
+impl MigProfile {
+    /// The profile of a MIG device from its attributes, the way go-nvlib computes it: the MIG
+    /// memory as a fraction of the parent GPU's memory, rounded up to eighths, times the GPU's
+    /// memory in whole GB (rounded up), rounded to the nearest GB.
+    pub fn from_attributes(
+        gpu_slices: u32,
+        compute_slices: u32,
+        mig_memory_mib: u64,
+        gpu_memory_bytes: u64,
+    ) -> Self {
+        Self {
+            compute_slices,
+            gpu_slices,
+            memory_gb: mig_memory_gb(gpu_memory_bytes, mig_memory_mib),
+        }
+    }
+
+    /// The largest MIG memory size, in MiB, that still gets this profile's GB figure on a GPU
+    /// with `gpu_memory_bytes`, or `None` when no size does (the GB figure does not fit the GPU).
+    ///
+    /// The simulated backend uses it as the default memory of a MIG instance whose size the
+    /// topology file does not give.
+    pub fn default_memory_mib(&self, gpu_memory_bytes: u64) -> Option<u64> {
+        (1..=8u64).rev().find_map(|eighths| {
+            let mib = gpu_memory_bytes / 8 * eighths / MIB;
+            (mig_memory_gb(gpu_memory_bytes, mib) == self.memory_gb).then_some(mib)
+        })
+    }
+}
+
+/// go-nvlib's `getMigMemorySizeGB`.
+fn mig_memory_gb(gpu_memory_bytes: u64, mig_memory_mib: u64) -> u64 {
+    if gpu_memory_bytes == 0 {
+        return 0;
+    }
+    const EIGHTHS: f64 = 8.0;
+    let fraction = (mig_memory_mib as f64 * MIB as f64) / gpu_memory_bytes as f64;
+    let fraction = (fraction * EIGHTHS).ceil() / EIGHTHS;
+    let total_gb = gpu_memory_bytes.div_ceil(GIB) as f64;
+    (fraction * total_gb).round() as u64
+}
+
+impl fmt::Display for MigProfile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.compute_slices != self.gpu_slices {
+            write!(f, "{}c.", self.compute_slices)?;
+        }
+        write!(f, "{}g.{}gb", self.gpu_slices, self.memory_gb)
+    }
+}
+
+impl FromStr for MigProfile {
+    type Err = InvalidMigProfile;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let invalid = || InvalidMigProfile(s.to_owned());
+        let number = |part: &str, suffix: &str| -> Option<u64> {
+            let digits = part.strip_suffix(suffix)?;
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            digits.parse().ok()
+        };
+        let parts: Vec<&str> = s.split('.').collect();
+        let (compute, gpu, memory) = match parts.as_slice() {
+            [g, gb] => (None, *g, *gb),
+            [c, g, gb] => (Some(*c), *g, *gb),
+            _ => return Err(invalid()),
+        };
+        let gpu_slices =
+            number(gpu, "g").and_then(|n| u32::try_from(n).ok()).ok_or_else(invalid)?;
+        let memory_gb = number(memory, "gb").ok_or_else(invalid)?;
+        let compute_slices = match compute {
+            None => gpu_slices,
+            Some(c) => number(c, "c").and_then(|n| u32::try_from(n).ok()).ok_or_else(invalid)?,
+        };
+        if gpu_slices == 0 || compute_slices == 0 || compute_slices > gpu_slices {
+            return Err(invalid());
+        }
+        Ok(Self { compute_slices, gpu_slices, memory_gb })
+    }
+}
+
+/// A PCI bus ID that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{0}` is not a PCI bus ID: expected `domain:bus:device.function` in hex, e.g. \
+     `00000000:19:00.0` or `0000:19:00.0`"
+)]
+pub struct InvalidPciBusId(pub String);
+
+/// Normalises a PCI bus ID to NVML's form: 8-digit domain, uppercase hex, e.g.
+/// `0000:3b:00.0` becomes `00000000:3B:00.0`.
+pub fn normalize_pci_bus_id(bus_id: &str) -> Result<String, InvalidPciBusId> {
+    let invalid = || InvalidPciBusId(bus_id.to_owned());
+    let hex = |part: &str, max_len: usize| -> Option<u32> {
+        if part.is_empty() || part.len() > max_len {
+            return None;
+        }
+        u32::from_str_radix(part, 16).ok()
+    };
+    let (domain, rest) = bus_id.split_once(':').ok_or_else(invalid)?;
+    let (bus, rest) = rest.split_once(':').ok_or_else(invalid)?;
+    let (device, function) = rest.split_once('.').ok_or_else(invalid)?;
+    let domain = hex(domain, 8).ok_or_else(invalid)?;
+    let bus = hex(bus, 2).ok_or_else(invalid)?;
+    let device = hex(device, 2).filter(|d| *d < 32).ok_or_else(invalid)?;
+    let function = hex(function, 1).filter(|f| *f < 8).ok_or_else(invalid)?;
+    Ok(format!("{domain:08X}:{bus:02X}:{device:02X}.{function:X}"))
+}
+
+/// The name of a GPU's directory under `/sys/bus/pci/devices/` for a normalised bus ID:
+/// lowercase, 4-digit domain (`00000000:3B:00.0` becomes `0000:3b:00.0`).
+pub fn pci_sysfs_name(normalized_bus_id: &str) -> String {
+    let lower = normalized_bus_id.to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() == 8 && domain.starts_with("0000") => {
+            format!("{}:{rest}", &domain[4..])
+        }
+        _ => lower,
+    }
+}
+
+/// XIDs that NVIDIA's device plugin treats as application errors: the application faulted, the
+/// GPU is fine (13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped
+/// processing, 45 preemptive cleanup, 68 video processor exception, 109 context switch timeout).
+pub const APPLICATION_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
+
+/// Whether an XID means the GPU itself is in trouble (everything but [`APPLICATION_XIDS`]).
+pub fn is_critical_xid(xid: u64) -> bool {
+    !APPLICATION_XIDS.contains(&xid)
+}
+
+/// An error a GPU reported (an NVML critical XID event).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthEvent {
+    /// The GPU that reported it.
+    pub gpu: GpuUuid,
+    /// The XID number (999 when NVML could not tell which).
+    pub xid: u64,
+    /// Whether it marks the GPU unhealthy ([`is_critical_xid`]).
+    pub critical: bool,
+}
+
+impl HealthEvent {
+    /// An event for `xid` on `gpu`, classified with [`is_critical_xid`].
+    pub fn from_xid(gpu: GpuUuid, xid: u64) -> Self {
+        Self { gpu, xid, critical: is_critical_xid(xid) }
+    }
+}
+
+/// A source of GPU inventory: NVML, or a simulated topology.
+///
+/// Methods block (NVML calls do); call them from `spawn_blocking` or a dedicated thread.
+pub trait GpuInventory: Send + Sync {
+    /// Reads the node's GPUs now.
+    fn discover(&self) -> Result<Inventory, InventoryError>;
+
+    /// Starts watching the GPUs for health events. The watcher borrows the backend; run it on a
+    /// thread of its own and call [`HealthWatcher::next_event`] in a loop, checking for shutdown
+    /// between calls.
+    fn health_watcher(&self) -> Result<Box<dyn HealthWatcher + '_>, InventoryError>;
+}
+
+/// A live subscription to GPU health events, from [`GpuInventory::health_watcher`].
+pub trait HealthWatcher: Send {
+    /// GPUs that cannot report health events (e.g. NVML says events are not supported on them);
+    /// the caller decides how to treat them.
+    fn unwatched(&self) -> &[GpuUuid];
+
+    /// Waits up to `timeout` for the next event. `Ok(None)` means none came in time (it may
+    /// return early, e.g. when NVML delivered an event of another kind).
+    fn next_event(&mut self, timeout: Duration) -> Result<Option<HealthEvent>, InventoryError>;
+}
+
+/// Why the inventory could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum InventoryError {
+    /// The NVML library could not be loaded.
+    #[error(
+        "cannot load the NVML library `{library}`: install the NVIDIA driver (it provides \
+         libnvidia-ml.so.1; in a container, run with the NVIDIA container toolkit), or give its \
+         path with --nvml-lib; on a node without GPUs use --simulated FILE"
+    )]
+    NvmlNotFound {
+        /// The library path or name that was tried.
+        library: String,
+        /// The loader's error.
+        #[source]
+        source: BoxError,
+    },
+    /// The NVML library loaded but did not initialise.
+    #[error(
+        "NVML (`{library}`) failed to initialise: check that the NVIDIA kernel driver is loaded \
+         (`nvidia-smi` works on the host) and that the agent can open /dev/nvidia*"
+    )]
+    NvmlInit {
+        /// The library path or name that was loaded.
+        library: String,
+        /// NVML's error.
+        #[source]
+        source: BoxError,
+    },
+    /// An NVML call failed.
+    #[error("NVML call {call} failed{}", on_gpu(*gpu_index))]
+    Nvml {
+        /// The NVML function, e.g. `nvmlDeviceGetUUID`.
+        call: &'static str,
+        /// The GPU index it was called for, if any.
+        gpu_index: Option<u32>,
+        /// NVML's error.
+        #[source]
+        source: BoxError,
+    },
+    /// An NVML call returned a value the agent cannot use.
+    #[error("NVML call {call} returned an unusable value{}: {detail}", on_gpu(*gpu_index))]
+    NvmlValue {
+        /// The NVML function.
+        call: &'static str,
+        /// The GPU index it was called for, if any.
+        gpu_index: Option<u32>,
+        /// What is wrong with the value.
+        detail: String,
+    },
+    /// A sysfs file could not be read.
+    #[error("cannot read {}", path.display())]
+    Sysfs {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A sysfs file holds something unexpected.
+    #[error("{}:{line}: unexpected content `{content}`: {expected}", path.display())]
+    SysfsValue {
+        /// The file.
+        path: PathBuf,
+        /// The line (1-based).
+        line: usize,
+        /// What was there.
+        content: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+    /// The simulated topology file is unreadable or invalid.
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    /// A simulated health event names a GPU the node does not have.
+    #[error("no GPU {0} on this simulated node")]
+    UnknownGpu(GpuUuid),
+}
+
+fn on_gpu(gpu_index: Option<u32>) -> String {
+    gpu_index.map(|index| format!(" for GPU {index}")).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_need_their_prefix() {
+        assert!(GpuUuid::new("GPU-5a6c8d6e-2f59-4f7b-9a1e-0c2d4b6f8a10").is_ok());
+        assert!(MigUuid::new("MIG-0b1f6a4e-1111-2222-3333-444455556666").is_ok());
+        let err = GpuUuid::new("MIG-0b1f").expect_err("a MIG UUID is not a GPU UUID");
+        assert_eq!(err.prefix, "GPU-");
+        assert!(GpuUuid::new("GPU-").is_err());
+        assert!(GpuUuid::new("GPU-has space").is_err());
+        assert!(MigUuid::new("GPU-0b1f").is_err());
+        let parsed: GpuUuid =
+            serde_json::from_str("\"GPU-abc\"").expect("a valid UUID deserialises");
+        assert_eq!(parsed.as_str(), "GPU-abc");
+        assert!(serde_json::from_str::<GpuUuid>("\"abc\"").is_err());
+    }
+
+    #[test]
+    fn pci_bus_ids_are_normalised_like_nvml() {
+        assert_eq!(normalize_pci_bus_id("0000:3b:00.0").as_deref(), Ok("00000000:3B:00.0"));
+        assert_eq!(normalize_pci_bus_id("00000000:19:00.0").as_deref(), Ok("00000000:19:00.0"));
+        assert_eq!(normalize_pci_bus_id("1:c1:1f.7").as_deref(), Ok("00000001:C1:1F.7"));
+        for bad in ["", "19:00.0", "0000:3b:00", "0000:3g:00.0", "0000:3b:20.0", "0000:3b:00.8"] {
+            assert!(normalize_pci_bus_id(bad).is_err(), "{bad} should be rejected");
+        }
+        assert_eq!(pci_sysfs_name("00000000:3B:00.0"), "0000:3b:00.0");
+        assert_eq!(pci_sysfs_name("00010000:3B:00.0"), "00010000:3b:00.0");
+    }
+
+    #[test]
+    fn mig_profiles_are_named_like_nvidia_device_plugin() {
+        let a100 = 81920 * MIB;
+        // Memory sizes like those NVML reports for A100-SXM4-80GB GPU-instance profiles.
+        assert_eq!(MigProfile::from_attributes(1, 1, 9728, a100).to_string(), "1g.10gb");
+        assert_eq!(MigProfile::from_attributes(2, 2, 19968, a100).to_string(), "2g.20gb");
+        assert_eq!(MigProfile::from_attributes(3, 3, 40192, a100).to_string(), "3g.40gb");
+        assert_eq!(MigProfile::from_attributes(7, 7, 80640, a100).to_string(), "7g.80gb");
+        assert_eq!(MigProfile::from_attributes(3, 1, 40192, a100).to_string(), "1c.3g.40gb");
+        // H200 141GB (143771 MiB): one eighth rounds to 18 GB.
+        let h200 = 143_771 * MIB;
+        assert_eq!(MigProfile::from_attributes(1, 1, 16_384, h200).to_string(), "1g.18gb");
+    }
+
+    #[test]
+    fn mig_profile_names_parse_and_round_trip() {
+        for name in ["1g.10gb", "3g.40gb", "7g.80gb", "1c.3g.40gb", "2c.4g.20gb"] {
+            let profile: MigProfile = name.parse().expect("valid profile");
+            assert_eq!(profile.to_string(), name);
+        }
+        for bad in ["", "1g", "g.10gb", "1g.10", "1g.10gb+me", "4c.3g.40gb", "0g.5gb", "x.1g.5gb"] {
+            assert!(bad.parse::<MigProfile>().is_err(), "{bad} should be rejected");
+        }
+    }
+
+    #[test]
+    fn default_mig_memory_gives_back_the_profile() {
+        let a100 = 81920 * MIB;
+        let h200 = 143_771 * MIB;
+        for (name, gpu) in
+            [("1g.10gb", a100), ("3g.40gb", a100), ("7g.80gb", a100), ("1g.18gb", h200)]
+        {
+            let profile: MigProfile = name.parse().expect("valid profile");
+            let mib = profile.default_memory_mib(gpu).expect("the profile fits the GPU");
+            assert!(mib * MIB <= gpu);
+            let again =
+                MigProfile::from_attributes(profile.gpu_slices, profile.compute_slices, mib, gpu);
+            assert_eq!(again, profile);
+        }
+        let too_big: MigProfile = "1g.500gb".parse().expect("valid profile");
+        assert_eq!(too_big.default_memory_mib(a100), None);
+    }
+
+    #[test]
+    fn xids_are_classified_like_nvidia_device_plugin() {
+        for xid in APPLICATION_XIDS {
+            assert!(!is_critical_xid(xid));
+        }
+        for xid in [48, 63, 64, 74, 79, 92, 94, 95, 119, 999] {
+            assert!(is_critical_xid(xid), "xid {xid}");
+        }
+        let gpu = GpuUuid::new("GPU-1").expect("valid");
+        assert!(HealthEvent::from_xid(gpu.clone(), 79).critical);
+        assert!(!HealthEvent::from_xid(gpu, 31).critical);
+    }
+
+    #[test]
+    fn inventory_json_round_trips() {
+        let inventory = Inventory {
+            driver_version: Some("570.124.06".into()),
+            gpus: vec![Gpu {
+                index: 0,
+                uuid: GpuUuid::new("GPU-a").expect("valid"),
+                name: "NVIDIA A100-SXM4-80GB".into(),
+                memory_bytes: 81920 * MIB,
+                pci_bus_id: "00000000:07:00.0".into(),
+                numa_node: Some(0),
+                nvlink_peers: vec![GpuUuid::new("GPU-b").expect("valid")],
+                mig: MigState::Enabled {
+                    instances: vec![MigInstance {
+                        uuid: MigUuid::new("MIG-a").expect("valid"),
+                        profile: "3g.40gb".into(),
+                        memory_bytes: 40192 * MIB,
+                        gpu_instance_id: 2,
+                        compute_instance_id: 0,
+                    }],
+                },
+            }],
+        };
+        let json = serde_json::to_string(&inventory).expect("serialises");
+        assert!(json.contains(r#""mig":{"mode":"enabled","instances":["#), "{json}");
+        let back: Inventory = serde_json::from_str(&json).expect("deserialises");
+        assert_eq!(back, inventory);
+    }
+}
