@@ -9,3 +9,4 @@
 //! Alibaba results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
 
 pub mod fake_kubelet;
+pub mod fake_nvml;

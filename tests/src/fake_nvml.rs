@@ -1,0 +1,194 @@
+//! A fake NVML library for tests, so that the real NVML backend
+//! ([`baleen_agent::inventory::nvml::NvmlInventory`]) runs without a GPU.
+//!
+//! [`FakeNvml::new`] compiles `tests/fake-nvml/fake_nvml.c` with the system C compiler (`cc`, or
+//! `$CC`) into a temp dir of its own, writes there the topology file the library reads (converted
+//! from an [`Inventory`], usually one the simulated backend loaded from a YAML file) and a sysfs
+//! tree with the GPUs' NUMA nodes. Each fake gets its own copy of the library, so tests in one
+//! process do not share NVML state and need no environment variables. The file format is
+//! described at the top of the C source and in `docs/inventory.md`.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, bail, ensure};
+use baleen_agent::inventory::nvml::NvmlConfig;
+use baleen_agent::inventory::{Inventory, MIB, MigProfile, MigState, pci_sysfs_name};
+
+/// The C source of the fake library.
+pub const SOURCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fake-nvml/fake_nvml.c");
+/// The file name the library is built as (what the driver installs).
+pub const LIBRARY_NAME: &str = "libnvidia-ml.so.1";
+/// The topology file the library reads from its own directory...
+pub const TOPOLOGY_FILE: &str = "fake-nvml-topology.txt";
+/// ...unless this environment variable names another one.
+pub const TOPOLOGY_ENV: &str = "BALEEN_FAKE_NVML_TOPOLOGY";
+/// The file of XID events (`xid <gpu index> <xid>` lines) the library reads from its directory...
+pub const EVENTS_FILE: &str = "fake-nvml-events.txt";
+/// ...unless this environment variable names another one.
+pub const EVENTS_ENV: &str = "BALEEN_FAKE_NVML_EVENTS";
+
+/// Compiles the fake library to `output` with `$CC` (default `cc`).
+pub fn compile(output: &Path) -> anyhow::Result<()> {
+    let compiler = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+    let shown = compiler.to_string_lossy().into_owned();
+    let result = Command::new(&compiler)
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-o"])
+        .arg(output)
+        .arg(SOURCE)
+        .arg("-ldl")
+        .output();
+    let out = match result {
+        Ok(out) => out,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => bail!(
+            "cannot run the C compiler `{shown}` to build the fake NVML library from {SOURCE}: \
+             install gcc (e.g. `apt-get install gcc`) or set CC to a C compiler"
+        ),
+        Err(err) => {
+            return Err(err).with_context(|| format!("cannot run the C compiler `{shown}`"));
+        }
+    };
+    ensure!(
+        out.status.success(),
+        "`{shown} -shared -fPIC ... {SOURCE}` failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+/// The fake library's topology file for `inventory` (NUMA nodes excepted: they live in sysfs).
+pub fn topology_text(inventory: &Inventory) -> anyhow::Result<String> {
+    let mut text = String::from("# written by baleen_tests::fake_nvml\n");
+    if let Some(version) = &inventory.driver_version {
+        ensure!(!version.contains(char::is_whitespace), "driver version `{version}` has spaces");
+        writeln!(text, "driver {version}")?;
+    }
+    for (position, gpu) in inventory.gpus.iter().enumerate() {
+        ensure!(
+            gpu.index as usize == position,
+            "GPU #{position} has index {}; the fake needs indices 0..N-1 in order",
+            gpu.index
+        );
+        ensure!(
+            !gpu.name.trim().is_empty() && !gpu.name.contains(['\n', '#']),
+            "GPU {} has a name the fake cannot serve: {:?}",
+            gpu.index,
+            gpu.name
+        );
+        writeln!(
+            text,
+            "gpu {} {} {} {} {}",
+            gpu.index, gpu.uuid, gpu.memory_bytes, gpu.pci_bus_id, gpu.name
+        )?;
+        writeln!(text, "mig_mode {} {}", gpu.index, u8::from(gpu.mig.is_enabled()))?;
+        if let MigState::Enabled { instances } = &gpu.mig {
+            for inst in instances {
+                let profile: MigProfile = inst.profile.parse()?;
+                writeln!(
+                    text,
+                    "mig {} {} {} {} {} {} {} {}",
+                    gpu.index,
+                    inst.uuid,
+                    inst.memory_bytes,
+                    inst.gpu_instance_id,
+                    inst.compute_instance_id,
+                    profile.gpu_slices,
+                    profile.compute_slices,
+                    inst.memory_bytes / MIB
+                )?;
+            }
+        }
+    }
+    for (a, gpu) in inventory.gpus.iter().enumerate() {
+        for peer in &gpu.nvlink_peers {
+            let b = inventory
+                .gpus
+                .iter()
+                .position(|other| &other.uuid == peer)
+                .with_context(|| format!("GPU {a}'s NVLink peer {peer} is not on the node"))?;
+            if a < b {
+                writeln!(text, "nvlink {a} {b}")?;
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// A built fake library with its topology, events file and sysfs tree, in a temp dir that lives
+/// as long as this value (drop it after the NVML backend that loaded it).
+#[derive(Debug)]
+pub struct FakeNvml {
+    dir: tempfile::TempDir,
+}
+
+impl FakeNvml {
+    /// A fake serving `inventory`.
+    pub fn new(inventory: &Inventory) -> anyhow::Result<Self> {
+        Self::with_directives(inventory, &[])
+    }
+
+    /// A fake serving `inventory`, with extra topology lines, e.g.
+    /// `fail nvmlDeviceGetP2PStatus * 3` to make a call fail (see the C source).
+    pub fn with_directives(inventory: &Inventory, directives: &[&str]) -> anyhow::Result<Self> {
+        let dir = tempfile::Builder::new().prefix("baleen-fake-nvml-").tempdir()?;
+        compile(&dir.path().join(LIBRARY_NAME))?;
+        let mut text = topology_text(inventory)?;
+        for directive in directives {
+            writeln!(text, "{directive}")?;
+        }
+        let topology = dir.path().join(TOPOLOGY_FILE);
+        std::fs::write(&topology, text)
+            .with_context(|| format!("cannot write {}", topology.display()))?;
+        for gpu in &inventory.gpus {
+            let device =
+                dir.path().join("sys/bus/pci/devices").join(pci_sysfs_name(&gpu.pci_bus_id));
+            std::fs::create_dir_all(&device)
+                .with_context(|| format!("cannot create {}", device.display()))?;
+            let numa = gpu.numa_node.map_or_else(|| "-1".to_owned(), |node| node.to_string());
+            std::fs::write(device.join("numa_node"), format!("{numa}\n"))?;
+        }
+        Ok(Self { dir })
+    }
+
+    /// The directory holding the library, its files and the sysfs tree.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The built library.
+    pub fn library(&self) -> PathBuf {
+        self.dir.path().join(LIBRARY_NAME)
+    }
+
+    /// The topology file the library reads.
+    pub fn topology_file(&self) -> PathBuf {
+        self.dir.path().join(TOPOLOGY_FILE)
+    }
+
+    /// The root of the fake sysfs tree (`<root>/bus/pci/devices/<bus id>/numa_node`).
+    pub fn sysfs_root(&self) -> PathBuf {
+        self.dir.path().join("sys")
+    }
+
+    /// The NVML backend's configuration for this fake.
+    pub fn nvml_config(&self) -> NvmlConfig {
+        NvmlConfig { library: Some(self.library()), sysfs_root: self.sysfs_root() }
+    }
+
+    /// Makes the GPU with this index report `xid` to every event set registered for XIDs.
+    pub fn inject_xid(&self, gpu_index: u32, xid: u64) -> anyhow::Result<()> {
+        let path = self.dir.path().join(EVENTS_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        // One write of a whole line: the library only consumes lines that end in a newline.
+        file.write_all(format!("xid {gpu_index} {xid}\n").as_bytes())
+            .with_context(|| format!("cannot append to {}", path.display()))?;
+        Ok(())
+    }
+}
