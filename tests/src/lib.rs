@@ -4,9 +4,11 @@
 //!   (see `../shared/kubelet-behaviour.md`): Registration on `kubelet.sock`, dial-back,
 //!   GetDevicePluginOptions, ListAndWatch kept open, GetPreferredAllocation then Allocate per
 //!   container, and a restart that wipes the directory.
+//! - [`memory_backend`]: an in-memory device-plugin backend for tests and benchmarks.
 //!
 //! The tests themselves are in `tests/tests/`. The placement replay check against the published
 //! Alibaba results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
 
 pub mod fake_kubelet;
 pub mod fake_nvml;
+pub mod memory_backend;

@@ -2,15 +2,12 @@
 //! registration, ListAndWatch, GetPreferredAllocation then Allocate, kubelet restarts, an absent
 //! kubelet, bad requests and a bad resource name. Every await has a timeout; nothing sleeps.
 
-use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baleen_device_plugin::{
-    BackendError, ContainerAllocation, Device, DeviceBackend, DeviceList, Health, Plugin,
-    PluginConfig, PluginState, PreferredAllocationRequest, device::DeviceSnapshot,
-};
+use baleen_device_plugin::{Device, DeviceBackend, Health, Plugin, PluginConfig, PluginState};
 use baleen_tests::fake_kubelet::{AdmitError, FakeKubelet};
+use baleen_tests::memory_backend::MemoryBackend as TestBackend;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -18,72 +15,6 @@ use tonic::Code;
 
 const RESOURCE: &str = "example.com/widget";
 const WAIT: Duration = Duration::from_secs(10);
-
-/// An in-memory backend: `n` devices `dev-0..`, prefers the highest-numbered available ones (so
-/// a test can tell the kubelet used the preference), refuses `blocked` IDs as taken elsewhere.
-struct TestBackend {
-    resource: String,
-    devices: watch::Sender<DeviceSnapshot>,
-    blocked: Mutex<BTreeSet<String>>,
-    granted: Mutex<Vec<Vec<String>>>,
-}
-
-impl TestBackend {
-    fn new(resource: &str, n: usize) -> Arc<Self> {
-        let list = (0..n).map(|i| Device::healthy(format!("dev-{i}"))).collect();
-        let (devices, _) = watch::channel(Arc::new(DeviceList::new(list)));
-        Arc::new(Self {
-            resource: resource.into(),
-            devices,
-            blocked: Mutex::new(BTreeSet::new()),
-            granted: Mutex::new(Vec::new()),
-        })
-    }
-
-    fn publish(&self, devices: Vec<Device>) {
-        self.devices.send_replace(Arc::new(DeviceList::new(devices)));
-    }
-}
-
-#[async_trait::async_trait]
-impl DeviceBackend for TestBackend {
-    fn resource_name(&self) -> &str {
-        &self.resource
-    }
-
-    fn devices(&self) -> watch::Receiver<DeviceSnapshot> {
-        self.devices.subscribe()
-    }
-
-    async fn preferred_allocation(
-        &self,
-        request: PreferredAllocationRequest,
-    ) -> Result<Vec<String>, BackendError> {
-        let mut chosen = request.must_include.clone();
-        let mut rest: Vec<_> =
-            request.available.iter().filter(|id| !chosen.contains(id)).cloned().collect();
-        rest.sort_by_key(|id| std::cmp::Reverse(id.clone()));
-        chosen.extend(rest.into_iter().take(request.size - chosen.len()));
-        Ok(chosen)
-    }
-
-    async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError> {
-        let blocked: Vec<String> = {
-            let blocked = self.blocked.lock().expect("lock");
-            device_ids.iter().filter(|id| blocked.contains(*id)).cloned().collect()
-        };
-        if !blocked.is_empty() {
-            return Err(BackendError::Conflict {
-                ids: blocked,
-                reason: "taken through another resource".into(),
-            });
-        }
-        self.granted.lock().expect("lock").push(device_ids.clone());
-        let mut allocation = ContainerAllocation::default();
-        allocation.envs.insert("WIDGETS".into(), device_ids.join(","));
-        Ok(allocation)
-    }
-}
 
 struct Running {
     token: CancellationToken,
@@ -175,7 +106,7 @@ async fn preferred_allocation_then_allocate() -> anyhow::Result<()> {
     // An init container's devices are allocated again for the next container: accepted.
     let again = kubelet.allocate_raw(RESOURCE, vec![vec!["dev-3".into(), "dev-2".into()]]).await?;
     assert_eq!(again.container_responses.len(), 1);
-    assert_eq!(backend.granted.lock().expect("lock").len(), 3);
+    assert_eq!(backend.granted().len(), 3);
     plugin.stop().await;
     Ok(())
 }
@@ -253,7 +184,7 @@ async fn unknown_or_malformed_ids_are_invalid_argument_and_serving_goes_on() -> 
     assert!(matches!(&err, AdmitError::Rpc(s) if s.code() == Code::InvalidArgument), "{err}");
 
     // A conflict in the backend is FailedPrecondition, naming the device.
-    backend.blocked.lock().expect("lock").insert("dev-2".into());
+    backend.block("dev-2");
     let err =
         kubelet.allocate_raw(RESOURCE, vec![vec!["dev-2".into()]]).await.expect_err("conflict");
     let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
@@ -263,7 +194,7 @@ async fn unknown_or_malformed_ids_are_invalid_argument_and_serving_goes_on() -> 
     // Still serving.
     let ok = kubelet.allocate_raw(RESOURCE, vec![vec!["dev-0".into()]]).await?;
     assert_eq!(ok.container_responses[0].envs["WIDGETS"], "dev-0");
-    assert_eq!(backend.granted.lock().expect("lock").len(), 1, "refused requests granted nothing");
+    assert_eq!(backend.granted().len(), 1, "refused requests granted nothing");
     plugin.stop().await;
     Ok(())
 }

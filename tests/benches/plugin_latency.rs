@@ -1,0 +1,86 @@
+//! Device-plugin latency over a real Unix socket, against the fake kubelet:
+//!
+//! - Allocate round trip (one container, one device), as the kubelet's client sees it;
+//! - the delay from a backend publishing a new device list to the kubelet having received the
+//!   ListAndWatch message.
+//!
+//! Prints percentiles (p50, p90, p99, max). Run with
+//! `cargo bench -p baleen-tests --bench plugin_latency` (add `-- --quick` for a short run).
+//! Criterion reports means and medians of batches; the issue asks for a p99 per call, so this
+//! harness times each call itself.
+
+use std::time::{Duration, Instant};
+
+use baleen_device_plugin::{Device, DeviceBackend as _, Plugin, PluginConfig};
+use baleen_tests::fake_kubelet::FakeKubelet;
+use baleen_tests::memory_backend::MemoryBackend;
+use tokio_util::sync::CancellationToken;
+
+const RESOURCE: &str = "example.com/widget";
+
+fn percentiles(label: &str, mut samples: Vec<Duration>) {
+    samples.sort_unstable();
+    let at = |q: f64| {
+        let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
+        samples[i].as_secs_f64() * 1e6
+    };
+    println!(
+        "{label}: n={} p50={:.1}µs p90={:.1}µs p99={:.1}µs max={:.1}µs",
+        samples.len(),
+        at(0.5),
+        at(0.9),
+        at(0.99),
+        at(1.0)
+    );
+}
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (allocs, changes) = if quick { (2_000, 200) } else { (20_000, 2_000) };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let tmp = tempfile::tempdir()?;
+        let kubelet = FakeKubelet::start(tmp.path()).await?;
+        let backend = MemoryBackend::new(RESOURCE, 64);
+        let plugin = Plugin::new(backend.clone(), PluginConfig::new(tmp.path(), RESOURCE));
+        let token = CancellationToken::new();
+        let task = tokio::spawn(plugin.run(token.clone()));
+        kubelet.wait_registered(RESOURCE, 1).await?;
+        kubelet
+            .wait_for("devices", Duration::from_secs(10), |v| v.devices_of(RESOURCE).len() == 64)
+            .await?;
+
+        // Allocate round trips (repeated Allocate of the same IDs is allowed).
+        let request = vec![vec!["dev-7".to_owned()]];
+        for _ in 0..200 {
+            kubelet.allocate_raw(RESOURCE, request.clone()).await?;
+        }
+        let mut samples = Vec::with_capacity(allocs);
+        for _ in 0..allocs {
+            let start = Instant::now();
+            kubelet.allocate_raw(RESOURCE, request.clone()).await?;
+            samples.push(start.elapsed());
+        }
+        percentiles("Allocate round trip", samples);
+
+        // Device-list change to ListAndWatch message at the kubelet.
+        let mut samples = Vec::with_capacity(changes);
+        for i in 0..changes {
+            let before = kubelet.view().updates[RESOURCE];
+            let mut devices: Vec<Device> =
+                (0..64).map(|d| Device::healthy(format!("dev-{d}"))).collect();
+            devices[i % 64].health = baleen_device_plugin::Health::Unhealthy;
+            let start = Instant::now();
+            backend.publish(devices);
+            kubelet
+                .wait_for("update", Duration::from_secs(10), |v| v.updates[RESOURCE] > before)
+                .await?;
+            samples.push(start.elapsed());
+        }
+        percentiles("ListAndWatch delay", samples);
+        assert_eq!(backend.resource_name(), RESOURCE);
+        token.cancel();
+        tokio::time::timeout(Duration::from_secs(10), task).await???;
+        Ok(())
+    })
+}
