@@ -61,7 +61,7 @@ pub struct InventorySource {
     #[arg(long, value_name = "PATH")]
     pub nvml_lib: Option<PathBuf>,
     /// Where sysfs is mounted; NVML GPUs' NUMA nodes are read from
-    /// <DIR>/bus/pci/devices/<bus id>/numa_node.
+    /// DIR/bus/pci/devices/BUS_ID/numa_node.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_SYSFS_ROOT)]
     pub sysfs_root: PathBuf,
     /// Node name that seeds the UUIDs generated for simulated GPUs without one

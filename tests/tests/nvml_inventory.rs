@@ -11,7 +11,8 @@ use baleen_agent::cli::{self, Cli};
 use baleen_agent::inventory::nvml::{NvmlConfig, NvmlInventory};
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{
-    GpuInventory, HealthEvent, HealthWatcher, Inventory, InventoryError, MigState,
+    GpuInventory, HealthEvent, HealthWatcher, Inventory, InventoryError, MigProfile, MigState,
+    normalize_pci_bus_id,
 };
 use baleen_tests::fake_nvml::FakeNvml;
 use clap::Parser;
@@ -187,5 +188,39 @@ fn the_cli_prints_the_nvml_inventory() -> Result<()> {
     let table = String::from_utf8(table)?;
     assert!(table.starts_with("driver 550.127.05, 4 GPUs\n"), "{table}");
     assert!(table.contains("MIG 7g.80gb"), "{table}");
+    Ok(())
+}
+
+/// On a machine with an NVIDIA GPU and driver:
+/// `cargo test -p baleen-tests --test nvml_inventory -- --ignored --nocapture`.
+#[test]
+#[ignore = "needs an NVIDIA GPU and driver"]
+fn real_nvml_inventory_is_consistent_and_watchable() -> Result<()> {
+    let nvml = NvmlInventory::new(NvmlConfig::default())?;
+    let inventory = nvml.discover()?;
+    print!("{}", cli::render_table(&inventory));
+    ensure!(!inventory.gpus.is_empty(), "NVML reports no GPUs");
+    ensure!(inventory.driver_version.is_some(), "NVML reports no driver version");
+    for gpu in &inventory.gpus {
+        ensure!(gpu.memory_bytes > 0, "GPU {} has no memory", gpu.index);
+        ensure!(normalize_pci_bus_id(&gpu.pci_bus_id)? == gpu.pci_bus_id, "{}", gpu.pci_bus_id);
+        ensure!(!gpu.nvlink_peers.contains(&gpu.uuid), "GPU {} is its own peer", gpu.index);
+        for peer in &gpu.nvlink_peers {
+            let back = inventory.gpu(peer).context("an NVLink peer is not on the node")?;
+            ensure!(back.nvlink_peers.contains(&gpu.uuid), "NVLink is not symmetric");
+        }
+        for inst in gpu.mig.instances() {
+            ensure!(inst.memory_bytes <= gpu.memory_bytes, "{} is larger than its GPU", inst.uuid);
+            inst.profile.parse::<MigProfile>()?;
+        }
+    }
+    assert_eq!(nvml.discover()?, inventory, "discovery is repeatable");
+
+    let mut watcher = nvml.health_watcher()?;
+    println!("GPUs without XID events: {:?}", watcher.unwatched());
+    // An idle healthy GPU usually reports nothing; an event is shown, not failed on.
+    if let Some(event) = watcher.next_event(Duration::from_secs(1))? {
+        println!("health event: {event:?}");
+    }
     Ok(())
 }

@@ -27,7 +27,7 @@
 //!   XID events on an old GPU), never an error. Any other failure is an
 //!   [`InventoryError::Nvml`] naming the call and the GPU index.
 //! - GPU- and compute-instance IDs have no safe wrapper in nvml-wrapper 0.13; they are the only
-//!   raw calls, in [`mig_instance_ids`].
+//!   raw calls, in `mig_instance_ids`.
 //!
 //! [`NvmlInventory::new`] loads and initialises NVML once; a missing library or a failing
 //! `nvmlInit_v2` is an error that says what was tried and what to install, never an empty node.
