@@ -4,6 +4,7 @@
 //! - [`units`] and [`model`]: nodes, GPUs and requests in their own types;
 //! - [`ledger`]: one node's allocations, never over-committed;
 //! - [`fit`]: feasibility and in-node GPU candidates;
+//! - [`node_choice`]: the node agent's in-node choice (tightest shared GPU, best-connected set);
 //! - [`frag`]: the FGD fragmentation measure and its target workload;
 //! - [`policy`]: score a node for a request and choose its GPUs;
 //! - [`cluster`]: choose a node across a cluster with a fixed tie-break order;
@@ -48,6 +49,7 @@ pub mod fit;
 pub mod frag;
 pub mod ledger;
 pub mod model;
+pub mod node_choice;
 pub mod policy;
 pub mod replay;
 pub mod trace;
