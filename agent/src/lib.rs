@@ -11,3 +11,4 @@
 
 pub mod cli;
 pub mod inventory;
+pub mod node;
