@@ -23,18 +23,35 @@ pub const EXIT_CONFIG: u8 = 64;
 pub const EXIT_FAILURE: u8 = 1;
 
 /// baleen's node agent: shares the node's GPUs with Kubernetes pods.
+///
+/// Without a subcommand it runs the agent: discovers the GPUs (NVML, or --simulated FILE),
+/// restores its allocations (checkpoint, then the kubelet's pod-resources API), and serves every
+/// resource (awesome-ai-company.com/gpu, gpu-memory, mig-<profile>, nvlink-group-<n>) to the
+/// kubelet through the device-plugin API, waiting for the kubelet if it is not there yet.
+/// Settings: defaults < --config FILE < environment (NODE_NAME) < flags; see docs/agent.md.
+/// Exit codes: 0 after SIGTERM/SIGINT, 64 for configuration errors, 1 for other failures.
 #[derive(Debug, Parser)]
-#[command(name = "baleen-agent", version, about, long_about = None)]
+#[command(
+    name = "baleen-agent",
+    version,
+    about,
+    long_about,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Cli {
-    /// What to do.
+    /// What to do instead of running the agent.
     #[command(subcommand)]
-    pub command: Command,
+    pub command: Option<Command>,
+    /// How to run the agent.
+    #[command(flatten)]
+    pub run: crate::config::RunArgs,
 }
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Print the node's GPUs (UUID, model, memory, PCI bus, NUMA node, MIG, NVLink) and exit.
+    /// Print the node's GPUs (UUID, model, memory, PCI bus, NUMA node, MIG, NVLink) and the
+    /// resources the agent would advertise for them, then exit.
     Inventory(InventoryArgs),
 }
 
@@ -47,6 +64,12 @@ pub struct InventoryArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
+    /// Resource domain of the resources listed [default: awesome-ai-company.com].
+    #[arg(long, value_name = "DOMAIN")]
+    pub domain: Option<String>,
+    /// Size of one gpu-memory unit for the resources listed [default: 1GiB].
+    #[arg(long, value_name = "SIZE")]
+    pub memory_unit: Option<String>,
 }
 
 /// The flags that choose the GPU inventory backend: NVML (default) or a simulated topology.
@@ -107,6 +130,18 @@ pub enum CliError {
     /// The inventory could not be turned into JSON.
     #[error("cannot encode the inventory as JSON")]
     Json(#[from] serde_json::Error),
+    /// The async runtime cannot start.
+    #[error("cannot start the async runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// The inventory cannot be offered as resources.
+    #[error(transparent)]
+    Node(#[from] crate::node::NodeError),
+    /// The agent failed.
+    #[error(transparent)]
+    Agent(#[from] crate::agent::AgentError),
 }
 
 impl CliError {
@@ -114,7 +149,10 @@ impl CliError {
     /// [`EXIT_FAILURE`] otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Inventory(InventoryError::Topology(_)) => EXIT_CONFIG,
+            CliError::Inventory(InventoryError::Topology(_)) | CliError::Config(_) => EXIT_CONFIG,
+            CliError::Agent(crate::agent::AgentError::Inventory(InventoryError::Topology(_))) => {
+                EXIT_CONFIG
+            }
             _ => EXIT_FAILURE,
         }
     }
@@ -123,18 +161,119 @@ impl CliError {
 /// Runs a parsed command line, writing its output to `out`.
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     match cli.command {
-        Command::Inventory(args) => run_inventory(&args, out),
+        Some(Command::Inventory(args)) => run_inventory(&args, out),
+        None => run_agent(&cli.run),
     }
+}
+
+/// Runs the agent until SIGTERM or SIGINT: resolves the configuration (every problem at once),
+/// starts logging, opens the inventory and calls [`crate::agent::run`].
+pub fn run_agent(args: &crate::config::RunArgs) -> Result<(), CliError> {
+    use crate::config::LogFormat;
+    let settings = crate::config::resolve(args, std::env::var("NODE_NAME").ok())?;
+    let filter = tracing_subscriber::EnvFilter::new(&settings.log_level);
+    let subscriber = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // A second initialisation (tests calling this twice) keeps the first subscriber.
+    let _ = match settings.log_format {
+        LogFormat::Json => subscriber.json().try_init(),
+        LogFormat::Text => subscriber.try_init(),
+    };
+    let inventory: std::sync::Arc<dyn GpuInventory> =
+        std::sync::Arc::from(settings.inventory.open()?);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    runtime.block_on(async move {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let on_signal = shutdown.clone();
+        tokio::spawn(async move {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            tracing::info!("shutting down");
+            on_signal.cancel();
+        });
+        let kubelet = settings.agent.device_plugin_dir.join(baleen_proto::deviceplugin::v1beta1::KUBELET_SOCKET);
+        tracing::info!(
+            node = settings.agent.node_name,
+            kubelet = %kubelet.display(),
+            "starting; each resource registers as soon as a kubelet listens there (waiting if none does)"
+        );
+        crate::agent::run(settings.agent, inventory, shutdown).await
+    })?;
+    Ok(())
+}
+
+/// A resource the node would advertise.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ResourceSummary {
+    /// The extended resource name.
+    pub name: String,
+    /// How many devices it advertises.
+    pub devices: usize,
+}
+
+/// The resources `inventory` would be advertised as, with the given domain and unit.
+pub fn resources_of(
+    inventory: &Inventory,
+    domain: Option<&str>,
+    memory_unit: Option<&str>,
+) -> Result<Vec<ResourceSummary>, CliError> {
+    let mut views = crate::node::ViewConfig::default();
+    if let Some(domain) = domain {
+        views.domain = domain.to_owned();
+    }
+    if let Some(unit) = memory_unit {
+        views.memory_unit_bytes =
+            crate::inventory::simulated::parse_quantity(unit).map_err(|e| {
+                crate::config::ConfigError { problems: vec![format!("memory unit: {e}")] }
+            })?;
+    }
+    let state = crate::node::NodeState::new("inventory", inventory, views)?;
+    Ok(state
+        .views()
+        .iter()
+        .map(|v| ResourceSummary {
+            name: v.resource_name(&state.config().domain),
+            devices: state.devices(v).len(),
+        })
+        .collect())
 }
 
 /// `baleen-agent inventory`: discovers the GPUs and prints them.
 pub fn run_inventory(args: &InventoryArgs, out: &mut dyn Write) -> Result<(), CliError> {
     let backend = args.source.open()?;
     let inventory = backend.discover()?;
+    let resources = resources_of(&inventory, args.domain.as_deref(), args.memory_unit.as_deref())?;
     match args.output {
-        OutputFormat::Table => out.write_all(render_table(&inventory).as_bytes())?,
+        OutputFormat::Table => {
+            out.write_all(render_table(&inventory).as_bytes())?;
+            writeln!(out, "\nRESOURCE{:pad$}  DEVICES", "", pad = 40 - 8)?;
+            for r in &resources {
+                writeln!(out, "{:<40}  {}", r.name, r.devices)?;
+            }
+        }
         OutputFormat::Json => {
-            serde_json::to_writer_pretty(&mut *out, &inventory)?;
+            #[derive(serde::Serialize)]
+            struct Printed<'a> {
+                #[serde(flatten)]
+                inventory: &'a Inventory,
+                resources: &'a [ResourceSummary],
+            }
+            serde_json::to_writer_pretty(
+                &mut *out,
+                &Printed { inventory: &inventory, resources: &resources },
+            )?;
             out.write_all(b"\n")?;
         }
     }
@@ -259,8 +398,28 @@ mod tests {
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines[0], "driver 550.127.05, 4 GPUs");
         assert!(lines[1].starts_with("INDEX  UUID"), "{table}");
-        // 4 GPUs + 4 MIG instances.
-        assert_eq!(lines.len(), 2 + 4 + 4, "{table}");
+        // 4 GPUs + 4 MIG instances, a blank line, then the resources: gpu, gpu-memory, three
+        // MIG profiles and one NVLink pair (GPUs 0 and 1; 2 and 3 are in MIG mode).
+        assert_eq!(lines.len(), 2 + 4 + 4 + 1 + 1 + 6, "{table}");
+        assert_eq!(lines[10], "", "{table}");
+        assert!(lines[11].starts_with("RESOURCE"), "{table}");
+        let resources: Vec<(&str, &str)> = lines[12..]
+            .iter()
+            .filter_map(|l| l.split_once(char::is_whitespace))
+            .map(|(name, count)| (name, count.trim()))
+            .collect();
+        assert_eq!(
+            resources,
+            [
+                ("awesome-ai-company.com/gpu", "2"),
+                ("awesome-ai-company.com/gpu-memory", "160"),
+                ("awesome-ai-company.com/mig-1g.10gb", "2"),
+                ("awesome-ai-company.com/mig-3g.40gb", "1"),
+                ("awesome-ai-company.com/mig-7g.80gb", "1"),
+                ("awesome-ai-company.com/nvlink-group-2", "1"),
+            ],
+            "{table}"
+        );
         assert!(lines[2].starts_with("0      GPU-3f1c7a52-8d0e-4b6a-9c21-5e7f0a1b2c30"), "{table}");
         assert!(lines[2].contains("80.0 GiB  00000000:01:00.0  0     off"), "{table}");
         assert!(lines[2].ends_with(" 3"), "three NVLink peers: {table}");

@@ -9,6 +9,11 @@
 //!
 //! Placement decisions live in `baleen-scheduler-core`.
 
+pub mod agent;
+pub mod checkpoint;
 pub mod cli;
+pub mod config;
 pub mod inventory;
 pub mod node;
+pub mod reconcile;
+pub mod resources;

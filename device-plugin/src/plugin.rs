@@ -133,6 +133,37 @@ impl Plugin {
         Self { backend, config, state }
     }
 
+    /// Publishes `state`, logging when the kind of state or its reason changes (so a plugin
+    /// waiting for an absent kubelet says so once, not at every retry).
+    fn set_state(&self, state: PluginState) {
+        let resource = self.resource();
+        self.state.send_if_modified(|current| {
+            let same_kind = match (&*current, &state) {
+                (
+                    PluginState::WaitingForKubelet { last_error: a, .. },
+                    PluginState::WaitingForKubelet { last_error: b, .. },
+                )
+                | (PluginState::Refused { reason: a, .. }, PluginState::Refused { reason: b, .. }) => {
+                    a == b
+                }
+                _ => false,
+            };
+            if !same_kind {
+                match &state {
+                    PluginState::WaitingForKubelet { last_error, .. } => {
+                        tracing::info!(resource, reason = %last_error, "waiting for the kubelet");
+                    }
+                    PluginState::Refused { reason, .. } => {
+                        tracing::error!(resource, reason = %reason, "the kubelet refused the registration");
+                    }
+                    _ => {}
+                }
+            }
+            *current = state;
+            true
+        });
+    }
+
     /// Follows the plugin's state.
     pub fn state(&self) -> watch::Receiver<PluginState> {
         self.state.subscribe()
@@ -162,7 +193,7 @@ impl Plugin {
                 Ok(bound) => bound,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     // The kubelet has not created its directory yet.
-                    self.state.send_replace(PluginState::WaitingForKubelet {
+                    self.set_state(PluginState::WaitingForKubelet {
                         attempts: 0,
                         last_error: format!(
                             "device-plugin directory {} does not exist",
@@ -240,23 +271,21 @@ impl Plugin {
                     Ok(()) => break kubelet,
                     Err(e @ RegisterError::Refused { .. }) => {
                         failures += 1;
-                        tracing::error!(resource, error = %e, "registration refused");
-                        self.state.send_replace(PluginState::Refused {
+                        self.set_state(PluginState::Refused {
                             attempts: failures,
                             reason: e.to_string(),
                         });
                     }
                     Err(e @ RegisterError::Unreachable { .. }) => {
                         failures += 1;
-                        tracing::info!(resource, error = %e, "waiting for the kubelet");
-                        self.state.send_replace(PluginState::WaitingForKubelet {
+                        self.set_state(PluginState::WaitingForKubelet {
                             attempts: failures,
                             last_error: e.to_string(),
                         });
                     }
                 }
             } else {
-                self.state.send_replace(PluginState::WaitingForKubelet {
+                self.set_state(PluginState::WaitingForKubelet {
                     attempts: failures,
                     last_error: format!("{} does not exist", kubelet_socket.display()),
                 });

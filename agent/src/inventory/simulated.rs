@@ -279,7 +279,7 @@ struct Quantity(u64);
 
 /// Parses `<integer>[ ]<unit>`: B, kB/KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB
 /// (powers of 1024); a bare integer is bytes.
-fn parse_quantity(text: &str) -> Result<u64, String> {
+pub fn parse_quantity(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (digits, unit) = text.split_at(split);

@@ -1,0 +1,241 @@
+//! The agent's checkpoint: the node's allocations, written atomically (temporary file, fsync,
+//! rename, fsync of the directory) after every change, with a SHA-256 checksum, the node name
+//! and the boot ID, so that a torn, corrupted or foreign file is recognised rather than trusted.
+//!
+//! The checkpoint is a cache: the kubelet's pod-resources API is the truth, and
+//! [`crate::reconcile`] rebuilds the allocations from it whenever the checkpoint is missing or
+//! cannot be trusted.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write as _};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use crate::node::AllocationRecord;
+
+/// The checkpoint format version written by this agent.
+pub const FORMAT: u32 = 1;
+/// The checkpoint's file name in the state directory.
+pub const FILE_NAME: &str = "baleen-checkpoint.json";
+
+/// What the checkpoint holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Contents {
+    /// Format version.
+    pub format: u32,
+    /// The node the allocations belong to.
+    pub node: String,
+    /// The kernel boot ID when written (`/proc/sys/kernel/random/boot_id`).
+    pub boot_id: String,
+    /// The allocations.
+    pub allocations: Vec<AllocationRecord>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Envelope {
+    checksum: String,
+    contents: Contents,
+}
+
+/// Why a checkpoint is not used.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// The file cannot be read or written.
+    #[error("checkpoint {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The file is not a checkpoint, or its checksum does not match (torn or corrupted).
+    #[error("checkpoint {} is corrupt: {reason}", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The file was written for another node.
+    #[error("checkpoint {} belongs to node {found:?}, not {expected:?}", path.display())]
+    Foreign {
+        /// The file.
+        path: PathBuf,
+        /// Its node.
+        found: String,
+        /// This node.
+        expected: String,
+    },
+    /// The file was written before the node rebooted.
+    #[error("checkpoint {} was written in boot {found}, this is boot {current}", path.display())]
+    OtherBoot {
+        /// The file.
+        path: PathBuf,
+        /// Its boot ID.
+        found: String,
+        /// The current boot ID.
+        current: String,
+    },
+    /// The file was written by an agent with another format.
+    #[error("checkpoint {} has format {found}, this agent reads {FORMAT}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// Its format.
+        found: u32,
+    },
+}
+
+fn checksum(contents: &Contents) -> String {
+    // serde_json writes struct fields in declaration order, so this is canonical for a value.
+    let bytes = serde_json::to_vec(contents).unwrap_or_default();
+    let digest = Sha256::digest(&bytes);
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
+}
+
+/// The checkpoint file of a state directory.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    path: PathBuf,
+}
+
+impl Checkpoint {
+    /// The checkpoint at `<state_dir>/baleen-checkpoint.json`.
+    pub fn in_dir(state_dir: &Path) -> Self {
+        Self { path: state_dir.join(FILE_NAME) }
+    }
+
+    /// The file path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads and verifies the checkpoint: `Ok(None)` when there is none.
+    pub fn load(&self, node: &str, boot_id: &str) -> Result<Option<Contents>, CheckpointError> {
+        let bytes = match fs::read(&self.path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(CheckpointError::Io { path: self.path.clone(), source }),
+        };
+        let corrupt = |reason: String| CheckpointError::Corrupt { path: self.path.clone(), reason };
+        let envelope: Envelope =
+            serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+        let expected = checksum(&envelope.contents);
+        if envelope.checksum != expected {
+            return Err(corrupt(format!(
+                "checksum {} does not match the contents ({expected})",
+                envelope.checksum
+            )));
+        }
+        let contents = envelope.contents;
+        if contents.format != FORMAT {
+            return Err(CheckpointError::Format {
+                path: self.path.clone(),
+                found: contents.format,
+            });
+        }
+        if contents.node != node {
+            return Err(CheckpointError::Foreign {
+                path: self.path.clone(),
+                found: contents.node,
+                expected: node.into(),
+            });
+        }
+        if contents.boot_id != boot_id {
+            return Err(CheckpointError::OtherBoot {
+                path: self.path.clone(),
+                found: contents.boot_id,
+                current: boot_id.into(),
+            });
+        }
+        Ok(Some(contents))
+    }
+
+    /// Writes the allocations atomically: after a crash at any point the file holds either the
+    /// previous or the new checkpoint.
+    pub fn store(
+        &self,
+        node: &str,
+        boot_id: &str,
+        allocations: &[AllocationRecord],
+    ) -> Result<(), CheckpointError> {
+        let io_err = |source| CheckpointError::Io { path: self.path.clone(), source };
+        let contents = Contents {
+            format: FORMAT,
+            node: node.into(),
+            boot_id: boot_id.into(),
+            allocations: allocations.to_vec(),
+        };
+        let envelope = Envelope { checksum: checksum(&contents), contents };
+        let bytes =
+            serde_json::to_vec_pretty(&envelope).map_err(|e| io_err(io::Error::other(e)))?;
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        fs::create_dir_all(dir).map_err(io_err)?;
+        let tmp = self.path.with_extension("json.tmp");
+        {
+            let mut file = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)
+                .map_err(io_err)?;
+            file.write_all(&bytes).map_err(io_err)?;
+            file.sync_all().map_err(io_err)?;
+        }
+        fs::rename(&tmp, &self.path).map_err(io_err)?;
+        File::open(dir).and_then(|d| d.sync_all()).map_err(io_err)?;
+        Ok(())
+    }
+}
+
+/// The kernel's boot ID from `path` (normally `/proc/sys/kernel/random/boot_id`).
+pub fn read_boot_id(path: &Path) -> io::Result<String> {
+    Ok(fs::read_to_string(path)?.trim().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(ids: &[&str]) -> AllocationRecord {
+        AllocationRecord {
+            resource: "example.com/gpu-memory".into(),
+            device_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
+            allocated_at: 7,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_every_kind_of_distrust() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cp = Checkpoint::in_dir(&dir.path().join("state"));
+        assert!(cp.load("n1", "boot-a").expect("no file is fine").is_none());
+        let records = vec![record(&["GPU-1::0", "GPU-1::1"]), record(&["GPU-2::5"])];
+        cp.store("n1", "boot-a", &records).expect("store");
+        let loaded = cp.load("n1", "boot-a").expect("load").expect("present");
+        assert_eq!(loaded.allocations, records);
+        assert!(!cp.path().with_extension("json.tmp").exists(), "temporary file renamed away");
+
+        assert!(matches!(cp.load("n2", "boot-a"), Err(CheckpointError::Foreign { .. })));
+        assert!(matches!(cp.load("n1", "boot-b"), Err(CheckpointError::OtherBoot { .. })));
+
+        // One changed byte inside the contents: the checksum catches it.
+        let text = fs::read_to_string(cp.path()).expect("read");
+        fs::write(cp.path(), text.replacen("GPU-2::5", "GPU-2::6", 1)).expect("write");
+        let err = cp.load("n1", "boot-a").expect_err("corrupt");
+        assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+        assert!(err.to_string().contains("checksum"), "{err}");
+
+        // A torn file.
+        fs::write(cp.path(), &text[..text.len() / 2]).expect("write");
+        assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
+        fs::write(cp.path(), b"").expect("write");
+        assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
+    }
+}

@@ -1,0 +1,460 @@
+//! The agent's configuration: defaults, then a YAML file (what the node offers; unknown fields
+//! rejected), then the environment (`NODE_NAME`, set from the downward API in the DaemonSet),
+//! then flags (how to run). [`resolve`] reports every problem at once; the binary exits with
+//! code 64 on any of them.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Args;
+use serde::Deserialize;
+
+use crate::agent::AgentConfig;
+use crate::cli::InventorySource;
+use crate::inventory::simulated::parse_quantity;
+use crate::node::ViewConfig;
+
+/// Default kubelet device-plugin directory.
+pub const DEFAULT_DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
+/// Default kubelet pod-resources socket.
+pub const DEFAULT_POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+/// Default directory of the checkpoint.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/baleen";
+/// Default host directory of the per-GPU MPS pipes.
+pub const DEFAULT_MPS_ROOT: &str = "/run/baleen/mps";
+/// Where the kernel publishes the boot ID.
+pub const DEFAULT_BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+
+/// The YAML configuration file. Every field is optional; see `docs/agent.md`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct FileConfig {
+    /// Kubernetes node name.
+    pub node_name: Option<String>,
+    /// Resource domain.
+    pub domain: Option<String>,
+    /// Size of one gpu-memory unit, e.g. `1GiB`, `512MiB`.
+    pub memory_unit: Option<String>,
+    /// Which views to offer.
+    #[serde(default)]
+    pub resources: ResourcesFile,
+    /// Container Device Interface names in Allocate answers.
+    #[serde(default)]
+    pub cdi: CdiFile,
+    /// Where GPUs come from.
+    #[serde(default)]
+    pub inventory: InventoryFile,
+    /// Host paths.
+    #[serde(default)]
+    pub paths: PathsFile,
+    /// Reconciliation with pod-resources.
+    #[serde(default)]
+    pub reconcile: ReconcileFile,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogFile,
+}
+
+/// `resources:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ResourcesFile {
+    /// Offer whole GPUs (default true).
+    pub gpu: Option<bool>,
+    /// Offer gpu-memory units (default true).
+    pub gpu_memory: Option<bool>,
+    /// Offer MIG instances (default true).
+    pub mig: Option<bool>,
+    /// NVLink group sizes (default [2, 4, 8]; empty for none).
+    pub nvlink_group_sizes: Option<Vec<u32>>,
+}
+
+/// `cdi:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CdiFile {
+    /// Answer CDI device names (default false).
+    pub enabled: Option<bool>,
+    /// CDI kind (default `nvidia.com/gpu`).
+    pub kind: Option<String>,
+}
+
+/// `inventory:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct InventoryFile {
+    /// A simulated topology file instead of NVML.
+    pub simulated: Option<PathBuf>,
+    /// The NVML library.
+    pub nvml_library: Option<PathBuf>,
+    /// Where sysfs is mounted.
+    pub sysfs_root: Option<PathBuf>,
+}
+
+/// `paths:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PathsFile {
+    /// The kubelet's device-plugin directory.
+    pub device_plugin_dir: Option<PathBuf>,
+    /// The kubelet's pod-resources socket.
+    pub pod_resources_socket: Option<PathBuf>,
+    /// The checkpoint directory.
+    pub state_dir: Option<PathBuf>,
+    /// The MPS pipe root.
+    pub mps_root: Option<PathBuf>,
+    /// The boot ID file.
+    pub boot_id_file: Option<PathBuf>,
+}
+
+/// `reconcile:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ReconcileFile {
+    /// Interval, e.g. `30s`.
+    pub interval: Option<String>,
+    /// Grace for young allocations, e.g. `60s`.
+    pub grace: Option<String>,
+}
+
+/// `log:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LogFile {
+    /// `text` or `json`.
+    pub format: Option<String>,
+    /// A level or a tracing filter, e.g. `info` or `baleen_agent=debug,info`.
+    pub level: Option<String>,
+}
+
+/// Flags of the agent's run mode (they win over the file and the environment).
+#[derive(Debug, Clone, Default, Args)]
+pub struct RunArgs {
+    /// YAML configuration file (see docs/agent.md).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Kubernetes node name [env: NODE_NAME; default: the host name].
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
+    /// The kubelet's device-plugin directory [default: /var/lib/kubelet/device-plugins].
+    #[arg(long, value_name = "DIR")]
+    pub device_plugin_dir: Option<PathBuf>,
+    /// The kubelet's pod-resources socket [default: /var/lib/kubelet/pod-resources/kubelet.sock].
+    #[arg(long, value_name = "PATH")]
+    pub pod_resources_socket: Option<PathBuf>,
+    /// Directory of the checkpoint [default: /var/lib/baleen].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Host directory of the per-GPU MPS pipe directories [default: /run/baleen/mps].
+    #[arg(long, value_name = "DIR")]
+    pub mps_root: Option<PathBuf>,
+    /// The kernel boot ID file [default: /proc/sys/kernel/random/boot_id].
+    #[arg(long, value_name = "FILE")]
+    pub boot_id_file: Option<PathBuf>,
+    /// Read GPUs from this simulated topology (YAML) instead of NVML.
+    #[arg(long, value_name = "FILE")]
+    pub simulated: Option<PathBuf>,
+    /// The NVML library [default: libnvidia-ml.so.1].
+    #[arg(long, value_name = "PATH")]
+    pub nvml_lib: Option<PathBuf>,
+    /// Resource domain [default: awesome-ai-company.com].
+    #[arg(long, value_name = "DOMAIN")]
+    pub domain: Option<String>,
+    /// Size of one gpu-memory unit [default: 1GiB].
+    #[arg(long, value_name = "SIZE")]
+    pub memory_unit: Option<String>,
+    /// Log format: text or json [default: text].
+    #[arg(long, value_name = "FORMAT")]
+    pub log_format: Option<String>,
+    /// Log level or tracing filter [default: info].
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Everything the run mode needs, resolved and checked.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The agent's configuration.
+    pub agent: AgentConfig,
+    /// Where the GPUs come from.
+    pub inventory: InventorySource,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Log filter.
+    pub log_level: String,
+}
+
+/// Every configuration problem found, each on its own line.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration:\n  - {}", problems.join("\n  - "))]
+pub struct ConfigError {
+    /// The problems.
+    pub problems: Vec<String>,
+}
+
+/// Parses `30s`, `500ms`, `5m`, `1h` (an integer and a unit).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let n: u64 =
+        digits.parse().map_err(|_| format!("{text:?} is not a duration like 30s, 500ms, 5m"))?;
+    match unit.trim() {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        other => Err(format!("{text:?}: unknown unit {other:?} (use ms, s, m or h)")),
+    }
+}
+
+fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
+/// Resolves defaults < file < environment (`node_name_env`, normally `$NODE_NAME`) < flags.
+pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings, ConfigError> {
+    let mut problems = Vec::new();
+    let file = match &args.config {
+        None => FileConfig::default(),
+        Some(path) => match read_file(path) {
+            Ok(file) => file,
+            Err(problem) => return Err(ConfigError { problems: vec![problem] }),
+        },
+    };
+
+    let node_name =
+        args.node_name.clone().or(node_name_env).or(file.node_name.clone()).or_else(host_name);
+    let node_name = node_name.unwrap_or_else(|| {
+        problems.push("no node name: set --node-name, NODE_NAME or nodeName".into());
+        String::new()
+    });
+
+    let domain =
+        args.domain.clone().or(file.domain.clone()).unwrap_or_else(|| ViewConfig::default().domain);
+    if let Err(e) = baleen_device_plugin::resource_name::validate(&format!("{domain}/gpu")) {
+        problems.push(format!("domain {domain:?} does not make valid resource names: {e}"));
+    }
+
+    let unit_text =
+        args.memory_unit.clone().or(file.memory_unit.clone()).unwrap_or_else(|| "1GiB".into());
+    let memory_unit_bytes = match parse_quantity(&unit_text) {
+        Ok(b) if b >= 1 << 20 => b,
+        Ok(_) => {
+            problems.push(format!("memory unit {unit_text:?} is below 1MiB"));
+            1 << 30
+        }
+        Err(e) => {
+            problems.push(format!("memory unit: {e}"));
+            1 << 30
+        }
+    };
+
+    let sizes = file.resources.nvlink_group_sizes.clone().unwrap_or_else(|| vec![2, 4, 8]);
+    for &n in &sizes {
+        if !(2..=64).contains(&n) {
+            problems.push(format!("NVLink group size {n} is not between 2 and 64"));
+        }
+    }
+    let cdi_kind = if file.cdi.enabled.unwrap_or(false) {
+        let kind = file.cdi.kind.clone().unwrap_or_else(|| "nvidia.com/gpu".into());
+        if !kind.contains('/') || kind.contains('=') {
+            problems.push(format!("CDI kind {kind:?} must look like vendor.com/class"));
+        }
+        Some(kind)
+    } else {
+        None
+    };
+
+    let mut duration = |what: &str, text: Option<&String>, default: Duration| match text {
+        None => default,
+        Some(t) => match parse_duration(t) {
+            Ok(d) if !d.is_zero() => d,
+            Ok(_) => {
+                problems.push(format!("reconcile {what} must be above zero"));
+                default
+            }
+            Err(e) => {
+                problems.push(format!("reconcile {what}: {e}"));
+                default
+            }
+        },
+    };
+    let reconcile_interval =
+        duration("interval", file.reconcile.interval.as_ref(), Duration::from_secs(30));
+    let reconcile_grace = duration("grace", file.reconcile.grace.as_ref(), Duration::from_secs(60));
+
+    let log_format =
+        match args.log_format.as_deref().or(file.log.format.as_deref()).unwrap_or("text") {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                problems.push(format!("log format {other:?} is not text or json"));
+                LogFormat::Text
+            }
+        };
+    let log_level =
+        args.log_level.clone().or(file.log.level.clone()).unwrap_or_else(|| "info".into());
+    if let Err(e) = log_level.parse::<tracing_subscriber::EnvFilter>() {
+        problems.push(format!("log level {log_level:?}: {e}"));
+    }
+
+    let simulated = args.simulated.clone().or(file.inventory.simulated.clone());
+    let nvml_lib = args.nvml_lib.clone().or(file.inventory.nvml_library.clone());
+    if simulated.is_some() && nvml_lib.is_some() {
+        problems.push("choose either a simulated topology or an NVML library, not both".into());
+    }
+    if let Some(path) = &simulated
+        && !path.is_file()
+    {
+        problems.push(format!("simulated topology {} does not exist", path.display()));
+    }
+
+    let pick = |flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str| {
+        flag.clone().or(file.clone()).unwrap_or_else(|| PathBuf::from(default))
+    };
+    let paths = &file.paths;
+    let agent = AgentConfig {
+        node_name: node_name.clone(),
+        device_plugin_dir: pick(
+            &args.device_plugin_dir,
+            &paths.device_plugin_dir,
+            DEFAULT_DEVICE_PLUGIN_DIR,
+        ),
+        pod_resources_socket: pick(
+            &args.pod_resources_socket,
+            &paths.pod_resources_socket,
+            DEFAULT_POD_RESOURCES_SOCKET,
+        ),
+        state_dir: pick(&args.state_dir, &paths.state_dir, DEFAULT_STATE_DIR),
+        boot_id_file: pick(&args.boot_id_file, &paths.boot_id_file, DEFAULT_BOOT_ID_FILE),
+        views: ViewConfig {
+            domain,
+            memory_unit_bytes,
+            whole_gpus: file.resources.gpu.unwrap_or(true),
+            gpu_memory: file.resources.gpu_memory.unwrap_or(true),
+            mig: file.resources.mig.unwrap_or(true),
+            nvlink_group_sizes: sizes,
+            cdi_kind,
+            mps_root: pick(&args.mps_root, &paths.mps_root, DEFAULT_MPS_ROOT),
+        },
+        reconcile_interval,
+        reconcile_grace,
+    };
+    if !problems.is_empty() {
+        return Err(ConfigError { problems });
+    }
+    let inventory = InventorySource {
+        simulated,
+        nvml_lib,
+        sysfs_root: file
+            .inventory
+            .sysfs_root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(crate::inventory::nvml::DEFAULT_SYSFS_ROOT)),
+        node_name: Some(node_name),
+    };
+    Ok(Settings { agent, inventory, log_format, log_level })
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_yaml_ng::from_str(&text).map_err(|e| match e.location() {
+        Some(l) => format!("{}:{}:{}: {e}", path.display(), l.line(), l.column()),
+        None => format!("{}: {e}", path.display()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_then_file_then_env_then_flags() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        std::fs::write(
+            &file,
+            "nodeName: from-file\nmemoryUnit: 512MiB\ndomain: example.com\nresources:\n  nvlinkGroupSizes: [2]\ncdi:\n  enabled: true\nreconcile:\n  interval: 5s\npaths:\n  stateDir: /tmp/state\n",
+        )
+        .expect("write");
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        let s = resolve(&args, None).expect("valid");
+        assert_eq!(s.agent.node_name, "from-file");
+        assert_eq!(s.agent.views.memory_unit_bytes, 512 << 20);
+        assert_eq!(s.agent.views.domain, "example.com");
+        assert_eq!(s.agent.views.nvlink_group_sizes, [2]);
+        assert_eq!(s.agent.views.cdi_kind.as_deref(), Some("nvidia.com/gpu"));
+        assert_eq!(s.agent.reconcile_interval, Duration::from_secs(5));
+        assert_eq!(s.agent.reconcile_grace, Duration::from_secs(60));
+        assert_eq!(s.agent.state_dir, PathBuf::from("/tmp/state"));
+        assert_eq!(s.agent.device_plugin_dir, PathBuf::from(DEFAULT_DEVICE_PLUGIN_DIR));
+        let s = resolve(&args, Some("from-env".into())).expect("valid");
+        assert_eq!(s.agent.node_name, "from-env");
+        let args = RunArgs {
+            node_name: Some("from-flag".into()),
+            memory_unit: Some("2GiB".into()),
+            ..args
+        };
+        let s = resolve(&args, Some("from-env".into())).expect("valid");
+        assert_eq!(s.agent.node_name, "from-flag");
+        assert_eq!(s.agent.views.memory_unit_bytes, 2 << 30);
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        std::fs::write(
+            &file,
+            "domain: Bad_Domain\nmemoryUnit: 12 parsecs\nresources:\n  nvlinkGroupSizes: [1]\nreconcile:\n  interval: soon\nlog:\n  format: xml\n",
+        )
+        .expect("write");
+        let args = RunArgs {
+            config: Some(file),
+            node_name: Some("n".into()),
+            simulated: Some("/nonexistent.yaml".into()),
+            ..RunArgs::default()
+        };
+        let err = resolve(&args, None).expect_err("invalid");
+        let text = err.to_string();
+        for expected in
+            ["domain", "memory unit", "group size 1", "interval", "log format", "/nonexistent.yaml"]
+        {
+            assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+        }
+        assert_eq!(err.problems.len(), 6, "{text}");
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected_with_their_line() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        std::fs::write(&file, "nodeName: n\npaths:\n  devicePluginDirectory: /x\n").expect("write");
+        let err = resolve(&RunArgs { config: Some(file), ..RunArgs::default() }, None)
+            .expect_err("unknown field");
+        let text = err.to_string();
+        assert!(text.contains("agent.yaml:3") && text.contains("devicePluginDirectory"), "{text}");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("2 fortnights").is_err());
+        assert!(parse_duration("s").is_err());
+    }
+}

@@ -1,0 +1,217 @@
+//! Reconciliation with the kubelet's pod-resources API, the truth for what is allocated: the
+//! kubelet never tells a device plugin when a pod ends, and a checkpoint can be lost or stale.
+//!
+//! [`reconcile`] compares the ledger with the kubelet's per-container device lists: allocations
+//! of containers that are gone are released (unless younger than a grace period, since the
+//! kubelet records an allocation only after Allocate returns), and allocations the kubelet
+//! knows but the ledger lacks are restored. [`fetch`] reads the kubelet's lists over its socket.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+use baleen_proto::podresources::v1 as api;
+
+use crate::node::{AllocationRecord, NodeState};
+
+/// One container's devices of one resource, as the kubelet reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeletAllocation {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// Container name.
+    pub container: String,
+    /// The resource.
+    pub resource: String,
+    /// The device IDs, sorted.
+    pub device_ids: Vec<String>,
+}
+
+/// What a reconciliation changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Allocations released (their containers are gone).
+    pub released: Vec<AllocationRecord>,
+    /// Allocations restored from the kubelet's lists.
+    pub restored: Vec<AllocationRecord>,
+    /// Kubelet allocations the ledger refused (a conflict across views), with why.
+    pub refused: Vec<(AllocationRecord, String)>,
+    /// Allocations unknown to the kubelet but kept because they are younger than the grace.
+    pub kept_young: usize,
+}
+
+impl Report {
+    /// Whether the ledger changed.
+    pub fn changed(&self) -> bool {
+        !self.released.is_empty() || !self.restored.is_empty()
+    }
+}
+
+/// Brings `state` in line with the kubelet's `allocations` (only resources the node serves
+/// count). `now` and `grace` are in seconds.
+pub fn reconcile(
+    state: &mut NodeState,
+    allocations: &[KubeletAllocation],
+    now: u64,
+    grace: u64,
+) -> Report {
+    let truth: BTreeSet<(String, Vec<String>)> = allocations
+        .iter()
+        .filter(|a| state.view_for(&a.resource).is_some() && !a.device_ids.is_empty())
+        .map(|a| {
+            let mut ids = a.device_ids.clone();
+            ids.sort();
+            (a.resource.clone(), ids)
+        })
+        .collect();
+    let mut report = Report::default();
+    let mut young = 0;
+    report.released = state.retain(|r| {
+        if truth.contains(&(r.resource.clone(), r.device_ids.clone())) {
+            return true;
+        }
+        let keep = r.allocated_at.saturating_add(grace) > now;
+        young += usize::from(keep);
+        keep
+    });
+    report.kept_young = young;
+    let held: BTreeSet<(String, Vec<String>)> =
+        state.records().into_iter().map(|r| (r.resource, r.device_ids)).collect();
+    let missing: Vec<AllocationRecord> = truth
+        .into_iter()
+        .filter(|k| !held.contains(k))
+        .map(|(resource, device_ids)| AllocationRecord { resource, device_ids, allocated_at: now })
+        .collect();
+    let refused = state.restore(&missing);
+    report.restored =
+        missing.into_iter().filter(|m| !refused.iter().any(|(r, _)| r == m)).collect();
+    report.refused = refused;
+    report
+}
+
+/// Why the kubelet's lists could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    /// The socket does not answer.
+    #[error("pod-resources socket {socket} not reachable")]
+    Unreachable {
+        /// The socket.
+        socket: String,
+        /// The cause.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The kubelet answered with an error.
+    #[error("pod-resources List on {socket} failed: {status}")]
+    List {
+        /// The socket.
+        socket: String,
+        /// The kubelet's answer.
+        status: tonic::Status,
+    },
+}
+
+/// Reads every container's devices from the kubelet's pod-resources socket.
+pub async fn fetch(socket: &Path, timeout: Duration) -> Result<Vec<KubeletAllocation>, FetchError> {
+    let name = socket.display().to_string();
+    let channel = baleen_device_plugin::uds::connect(socket, timeout)
+        .await
+        .map_err(|source| FetchError::Unreachable { socket: name.clone(), source })?;
+    let mut client = api::pod_resources_lister_client::PodResourcesListerClient::new(channel);
+    let response = client
+        .list(api::ListPodResourcesRequest {})
+        .await
+        .map_err(|status| FetchError::List { socket: name, status })?
+        .into_inner();
+    let mut out = Vec::new();
+    for pod in response.pod_resources {
+        for container in pod.containers {
+            for devices in container.devices {
+                let mut device_ids = devices.device_ids;
+                device_ids.sort();
+                out.push(KubeletAllocation {
+                    namespace: pod.namespace.clone(),
+                    pod: pod.name.clone(),
+                    container: container.name.clone(),
+                    resource: devices.resource_name,
+                    device_ids,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::{GpuInventory as _, simulated::SimulatedInventory};
+    use crate::node::{View, ViewConfig};
+
+    fn state() -> NodeState {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples/l4-4x-pcie.yaml");
+        let inventory =
+            SimulatedInventory::from_file(&path).expect("example").discover().expect("discover");
+        NodeState::new("n", &inventory, ViewConfig::default()).expect("state")
+    }
+
+    fn unit_ids(state: &NodeState, gpu: usize, units: std::ops::Range<u32>) -> Vec<String> {
+        let uuid = state.gpus().nth(gpu).expect("gpu").uuid.to_string();
+        units.map(|n| format!("{uuid}::{n}")).collect()
+    }
+
+    fn kubelet(resource: &str, ids: Vec<String>) -> KubeletAllocation {
+        KubeletAllocation {
+            namespace: "ns".into(),
+            pod: "p".into(),
+            container: "c".into(),
+            resource: resource.into(),
+            device_ids: ids,
+        }
+    }
+
+    #[test]
+    fn releases_gone_restores_lost_keeps_young() {
+        const MEM: &str = "awesome-ai-company.com/gpu-memory";
+        let mut s = state();
+        s.allocate(&View::GpuMemory, &unit_ids(&s, 0, 0..2), 100).expect("old, still running");
+        s.allocate(&View::GpuMemory, &unit_ids(&s, 1, 0..2), 100).expect("old, gone");
+        s.allocate(&View::GpuMemory, &unit_ids(&s, 2, 0..2), 995).expect("young, not yet listed");
+        let truth = vec![
+            kubelet(MEM, unit_ids(&s, 0, 0..2)),
+            kubelet(MEM, unit_ids(&s, 3, 4..6)), // lost from the checkpoint
+            kubelet("other.com/thing", vec!["x".into()]), // not ours
+        ];
+        let report = reconcile(&mut s, &truth, 1000, 30);
+        assert_eq!(report.released.len(), 1);
+        assert_eq!(report.released[0].device_ids, unit_ids(&s, 1, 0..2));
+        assert_eq!(report.restored.len(), 1);
+        assert_eq!(report.restored[0].device_ids, unit_ids(&s, 3, 4..6));
+        assert_eq!(report.kept_young, 1);
+        assert!(report.refused.is_empty());
+        assert_eq!(s.records().len(), 3);
+        // Once old enough, the unlisted young one goes too; a second pass changes nothing else.
+        let report = reconcile(&mut s, &truth, 2000, 30);
+        assert_eq!(report.released.len(), 1);
+        assert!(report.restored.is_empty());
+        let report = reconcile(&mut s, &truth, 3000, 30);
+        assert!(!report.changed());
+    }
+
+    #[test]
+    fn a_kubelet_conflict_across_views_is_refused_and_reported() {
+        let mut s = state();
+        let gpu0 = s.gpus().next().expect("gpu").uuid.to_string();
+        let truth = vec![
+            kubelet("awesome-ai-company.com/gpu", vec![gpu0.clone()]),
+            kubelet("awesome-ai-company.com/gpu-memory", unit_ids(&s, 0, 0..1)),
+        ];
+        let report = reconcile(&mut s, &truth, 10, 30);
+        assert_eq!(report.restored.len(), 1);
+        assert_eq!(report.refused.len(), 1);
+        assert!(report.refused[0].1.contains("held whole"), "{:?}", report.refused);
+    }
+}

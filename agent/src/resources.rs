@@ -1,0 +1,193 @@
+//! The resource views as device-plugin backends: one [`Ledger`] (the node state behind a mutex,
+//! persisted to the checkpoint after every change) and one [`ViewBackend`] per view, whose
+//! device list is a `watch` channel recomputed after every change of the ledger.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use baleen_device_plugin::device::DeviceSnapshot;
+use baleen_device_plugin::{
+    BackendError, ContainerAllocation, DeviceBackend, DeviceList, PreferredAllocationRequest,
+};
+use tokio::sync::watch;
+
+use crate::checkpoint::Checkpoint;
+use crate::node::{AllocationRecord, NodeState, View};
+use crate::reconcile::{self, KubeletAllocation, Report};
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+struct Inner {
+    state: NodeState,
+    checkpoint: Checkpoint,
+    node: String,
+    boot_id: String,
+}
+
+/// The node's ledger shared by every view, persisted on every change.
+pub struct Ledger {
+    inner: Mutex<Inner>,
+    views: BTreeMap<View, (String, watch::Sender<DeviceSnapshot>)>,
+}
+
+impl Ledger {
+    /// Wraps `state`; every change is written to `checkpoint` for `node` in boot `boot_id`.
+    pub fn new(
+        state: NodeState,
+        checkpoint: Checkpoint,
+        node: String,
+        boot_id: String,
+    ) -> Arc<Self> {
+        let domain = state.config().domain.clone();
+        let views = state
+            .views()
+            .into_iter()
+            .map(|v| {
+                let (tx, _) = watch::channel(Arc::new(DeviceList::new(state.devices(&v))));
+                let name = v.resource_name(&domain);
+                (v, (name, tx))
+            })
+            .collect();
+        Arc::new(Self { inner: Mutex::new(Inner { state, checkpoint, node, boot_id }), views })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One backend per view.
+    pub fn backends(self: &Arc<Self>) -> Vec<Arc<ViewBackend>> {
+        self.views
+            .iter()
+            .map(|(view, (name, _))| {
+                Arc::new(ViewBackend {
+                    ledger: self.clone(),
+                    view: view.clone(),
+                    resource: name.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The current allocations.
+    pub fn records(&self) -> Vec<AllocationRecord> {
+        self.lock().state.records()
+    }
+
+    /// A copy of the node state (for inspection and metrics).
+    pub fn snapshot(&self) -> NodeState {
+        self.lock().state.clone()
+    }
+
+    fn publish(&self, state: &NodeState) {
+        for (view, (_, tx)) in &self.views {
+            let devices = state.devices(view);
+            tx.send_if_modified(|current| {
+                if current.devices() == devices.as_slice() {
+                    false
+                } else {
+                    *current = Arc::new(DeviceList::new(devices));
+                    true
+                }
+            });
+        }
+    }
+
+    /// Applies `change` to the state; keeps it only if the checkpoint is written.
+    fn change<T>(
+        &self,
+        change: impl FnOnce(&mut NodeState) -> Result<T, BackendError>,
+    ) -> Result<T, BackendError> {
+        let mut inner = self.lock();
+        let before = inner.state.records();
+        let mut next = inner.state.clone();
+        let out = change(&mut next)?;
+        if next.records() != before {
+            inner
+                .checkpoint
+                .store(&inner.node, &inner.boot_id, &next.records())
+                .map_err(|e| BackendError::Internal { reason: e.to_string() })?;
+            inner.state = next;
+            self.publish(&inner.state);
+        }
+        Ok(out)
+    }
+
+    /// Writes the checkpoint now.
+    pub fn persist(&self) -> Result<(), crate::checkpoint::CheckpointError> {
+        let inner = self.lock();
+        inner.checkpoint.store(&inner.node, &inner.boot_id, &inner.state.records())
+    }
+
+    /// Reconciles with the kubelet's allocations; see [`reconcile::reconcile`].
+    pub fn reconcile(
+        &self,
+        allocations: &[KubeletAllocation],
+        grace_secs: u64,
+    ) -> Result<Report, BackendError> {
+        self.change(|state| Ok(reconcile::reconcile(state, allocations, unix_now(), grace_secs)))
+    }
+
+    /// Marks a GPU healthy or not and republishes.
+    pub fn set_health(&self, uuid: &str, healthy: bool) -> bool {
+        let mut inner = self.lock();
+        let changed = inner.state.set_health(uuid, healthy);
+        if changed {
+            self.publish(&inner.state);
+        }
+        changed
+    }
+}
+
+/// One view of the ledger, served as one extended resource.
+pub struct ViewBackend {
+    ledger: Arc<Ledger>,
+    view: View,
+    resource: String,
+}
+
+impl ViewBackend {
+    /// The view.
+    pub fn view(&self) -> &View {
+        &self.view
+    }
+}
+
+#[async_trait::async_trait]
+impl DeviceBackend for ViewBackend {
+    fn resource_name(&self) -> &str {
+        &self.resource
+    }
+
+    fn devices(&self) -> watch::Receiver<DeviceSnapshot> {
+        match self.ledger.views.get(&self.view) {
+            Some((_, tx)) => tx.subscribe(),
+            // Backends are made only for the ledger's views.
+            None => watch::channel(Arc::new(DeviceList::default())).1,
+        }
+    }
+
+    async fn preferred_allocation(
+        &self,
+        request: PreferredAllocationRequest,
+    ) -> Result<Vec<String>, BackendError> {
+        let inner = self.ledger.lock();
+        inner.state.preferred(&self.view, &request.available, &request.must_include, request.size)
+    }
+
+    async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError> {
+        // The checkpoint write blocks (fsync): off the async worker threads.
+        let ledger = self.ledger.clone();
+        let view = self.view.clone();
+        let granted = tokio::task::spawn_blocking(move || {
+            ledger.change(|state| state.allocate(&view, &device_ids, unix_now()))
+        })
+        .await
+        .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;
+        Ok(granted)
+    }
+}
