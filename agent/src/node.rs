@@ -700,16 +700,16 @@ impl NodeState {
         must_include: &[String],
         size: usize,
     ) -> Result<Vec<String>, BackendError> {
-        let avail = self.parse(view, available).map_or_else(
-            |_| {
-                available
-                    .iter()
-                    .filter(|id| self.parse(view, std::slice::from_ref(id)).is_ok())
-                    .cloned()
-                    .collect::<Vec<_>>()
-            },
-            |_| available.to_vec(),
-        );
+        // The kubelet's list may lag behind ours (a device that just became Unhealthy because
+        // another view took its GPU): prefer only what we advertise as Healthy now.
+        let usable: std::collections::HashSet<String> = self
+            .devices(view)
+            .into_iter()
+            .filter(|d| d.health == Health::Healthy)
+            .map(|d| d.id)
+            .collect();
+        let avail: Vec<String> =
+            available.iter().filter(|id| usable.contains(*id)).cloned().collect();
         let must = self.parse(view, must_include)?;
         match view {
             View::GpuMemory => self.preferred_units(&avail, must_include, &must, size),

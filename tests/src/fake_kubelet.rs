@@ -13,10 +13,13 @@
 //! - [`FakeKubelet::restart`] drops every plugin connection, wipes the directory and listens
 //!   again; [`FakeKubelet::stop`] leaves no kubelet at all.
 //!
+//! It can also serve the pod-resources API from its books ([`FakeKubelet::serve_pod_resources`];
+//! [`FakeKubelet::admit_to`] records a container of a pod, [`FakeKubelet::end_pod`] ends it).
+//!
 //! Tests observe it through [`FakeKubelet::wait_for`], which waits (with a timeout) on a `watch`
 //! channel of [`KubeletView`]; nothing sleeps to synchronise.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -33,6 +36,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 type PluginClient = api::device_plugin_client::DevicePluginClient<Channel>;
+use baleen_proto::podresources::v1 as pr;
 
 /// The kubelet's dial-back timeout.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -83,6 +87,8 @@ struct Books {
     plugins: HashMap<String, PluginConn>,
     /// Devices handed out per resource (the kubelet's own accounting).
     allocated: HashMap<String, BTreeSet<String>>,
+    /// Per pod (`namespace/name`): each container's devices per resource, for pod-resources.
+    pods: BTreeMap<String, Vec<(String, String, Vec<String>)>>,
 }
 
 struct Shared {
@@ -134,6 +140,7 @@ pub enum AdmitError {
 pub struct FakeKubelet {
     shared: Arc<Shared>,
     server: Option<(CancellationToken, JoinHandle<()>)>,
+    pod_resources: Option<(CancellationToken, JoinHandle<()>)>,
 }
 
 impl FakeKubelet {
@@ -142,7 +149,7 @@ impl FakeKubelet {
         let (view, _) = watch::channel(KubeletView::default());
         let shared =
             Arc::new(Shared { dir: dir.to_path_buf(), view, books: Mutex::new(Books::default()) });
-        let mut kubelet = Self { shared, server: None };
+        let mut kubelet = Self { shared, server: None, pod_resources: None };
         kubelet.listen()?;
         Ok(kubelet)
     }
@@ -152,7 +159,76 @@ impl FakeKubelet {
         let (view, _) = watch::channel(KubeletView::default());
         let shared =
             Arc::new(Shared { dir: dir.to_path_buf(), view, books: Mutex::new(Books::default()) });
-        Self { shared, server: None }
+        Self { shared, server: None, pod_resources: None }
+    }
+
+    /// Serves the pod-resources API (`List`, `GetAllocatableResources`, `Get`) from the
+    /// kubelet's books on `socket`, as the kubelet does on
+    /// `/var/lib/kubelet/pod-resources/kubelet.sock`.
+    pub fn serve_pod_resources(&mut self, socket: &Path) -> anyhow::Result<()> {
+        self.stop_pod_resources();
+        if let Some(parent) = socket.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        let _ = std::fs::remove_file(socket);
+        let listener = UnixListener::bind(socket)
+            .with_context(|| format!("listen on {}", socket.display()))?;
+        let token = CancellationToken::new();
+        let stop = token.clone();
+        let service = pr::pod_resources_lister_server::PodResourcesListerServer::new(PodResources(
+            self.shared.clone(),
+        ));
+        let task = tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    UnixListenerStream::new(listener),
+                    stop.cancelled_owned(),
+                )
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "fake pod-resources server failed");
+            }
+        });
+        self.pod_resources = Some((token, task));
+        Ok(())
+    }
+
+    /// Stops serving pod-resources.
+    pub fn stop_pod_resources(&mut self) {
+        if let Some((token, task)) = self.pod_resources.take() {
+            token.cancel();
+            task.abort();
+        }
+    }
+
+    /// Admits one container of `pod` (`namespace/name`) and records it for pod-resources.
+    pub async fn admit_to(
+        &self,
+        pod: &str,
+        container: &str,
+        resource: &str,
+        count: usize,
+    ) -> Result<Admission, AdmitError> {
+        let admission = self.admit(resource, count).await?;
+        self.shared.books().pods.entry(pod.to_owned()).or_default().push((
+            container.to_owned(),
+            resource.to_owned(),
+            admission.device_ids.clone(),
+        ));
+        Ok(admission)
+    }
+
+    /// The pod ended: its devices are free in the kubelet's books and gone from pod-resources.
+    pub fn end_pod(&self, pod: &str) {
+        let mut books = self.shared.books();
+        for (_, resource, ids) in books.pods.remove(pod).unwrap_or_default() {
+            if let Some(set) = books.allocated.get_mut(&resource) {
+                for id in &ids {
+                    set.remove(id);
+                }
+            }
+        }
     }
 
     /// The device-plugin directory.
@@ -375,6 +451,7 @@ impl FakeKubelet {
 
 impl Drop for FakeKubelet {
     fn drop(&mut self) {
+        self.stop_pod_resources();
         if let Some((token, task)) = self.server.take() {
             token.cancel();
             task.abort();
@@ -464,5 +541,79 @@ impl api::registration_server::Registration for Registration {
             *v.registrations.entry(request.resource_name.clone()).or_default() += 1;
         });
         Ok(Response::new(api::Empty {}))
+    }
+}
+
+struct PodResources(Arc<Shared>);
+
+impl PodResources {
+    fn pod(&self, key: &str, containers: &[(String, String, Vec<String>)]) -> pr::PodResources {
+        let (namespace, name) = key.split_once('/').unwrap_or(("default", key));
+        let mut by_container: BTreeMap<&str, Vec<pr::ContainerDevices>> = BTreeMap::new();
+        for (container, resource, ids) in containers {
+            by_container.entry(container).or_default().push(pr::ContainerDevices {
+                resource_name: resource.clone(),
+                device_ids: ids.clone(),
+                topology: None,
+            });
+        }
+        pr::PodResources {
+            name: name.to_owned(),
+            namespace: namespace.to_owned(),
+            containers: by_container
+                .into_iter()
+                .map(|(name, devices)| pr::ContainerResources {
+                    name: name.to_owned(),
+                    devices,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pr::pod_resources_lister_server::PodResourcesLister for PodResources {
+    async fn list(
+        &self,
+        _request: Request<pr::ListPodResourcesRequest>,
+    ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
+        let books = self.0.books();
+        let pod_resources = books.pods.iter().map(|(key, c)| self.pod(key, c)).collect();
+        Ok(Response::new(pr::ListPodResourcesResponse { pod_resources }))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _request: Request<pr::AllocatableResourcesRequest>,
+    ) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
+        let view = self.0.view.borrow().clone();
+        let devices = view
+            .devices
+            .keys()
+            .map(|resource| pr::ContainerDevices {
+                resource_name: resource.clone(),
+                device_ids: view.healthy(resource),
+                topology: None,
+            })
+            .collect();
+        Ok(Response::new(pr::AllocatableResourcesResponse { devices, ..Default::default() }))
+    }
+
+    async fn get(
+        &self,
+        request: Request<pr::GetPodResourcesRequest>,
+    ) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+        let request = request.into_inner();
+        let key = format!("{}/{}", request.pod_namespace, request.pod_name);
+        let books = self.0.books();
+        let containers = books
+            .pods
+            .get(&key)
+            .ok_or_else(|| Status::not_found(format!("pod {key} not found")))?;
+        Ok(Response::new(pr::GetPodResourcesResponse {
+            pod_resources: Some(self.pod(&key, containers)),
+        }))
     }
 }

@@ -1,0 +1,324 @@
+//! The whole agent in-process against the fake kubelet (device plugins and pod-resources), on
+//! the simulated inventory and on the real NVML backend over the fake `libnvidia-ml.so`:
+//! registration of every view, packing, exclusivity across views, clear refusals, health, and
+//! crash recovery with an intact or a corrupted checkpoint. Every wait has a timeout.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use baleen_agent::agent::{Agent, AgentConfig};
+use baleen_agent::inventory::nvml::NvmlInventory;
+use baleen_agent::inventory::simulated::SimulatedInventory;
+use baleen_agent::inventory::{GpuInventory, Inventory};
+use baleen_agent::node::{AllocationRecord, ViewConfig};
+use baleen_proto::deviceplugin::v1beta1::HEALTHY;
+use baleen_tests::fake_kubelet::{AdmitError, FakeKubelet, KubeletView};
+use baleen_tests::fake_nvml::FakeNvml;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+
+const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/examples");
+const WAIT: Duration = Duration::from_secs(10);
+const GPU: &str = "awesome-ai-company.com/gpu";
+const MEM: &str = "awesome-ai-company.com/gpu-memory";
+
+fn example(name: &str) -> Result<Inventory> {
+    Ok(SimulatedInventory::from_file(&Path::new(EXAMPLES).join(name))?.discover()?)
+}
+
+/// A node: temp dirs, a fake kubelet serving pod-resources, and how to start the agent.
+struct Node {
+    _tmp: tempfile::TempDir,
+    kubelet: FakeKubelet,
+    config: AgentConfig,
+    inventory: Arc<dyn GpuInventory>,
+    _nvml: Option<FakeNvml>,
+}
+
+enum Backend {
+    Simulated,
+    FakeNvml,
+}
+
+impl Node {
+    async fn new(example_name: &str, backend: Backend) -> Result<Self> {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path().to_path_buf();
+        let mut kubelet = FakeKubelet::start(&root.join("device-plugins")).await?;
+        kubelet.serve_pod_resources(&root.join("pod-resources/kubelet.sock"))?;
+        std::fs::write(root.join("boot_id"), "boot-1\n")?;
+        let expected = example(example_name)?;
+        let (inventory, nvml): (Arc<dyn GpuInventory>, _) = match backend {
+            Backend::Simulated => (Arc::new(SimulatedInventory::new(expected)), None),
+            Backend::FakeNvml => {
+                let fake = FakeNvml::new(&expected)?;
+                (Arc::new(NvmlInventory::new(fake.nvml_config())?), Some(fake))
+            }
+        };
+        let config = AgentConfig {
+            node_name: "node-a".into(),
+            device_plugin_dir: root.join("device-plugins"),
+            pod_resources_socket: root.join("pod-resources/kubelet.sock"),
+            state_dir: root.join("state"),
+            boot_id_file: root.join("boot_id"),
+            views: ViewConfig { mps_root: root.join("mps"), ..ViewConfig::default() },
+            reconcile_interval: Duration::from_millis(100),
+            // Whole seconds: an allocation is at least 1 s old before it can be released.
+            reconcile_grace: Duration::from_secs(2),
+        };
+        Ok(Self { _tmp: tmp, kubelet, config, inventory, _nvml: nvml })
+    }
+
+    async fn start(&self) -> Result<(Agent, CancellationToken)> {
+        let token = CancellationToken::new();
+        let agent = tokio::time::timeout(
+            WAIT,
+            Agent::start(self.config.clone(), self.inventory.clone(), token.clone()),
+        )
+        .await
+        .context("agent start timed out")??;
+        Ok((agent, token))
+    }
+
+    /// Waits until every resource of `agent` has registered `n` times and streams its devices.
+    async fn registered(&self, agent: &Agent, n: u64) -> Result<KubeletView> {
+        let resources: Vec<String> = agent.plugins().iter().map(|(r, _)| r.clone()).collect();
+        self.kubelet
+            .wait_for("every resource registered", WAIT, |v| {
+                resources.iter().all(|r| {
+                    v.registrations.get(r).copied().unwrap_or(0) >= n
+                        && v.streaming.contains(r)
+                        && v.devices.contains_key(r)
+                })
+            })
+            .await
+    }
+
+    fn checkpoint(&self) -> PathBuf {
+        self.config.state_dir.join(baleen_agent::checkpoint::FILE_NAME)
+    }
+}
+
+fn gpu_of(unit: &str) -> &str {
+    unit.split_once("::").map_or(unit, |(gpu, _)| gpu)
+}
+
+fn unit_health<'a>(view: &'a KubeletView, gpu: &str) -> Vec<&'a str> {
+    view.devices_of(MEM)
+        .iter()
+        .filter(|d| gpu_of(&d.id) == gpu)
+        .map(|d| d.health.as_str())
+        .collect()
+}
+
+async fn every_view_registers_and_packs(backend: Backend) -> Result<()> {
+    let node = Node::new("h200-8x-nvswitch.yaml", backend).await?;
+    let (agent, token) = node.start().await?;
+    let view = node.registered(&agent, 1).await?;
+    let mut names: Vec<&str> = agent.plugins().iter().map(|(r, _)| r.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            GPU,
+            MEM,
+            "awesome-ai-company.com/nvlink-group-2",
+            "awesome-ai-company.com/nvlink-group-4",
+            "awesome-ai-company.com/nvlink-group-8"
+        ]
+    );
+    assert_eq!(view.devices_of(MEM).len(), 8 * 140);
+    assert_eq!(view.healthy(GPU).len(), 8);
+
+    // 100 units on one GPU, 120 on another: a 16-unit request goes to the tightest (20 free).
+    let a = node.kubelet.admit_to("ns/a", "c", MEM, 100).await?;
+    let b = node.kubelet.admit_to("ns/b", "c", MEM, 120).await?;
+    let gpu_a = gpu_of(&a.device_ids[0]).to_owned();
+    let gpu_b = gpu_of(&b.device_ids[0]).to_owned();
+    assert_ne!(gpu_a, gpu_b, "120 units do not fit beside 100 on one 140-unit GPU");
+    assert!(a.device_ids.iter().all(|id| gpu_of(id) == gpu_a), "units of one container on one GPU");
+    let c = node.kubelet.admit_to("ns/c", "c", MEM, 16).await?;
+    assert!(
+        c.device_ids.iter().all(|id| gpu_of(id) == gpu_b),
+        "packed onto the 20-unit gap: {c:?}"
+    );
+    assert_eq!(c.preferred.as_deref(), Some(&c.device_ids[..]), "the kubelet took our preference");
+    let d = node.kubelet.admit_to("ns/d", "c", MEM, 30).await?;
+    assert!(d.device_ids.iter().all(|id| gpu_of(id) == gpu_a), "30 fits only beside the 100");
+    assert_eq!(d.response.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=30720M");
+    assert_eq!(d.response.envs["NVIDIA_VISIBLE_DEVICES"], gpu_a);
+
+    // Two containers never share a unit.
+    let mut all: Vec<&String> = [&a, &b, &c, &d].iter().flat_map(|x| x.device_ids.iter()).collect();
+    let total = all.len();
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), total);
+    let records = agent.ledger().records();
+    assert_eq!(records.len(), 4);
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulated_every_view_registers_and_memory_is_packed() -> Result<()> {
+    every_view_registers_and_packs(Backend::Simulated).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fake_nvml_every_view_registers_and_memory_is_packed() -> Result<()> {
+    every_view_registers_and_packs(Backend::FakeNvml).await
+}
+
+async fn exclusivity_and_refusals(backend: Backend) -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", backend).await?;
+    let (agent, token) = node.start().await?;
+    let view = node.registered(&agent, 1).await?;
+    assert!(view.devices.contains_key("awesome-ai-company.com/nvlink-group-2"));
+
+    // A whole GPU: its units become Unhealthy; after the pod ends, Healthy again.
+    let whole = node.kubelet.admit_to("ns/train", "c", GPU, 1).await?;
+    let gpu = whole.device_ids[0].clone();
+    node.kubelet
+        .wait_for("units of the whole GPU unhealthy", WAIT, |v| {
+            let h = unit_health(v, &gpu);
+            !h.is_empty() && h.iter().all(|s| *s != HEALTHY)
+        })
+        .await?;
+
+    // Allocate for that GPU's units is refused (a kubelet whose view is stale could ask).
+    let err = node
+        .kubelet
+        .allocate_raw(MEM, vec![vec![format!("{gpu}::0"), format!("{gpu}::1")]])
+        .await
+        .expect_err("GPU taken whole");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(
+        status.message().contains(&gpu) && status.message().contains("held whole"),
+        "{status:?}"
+    );
+
+    // Units on two GPUs are refused, naming both.
+    let view = node.kubelet.view();
+    let others: Vec<String> = view.healthy(GPU).into_iter().filter(|g| *g != gpu).collect();
+    let split = vec![format!("{}::0", others[0]), format!("{}::0", others[1])];
+    let err = node.kubelet.allocate_raw(MEM, vec![split]).await.expect_err("two GPUs");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("on one GPU"), "{status:?}");
+    assert!(status.message().contains(&others[0]) && status.message().contains(&others[1]));
+
+    // Units on another GPU make that GPU unavailable as a whole GPU.
+    let shared = node.kubelet.admit_to("ns/infer", "c", MEM, 4).await?;
+    let shared_gpu = gpu_of(&shared.device_ids[0]).to_owned();
+    let err =
+        node.kubelet.allocate_raw(GPU, vec![vec![shared_gpu.clone()]]).await.expect_err("shared");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(status.message().contains("gpu-memory units"), "{status:?}");
+
+    node.kubelet.end_pod("ns/train");
+    node.kubelet
+        .wait_for("units healthy again after the pod ended", WAIT, |v| {
+            unit_health(v, &gpu).iter().all(|s| *s == HEALTHY)
+        })
+        .await?;
+    assert_eq!(agent.ledger().records().len(), 1, "only the gpu-memory allocation is left");
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulated_whole_gpu_hides_units_and_conflicts_are_refused() -> Result<()> {
+    exclusivity_and_refusals(Backend::Simulated).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fake_nvml_whole_gpu_hides_units_and_conflicts_are_refused() -> Result<()> {
+    exclusivity_and_refusals(Backend::FakeNvml).await
+}
+
+fn sorted(mut records: Vec<AllocationRecord>) -> Vec<(String, Vec<String>)> {
+    records.sort();
+    records.into_iter().map(|r| (r.resource, r.device_ids)).collect()
+}
+
+async fn crash_and_restart(corrupt: bool) -> Result<()> {
+    let node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    let (agent, _token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet.admit_to("ns/a", "c", MEM, 10).await?;
+    node.kubelet.admit_to("ns/b", "c", GPU, 2).await?;
+    node.kubelet.admit_to("ns/c", "c", "awesome-ai-company.com/nvlink-group-2", 1).await?;
+    let before = sorted(agent.ledger().records());
+    assert_eq!(before.len(), 3);
+    // Crash: no shutdown, tasks aborted, nothing flushed beyond what each Allocate wrote.
+    drop(agent);
+    if corrupt {
+        let text = std::fs::read_to_string(node.checkpoint())?;
+        std::fs::write(node.checkpoint(), text.replacen("::1", "::9", 1))?;
+    }
+    let (agent, token) = node.start().await?;
+    assert_eq!(sorted(agent.ledger().records()), before, "nothing lost or duplicated");
+    node.registered(&agent, 2).await?;
+    // The restarted agent keeps packing around what it restored: no unit handed out twice.
+    let more = node.kubelet.admit_to("ns/d", "c", MEM, 5).await?;
+    let held: Vec<String> = before.iter().flat_map(|(_, ids)| ids.clone()).collect();
+    assert!(more.device_ids.iter().all(|id| !held.contains(id)));
+    assert_eq!(agent.ledger().records().len(), 4);
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    // And the checkpoint written since is trusted again.
+    let contents = baleen_agent::checkpoint::Checkpoint::in_dir(&node.config.state_dir)
+        .load("node-a", "boot-1")?
+        .context("checkpoint present")?;
+    assert_eq!(contents.allocations.len(), 4);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_then_restart_loses_and_duplicates_nothing() -> Result<()> {
+    crash_and_restart(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_with_a_corrupted_checkpoint_is_rebuilt_from_pod_resources() -> Result<()> {
+    crash_and_restart(true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_critical_xid_makes_the_gpu_unhealthy() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    let simulated = Arc::new(SimulatedInventory::new(expected.clone()));
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory = simulated.clone();
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let gpu = expected.gpus[2].uuid.clone();
+    // The health thread subscribes right after start; retry the injection until it is seen.
+    let seen = tokio::time::timeout(WAIT, async {
+        loop {
+            simulated.inject_xid(&gpu, 79)?; // 79: fallen off the bus, critical
+            let unhealthy = node
+                .kubelet
+                .wait_for("GPU and its units unhealthy", Duration::from_millis(200), |v| {
+                    v.devices_of(GPU).iter().any(|d| d.id == gpu.as_str() && d.health != HEALTHY)
+                        && unit_health(v, gpu.as_str()).iter().all(|s| *s != HEALTHY)
+                })
+                .await;
+            if let Ok(view) = unhealthy {
+                return Ok::<_, anyhow::Error>(view);
+            }
+        }
+    })
+    .await??;
+    assert!(unit_health(&seen, gpu.as_str()).iter().all(|s| *s != HEALTHY));
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
+}
