@@ -1,0 +1,115 @@
+//! What a real H200 answered on the GPU day (tests/data/gpu-day-2026-11-30), reproduced without
+//! a GPU: the simulated topology made from it, the real NVML backend on the fake library with
+//! that topology, and the whole agent admitting the same containers.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use baleen_agent::agent::{Agent, AgentConfig};
+use baleen_agent::inventory::nvml::NvmlInventory;
+use baleen_agent::inventory::simulated::SimulatedInventory;
+use baleen_agent::inventory::{GpuInventory, Inventory};
+use baleen_agent::node::ViewConfig;
+use baleen_tests::fake_kubelet::FakeKubelet;
+use baleen_tests::fake_nvml::FakeNvml;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/gpu-day-2026-11-30");
+const EXAMPLE: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/examples/h200-1x-gpu-day.yaml");
+
+fn recorded(name: &str) -> Result<Value> {
+    let path = Path::new(DATA).join(name);
+    Ok(serde_json::from_str(
+        &std::fs::read_to_string(&path).with_context(|| path.display().to_string())?,
+    )?)
+}
+
+fn simulated() -> Result<Inventory> {
+    Ok(SimulatedInventory::from_file(Path::new(EXAMPLE))?.discover()?)
+}
+
+#[test]
+fn the_simulated_topology_prints_what_real_nvml_printed() -> Result<()> {
+    let real = recorded("inventory.json")?;
+    let inventory: Inventory = serde_json::from_value(real.clone())?;
+    assert_eq!(simulated()?, inventory);
+    let resources = baleen_agent::cli::resources_of(&inventory, None, None)?;
+    assert_eq!(serde_json::to_value(&resources)?, real["resources"]);
+    Ok(())
+}
+
+#[test]
+fn the_nvml_backend_on_the_fake_library_reads_the_same_gpu() -> Result<()> {
+    let expected = simulated()?;
+    let fake = FakeNvml::new(&expected)?;
+    assert_eq!(NvmlInventory::new(fake.nvml_config())?.discover()?, expected);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
+    let real = recorded("kubelet.json")?;
+    let tmp = tempfile::tempdir()?;
+    let root = tmp.path();
+    let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
+    kubelet.serve_pod_resources(&root.join("pr.sock"))?;
+    std::fs::write(root.join("boot_id"), "b")?;
+    let config = AgentConfig {
+        node_name: "rss-node".into(),
+        device_plugin_dir: root.join("dp"),
+        pod_resources_socket: root.join("pr.sock"),
+        state_dir: root.join("state"),
+        boot_id_file: root.join("boot_id"),
+        // The defaults the agent ran with there (MPS pipes under /run/baleen/mps).
+        views: ViewConfig::default(),
+        reconcile_interval: Duration::from_secs(30),
+        reconcile_grace: Duration::from_secs(60),
+    };
+    let inventory: Arc<dyn GpuInventory> =
+        Arc::new(SimulatedInventory::from_file(Path::new(EXAMPLE))?);
+    let token = CancellationToken::new();
+    let agent = tokio::time::timeout(
+        Duration::from_secs(10),
+        Agent::start(config, inventory, token.clone()),
+    )
+    .await??;
+    let view = kubelet
+        .wait_for("two resources", Duration::from_secs(10), |v| {
+            v.streaming.len() == 2 && v.devices.len() == 2
+        })
+        .await?;
+    for (resource, counts) in real["registered"].as_object().context("registered")? {
+        assert_eq!(
+            Some(view.devices_of(resource).len() as u64),
+            counts["devices"].as_u64(),
+            "{resource}"
+        );
+    }
+    let first = &real["admissions"][0];
+    let admitted =
+        kubelet.admit_to("demo/pod-0", "main", "awesome-ai-company.com/gpu-memory", 8).await?;
+    assert_eq!(serde_json::to_value(&admitted.device_ids)?, first["devices"]);
+    assert_eq!(serde_json::to_value(&admitted.preferred)?, first["preferred"]);
+    assert_eq!(serde_json::to_value(&admitted.response.envs)?, first["envs"]);
+    let mounts: Vec<(&String, &String)> =
+        admitted.response.mounts.iter().map(|m| (&m.host_path, &m.container_path)).collect();
+    assert_eq!(serde_json::to_value(mounts)?, first["mounts"]);
+    // The only GPU is shared now: the whole GPU is refused, as it was there.
+    kubelet
+        .wait_for("whole GPU unhealthy", Duration::from_secs(10), |v| {
+            v.healthy("awesome-ai-company.com/gpu").is_empty()
+        })
+        .await?;
+    let err = kubelet
+        .admit_to("demo/pod-1", "main", "awesome-ai-company.com/gpu", 1)
+        .await
+        .expect_err("shared GPU");
+    assert_eq!(Value::String(err.to_string()), real["admissions"][1]["error"]);
+    token.cancel();
+    tokio::time::timeout(Duration::from_secs(10), agent.wait()).await??;
+    Ok(())
+}
