@@ -66,7 +66,9 @@ async fn main() -> anyhow::Result<()> {
                 "preferred": a.preferred, "envs": a.response.envs,
                 "mounts": a.response.mounts.iter().map(|m| (&m.host_path, &m.container_path)).collect::<Vec<_>>(),
             }),
-            Err(e) => serde_json::json!({ "pod": pod, "resource": resource, "error": e.to_string() }),
+            Err(e) => {
+                serde_json::json!({ "pod": pod, "resource": resource, "error": e.to_string() })
+            }
         };
         admissions.push(outcome);
     }
