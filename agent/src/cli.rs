@@ -26,7 +26,7 @@ pub const EXIT_FAILURE: u8 = 1;
 ///
 /// Without a subcommand it runs the agent: discovers the GPUs (NVML, or --simulated FILE),
 /// restores its allocations (checkpoint, then the kubelet's pod-resources API), and serves every
-/// resource (awesome-ai-company.com/gpu, gpu-memory, mig-<profile>, nvlink-group-<n>) to the
+/// resource (`awesome-ai-company.com/gpu`, `gpu-memory`, `mig-<profile>`, `nvlink-group-<n>`) to the
 /// kubelet through the device-plugin API, waiting for the kubelet if it is not there yet.
 /// Settings: defaults < --config FILE < environment (NODE_NAME) < flags; see docs/agent.md.
 /// Exit codes: 0 after SIGTERM/SIGINT, 64 for configuration errors, 1 for other failures.
