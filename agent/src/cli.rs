@@ -365,6 +365,42 @@ mod tests {
     }
 
     #[test]
+    fn configuration_errors_exit_64_and_list_every_problem() {
+        let err = run_args(&[
+            "baleen-agent",
+            "--node-name",
+            "n",
+            "--memory-unit",
+            "lots",
+            "--log-format",
+            "xml",
+            "--domain",
+            "kubernetes.io",
+        ])
+        .expect_err("invalid configuration");
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        let text = err.to_string();
+        assert!(
+            text.contains("memory unit") && text.contains("log format") && text.contains("domain"),
+            "{text}"
+        );
+        let help = Cli::command().render_long_help().to_string();
+        for flag in [
+            "--config",
+            "--node-name",
+            "--device-plugin-dir",
+            "--pod-resources-socket",
+            "--state-dir",
+            "--log-format",
+            "--log-level",
+            "--simulated",
+            "--nvml-lib",
+        ] {
+            assert!(help.contains(flag), "--help documents {flag}");
+        }
+    }
+
+    #[test]
     fn simulated_and_nvml_lib_exclude_each_other() {
         let parsed = Cli::try_parse_from([
             "baleen-agent",

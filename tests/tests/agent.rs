@@ -322,3 +322,40 @@ async fn a_critical_xid_makes_the_gpu_unhealthy() -> Result<()> {
     tokio::time::timeout(WAIT, agent.wait()).await??;
     Ok(())
 }
+
+async fn mig_views(backend: Backend) -> Result<()> {
+    let node = Node::new("a100-4x-mig.yaml", backend).await?;
+    let (agent, token) = node.start().await?;
+    let view = node.registered(&agent, 1).await?;
+    let mut names: Vec<&str> = agent.plugins().iter().map(|(r, _)| r.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            GPU,
+            MEM,
+            "awesome-ai-company.com/mig-1g.10gb",
+            "awesome-ai-company.com/mig-3g.40gb",
+            "awesome-ai-company.com/mig-7g.80gb",
+            "awesome-ai-company.com/nvlink-group-2",
+        ]
+    );
+    assert_eq!(view.healthy("awesome-ai-company.com/mig-1g.10gb").len(), 2);
+    assert_eq!(view.healthy(GPU).len(), 2, "the MIG GPUs are not whole GPUs");
+    let mig = node.kubelet.admit_to("ns/m", "c", "awesome-ai-company.com/mig-1g.10gb", 1).await?;
+    assert!(mig.device_ids[0].starts_with("MIG-"));
+    assert_eq!(mig.response.envs["NVIDIA_VISIBLE_DEVICES"], mig.device_ids[0]);
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulated_mig_views_register_and_allocate() -> Result<()> {
+    mig_views(Backend::Simulated).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fake_nvml_mig_views_register_and_allocate() -> Result<()> {
+    mig_views(Backend::FakeNvml).await
+}

@@ -240,3 +240,42 @@ async fn several_resources_each_on_their_own_socket() -> anyhow::Result<()> {
     b.stop().await;
     Ok(())
 }
+
+#[tokio::test]
+async fn the_fake_kubelet_refuses_an_unsupported_version_like_the_kubelet() -> anyhow::Result<()> {
+    use baleen_proto::deviceplugin::v1beta1 as api;
+    let tmp = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start(tmp.path()).await?;
+    let channel =
+        baleen_device_plugin::uds::connect(&tmp.path().join("kubelet.sock"), WAIT).await?;
+    let mut client = api::registration_client::RegistrationClient::new(channel);
+    let refused = tokio::time::timeout(
+        WAIT,
+        client.register(api::RegisterRequest {
+            version: "v1alpha".into(),
+            endpoint: "x.sock".into(),
+            resource_name: RESOURCE.into(),
+            options: None,
+        }),
+    )
+    .await?
+    .expect_err("refused");
+    assert_eq!(refused.code(), Code::Unknown);
+    assert!(refused.message().contains("\"v1alpha\" is not supported by kubelet"), "{refused:?}");
+    // A good version but nothing serving on the endpoint: the dial-back fails, so does Register.
+    let refused = tokio::time::timeout(
+        WAIT,
+        client.register(api::RegisterRequest {
+            version: api::VERSION.into(),
+            endpoint: "nobody.sock".into(),
+            resource_name: RESOURCE.into(),
+            options: None,
+        }),
+    )
+    .await?
+    .expect_err("no plugin to dial");
+    assert!(refused.message().contains("failed to dial device plugin"), "{refused:?}");
+    assert_eq!(kubelet.view().refusals.len(), 2);
+    assert!(kubelet.view().registrations.is_empty());
+    Ok(())
+}
