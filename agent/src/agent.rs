@@ -39,7 +39,9 @@ pub struct AgentConfig {
     pub views: ViewConfig,
     /// Time between reconciliations with pod-resources.
     pub reconcile_interval: Duration,
-    /// Allocations younger than this are not released for being absent from pod-resources.
+    /// How long an allocation the kubelet's pod-resources list has never shown is kept (an
+    /// ordinary init container's, or one the kubelet has not recorded yet); allocations it
+    /// listed are released as soon as they leave the list.
     pub reconcile_grace: Duration,
 }
 
@@ -80,6 +82,7 @@ pub enum AgentError {
 
 /// A started agent.
 pub struct Agent {
+    shutdown: CancellationToken,
     ledger: Arc<Ledger>,
     plugins: Vec<(String, watch::Receiver<PluginState>)>,
     tasks: JoinSet<Result<(), AgentError>>,
@@ -110,7 +113,7 @@ impl Agent {
         );
         let mut state = NodeState::new(&config.node_name, &discovered, config.views.clone())?;
         let checkpoint = Checkpoint::in_dir(&config.state_dir);
-        match checkpoint.load(&config.node_name, &boot_id) {
+        let trusted = match checkpoint.load(&config.node_name, &boot_id) {
             Ok(Some(contents)) => {
                 let refused = state.restore(&contents.allocations);
                 for (record, why) in &refused {
@@ -121,22 +124,58 @@ impl Agent {
                     checkpoint = %checkpoint.path().display(),
                     "ledger restored from the checkpoint"
                 );
+                true
             }
             Ok(None) => {
-                tracing::info!(checkpoint = %checkpoint.path().display(), "no checkpoint; starting empty")
+                tracing::info!(checkpoint = %checkpoint.path().display(), "no checkpoint");
+                false
             }
             Err(e) => {
-                tracing::warn!(error = %e, "checkpoint not trusted; rebuilding the ledger from pod-resources")
+                tracing::warn!(error = %e, "checkpoint not trusted; rebuilding the ledger from pod-resources");
+                false
             }
-        }
-        let ledger = Ledger::new(state, checkpoint, config.node_name.clone(), boot_id);
+        };
+        let ledger = Ledger::new(
+            state,
+            checkpoint,
+            config.node_name.clone(),
+            boot_id,
+            Some(config.pod_resources_socket.clone()),
+        );
         let grace = config.reconcile_grace.as_secs();
-        match reconcile::fetch(&config.pod_resources_socket, Duration::from_secs(2)).await {
-            Ok(truth) => log_report(
-                &ledger.reconcile(&truth, grace).map_err(|e| AgentError::Task(e.to_string()))?,
-            ),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot reconcile with the kubelet yet; will retry")
+        // Without a trusted checkpoint the ledger knows nothing of the containers running on the
+        // node (after a reboot the kubelet restarts them without calling Allocate): serving now
+        // could hand their GPUs out again through another view. Wait for pod-resources first.
+        let mut waiting_logged = false;
+        loop {
+            match reconcile::fetch(&config.pod_resources_socket, Duration::from_secs(2)).await {
+                Ok(truth) => {
+                    let ledger = ledger.clone();
+                    let report =
+                        tokio::task::spawn_blocking(move || ledger.reconcile(&truth, grace))
+                            .await
+                            .map_err(|e| AgentError::Task(e.to_string()))?
+                            .map_err(|e| AgentError::Task(e.to_string()))?;
+                    log_report(&report);
+                    break;
+                }
+                Err(e) if trusted => {
+                    tracing::warn!(error = %e, "cannot reconcile with the kubelet yet; serving from the checkpoint and retrying");
+                    break;
+                }
+                Err(e) => {
+                    if !waiting_logged {
+                        tracing::warn!(
+                            error = %e,
+                            "waiting for the kubelet's pod-resources API before serving: without a trusted checkpoint it is the only record of running containers"
+                        );
+                        waiting_logged = true;
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
             }
         }
         ledger.persist()?;
@@ -166,7 +205,7 @@ impl Agent {
         }
         let health_stop = shutdown.child_token();
         spawn_health_thread(inventory, ledger.clone(), health_stop.clone());
-        Ok(Self { ledger, plugins, tasks, health_stop })
+        Ok(Self { shutdown, ledger, plugins, tasks, health_stop })
     }
 
     /// The node's ledger.
@@ -179,13 +218,18 @@ impl Agent {
         &self.plugins
     }
 
-    /// Waits until every task ends (after the shutdown token is cancelled); the first error.
+    /// Waits until every task ends (after the shutdown token is cancelled, or after a task
+    /// failed, which cancels it); the first error.
     pub async fn wait(mut self) -> Result<(), AgentError> {
         let mut result = Ok(());
         while let Some(joined) = self.tasks.join_next().await {
             let outcome = joined.map_err(|e| AgentError::Task(e.to_string())).and_then(|r| r);
             if let Err(e) = outcome {
-                tracing::error!(error = %e, "agent task failed");
+                // A resource that cannot be served any more (its socket cannot be bound, say):
+                // stop the whole agent so that it exits non-zero and the DaemonSet restarts it,
+                // rather than serving part of the node in silence.
+                tracing::error!(error = %e, "agent task failed; stopping the agent");
+                self.shutdown.cancel();
                 if result.is_ok() {
                     result = Err(e);
                 }
@@ -244,9 +288,12 @@ async fn reconcile_loop(
                     tracing::info!(socket = %socket.display(), "pod-resources reachable again");
                     failing = false;
                 }
-                match ledger.reconcile(&truth, grace) {
-                    Ok(report) => log_report(&report),
-                    Err(e) => tracing::error!(error = %e, "reconciliation could not be saved"),
+                let ledger = ledger.clone();
+                // The checkpoint write blocks (fsync): off the async worker threads.
+                match tokio::task::spawn_blocking(move || ledger.reconcile(&truth, grace)).await {
+                    Ok(Ok(report)) => log_report(&report),
+                    Ok(Err(e)) => tracing::error!(error = %e, "reconciliation could not be saved"),
+                    Err(e) => tracing::error!(error = %e, "reconciliation task failed"),
                 }
             }
             Err(e) if !failing => {

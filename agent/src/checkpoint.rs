@@ -208,6 +208,7 @@ mod tests {
             resource: "example.com/gpu-memory".into(),
             device_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
             allocated_at: 7,
+            listed: true,
         }
     }
 

@@ -113,7 +113,8 @@ pub struct PathsFile {
 pub struct ReconcileFile {
     /// Interval, e.g. `30s`.
     pub interval: Option<String>,
-    /// Grace for young allocations, e.g. `60s`.
+    /// How long an allocation the kubelet has never listed is kept, e.g. `10m` (default; at
+    /// least `10s`).
     pub grace: Option<String>,
 }
 
@@ -294,7 +295,13 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
     };
     let reconcile_interval =
         duration("interval", file.reconcile.interval.as_ref(), Duration::from_secs(30));
-    let reconcile_grace = duration("grace", file.reconcile.grace.as_ref(), Duration::from_secs(60));
+    let reconcile_grace =
+        duration("grace", file.reconcile.grace.as_ref(), Duration::from_secs(600));
+    if reconcile_grace < Duration::from_secs(10) {
+        problems.push(format!(
+            "reconcile grace {reconcile_grace:?} is below 10s: allocations the kubelet has not listed yet would be released"
+        ));
+    }
 
     let log_format =
         match args.log_format.as_deref().or(file.log.format.as_deref()).unwrap_or("text") {
@@ -399,7 +406,7 @@ mod tests {
         assert_eq!(s.agent.views.nvlink_group_sizes, [2]);
         assert_eq!(s.agent.views.cdi_kind.as_deref(), Some("nvidia.com/gpu"));
         assert_eq!(s.agent.reconcile_interval, Duration::from_secs(5));
-        assert_eq!(s.agent.reconcile_grace, Duration::from_secs(60));
+        assert_eq!(s.agent.reconcile_grace, Duration::from_secs(600));
         assert_eq!(s.agent.state_dir, PathBuf::from("/tmp/state"));
         assert_eq!(s.agent.device_plugin_dir, PathBuf::from(DEFAULT_DEVICE_PLUGIN_DIR));
         let s = resolve(&args, Some("from-env".into())).expect("valid");

@@ -34,6 +34,9 @@ use crate::inventory::{Gpu, Inventory};
 
 /// The separator between a GPU UUID and a unit index in a gpu-memory device ID.
 pub const UNIT_SEPARATOR: &str = "::";
+/// Most devices one resource may advertise: a ListAndWatch message of about 70 bytes per device
+/// must stay well under the 4 MiB a kubelet's gRPC client accepts.
+pub const MAX_DEVICES_PER_RESOURCE: u64 = 32_768;
 /// Where a gpu-memory container finds its GPU's MPS pipe directory.
 pub const MPS_PIPE_IN_CONTAINER: &str = "/run/baleen/mps";
 
@@ -121,9 +124,15 @@ pub struct AllocationRecord {
     pub resource: String,
     /// The device IDs, sorted.
     pub device_ids: Vec<String>,
-    /// When it was granted (seconds since the Unix epoch); reconciliation leaves young
-    /// allocations alone while the kubelet catches up.
+    /// When it was granted (seconds since the Unix epoch); reconciliation leaves allocations the
+    /// kubelet has never listed alone for a grace period.
     pub allocated_at: u64,
+    /// Whether the kubelet's pod-resources `List` has shown this allocation. Once listed, an
+    /// allocation that disappears from the list is released at once; one never listed (an
+    /// ordinary init container's, which `List` omits, or one the kubelet has not recorded yet)
+    /// only after the grace period.
+    #[serde(default)]
+    pub listed: bool,
 }
 
 /// Why the node state cannot be built.
@@ -237,6 +246,18 @@ impl NodeState {
                 })
                 .collect(),
         };
+        let total_units: u64 = slots.iter().map(|s| u64::from(s.units)).sum();
+        if config.gpu_memory && total_units > MAX_DEVICES_PER_RESOURCE {
+            let memory: u64 =
+                slots.iter().filter(|s| s.units > 0).map(|s| s.gpu.memory_bytes).sum();
+            return Err(NodeError::Invalid(format!(
+                "a gpu-memory unit of {} bytes makes {total_units} devices; the kubelet takes at most \
+                 about {MAX_DEVICES_PER_RESOURCE} in one ListAndWatch message (its 4 MiB limit): \
+                 use a unit of at least {} MiB",
+                config.memory_unit_bytes,
+                memory.div_ceil(MAX_DEVICES_PER_RESOURCE).div_ceil(1 << 20)
+            )));
+        }
         let ledger = NodeLedger::new(spec).map_err(|e| NodeError::Invalid(e.to_string()))?;
         let mut state = Self {
             config,
@@ -499,9 +520,13 @@ impl NodeState {
     ) -> Result<ContainerAllocation, BackendError> {
         let sorted = ids_of(ids);
         if let Some(h) =
-            self.held.values().find(|h| h.view == *view && h.record.device_ids == sorted)
+            self.held.values_mut().find(|h| h.view == *view && h.record.device_ids == sorted)
         {
-            // A repeated Allocate (the init container's devices, reused): the same answer.
+            // A repeated Allocate: an init container's devices reused, or a new pod given exactly
+            // the devices of one that ended. The same answer; the allocation counts as new
+            // until the kubelet lists it.
+            h.record.allocated_at = now;
+            h.record.listed = false;
             let h = h.clone();
             return Ok(self.response(&h));
         }
@@ -554,6 +579,7 @@ impl NodeState {
                 resource: view.resource_name(&self.config.domain),
                 device_ids: sorted,
                 allocated_at: now,
+                listed: false,
             },
             view: view.clone(),
             gpus: parsed.gpus,
@@ -646,11 +672,45 @@ impl NodeState {
                     .map(drop)
                     .map_err(|e| e.to_string()),
             };
-            if let Err(why) = outcome {
-                refused.push((record.clone(), why));
+            match outcome {
+                Err(why) => refused.push((record.clone(), why)),
+                Ok(()) if record.listed => {
+                    self.mark_listed(|r| {
+                        r.resource == record.resource && r.device_ids == record.device_ids
+                    });
+                }
+                Ok(()) => {}
             }
         }
         refused
+    }
+
+    /// Marks the allocations for which `listed` is true as seen in the kubelet's list; returns
+    /// how many changed.
+    pub fn mark_listed(&mut self, mut listed: impl FnMut(&AllocationRecord) -> bool) -> usize {
+        let mut changed = 0;
+        for h in self.held.values_mut() {
+            if !h.record.listed && listed(&h.record) {
+                h.record.listed = true;
+                changed += 1;
+            }
+        }
+        changed
+    }
+
+    /// Allocations of `view` that share a device with `ids` without being exactly `ids`: the
+    /// ones an Allocate of `ids` would replace.
+    pub fn overlapping(&self, view: &View, ids: &[String]) -> Vec<AllocationRecord> {
+        let sorted = ids_of(ids);
+        self.held
+            .values()
+            .filter(|h| {
+                h.view == *view
+                    && h.record.device_ids != sorted
+                    && h.record.device_ids.iter().any(|d| sorted.binary_search(d).is_ok())
+            })
+            .map(|h| h.record.clone())
+            .collect()
     }
 
     /// The environment, mounts and CDI devices a container needs for an allocation.
@@ -873,6 +933,19 @@ mod tests {
     }
 
     #[test]
+    fn a_unit_too_small_for_the_kubelet_is_refused_with_the_smallest_that_works() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../packaging/examples/h200-8x-nvswitch.yaml");
+        let inventory =
+            SimulatedInventory::from_file(&path).expect("example").discover().expect("discover");
+        let config = ViewConfig { memory_unit_bytes: 16 << 20, ..ViewConfig::default() };
+        let err = NodeState::new("n", &inventory, config).expect_err("72k devices");
+        assert!(err.to_string().contains("at least 36 MiB"), "{err}");
+        let config = ViewConfig { memory_unit_bytes: 36 << 20, ..ViewConfig::default() };
+        assert!(NodeState::new("n", &inventory, config).is_ok());
+    }
+
+    #[test]
     fn mig_gpus_are_only_in_mig_views() {
         let state = example("a100-4x-mig.yaml");
         assert_eq!(
@@ -1049,6 +1122,7 @@ mod tests {
             resource: "other.com/gpu".into(),
             device_ids: vec![],
             allocated_at: 0,
+            listed: false,
         }]);
         assert_eq!(refused.len(), 1);
     }

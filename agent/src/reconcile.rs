@@ -38,19 +38,24 @@ pub struct Report {
     pub restored: Vec<AllocationRecord>,
     /// Kubelet allocations the ledger refused (a conflict across views), with why.
     pub refused: Vec<(AllocationRecord, String)>,
-    /// Allocations unknown to the kubelet but kept because they are younger than the grace.
+    /// Allocations never listed by the kubelet but kept because they are younger than the grace.
     pub kept_young: usize,
+    /// Allocations the kubelet listed for the first time.
+    pub newly_listed: usize,
 }
 
 impl Report {
     /// Whether the ledger changed.
     pub fn changed(&self) -> bool {
-        !self.released.is_empty() || !self.restored.is_empty()
+        !self.released.is_empty() || !self.restored.is_empty() || self.newly_listed > 0
     }
 }
 
 /// Brings `state` in line with the kubelet's `allocations` (only resources the node serves
-/// count). `now` and `grace` are in seconds.
+/// count). An allocation the kubelet listed before and lists no more is released; one it has
+/// never listed is kept until `grace` seconds after it was granted (the kubelet records an
+/// allocation only after Allocate returns, and `List` omits ordinary init containers). `now` is
+/// in seconds.
 pub fn reconcile(
     state: &mut NodeState,
     allocations: &[KubeletAllocation],
@@ -66,28 +71,34 @@ pub fn reconcile(
             (a.resource.clone(), ids)
         })
         .collect();
+    let key = |r: &AllocationRecord| (r.resource.clone(), r.device_ids.clone());
     let mut report = Report::default();
     let mut young = 0;
     report.released = state.retain(|r| {
-        if truth.contains(&(r.resource.clone(), r.device_ids.clone())) {
+        if truth.contains(&key(r)) {
             return true;
         }
-        let keep = r.allocated_at.saturating_add(grace) > now;
+        let keep = !r.listed && r.allocated_at.saturating_add(grace) > now;
         young += usize::from(keep);
         keep
     });
     report.kept_young = young;
-    let held: BTreeSet<(String, Vec<String>)> =
-        state.records().into_iter().map(|r| (r.resource, r.device_ids)).collect();
+    let held: BTreeSet<(String, Vec<String>)> = state.records().iter().map(key).collect();
     let missing: Vec<AllocationRecord> = truth
-        .into_iter()
-        .filter(|k| !held.contains(k))
-        .map(|(resource, device_ids)| AllocationRecord { resource, device_ids, allocated_at: now })
+        .iter()
+        .filter(|k| !held.contains(*k))
+        .map(|(resource, device_ids)| AllocationRecord {
+            resource: resource.clone(),
+            device_ids: device_ids.clone(),
+            allocated_at: now,
+            listed: true,
+        })
         .collect();
     let refused = state.restore(&missing);
     report.restored =
         missing.into_iter().filter(|m| !refused.iter().any(|(r, _)| r == m)).collect();
     report.refused = refused;
+    report.newly_listed = state.mark_listed(|r| truth.contains(&key(r)));
     report
 }
 
@@ -199,6 +210,34 @@ mod tests {
         assert!(report.restored.is_empty());
         let report = reconcile(&mut s, &truth, 3000, 30);
         assert!(!report.changed());
+    }
+
+    #[test]
+    fn unlisted_allocations_wait_for_the_grace_listed_ones_go_when_delisted() {
+        const GPU: &str = "awesome-ai-company.com/gpu";
+        let mut s = state();
+        let gpu = |i: usize| s_gpu(&s, i);
+        let (g0, g1) = (gpu(0), gpu(1));
+        // An init container's whole GPU (never in List) and an app container's.
+        s.allocate(&View::Gpu, std::slice::from_ref(&g0), 100).expect("init container");
+        s.allocate(&View::Gpu, std::slice::from_ref(&g1), 100).expect("app container");
+        let app = vec![kubelet(GPU, vec![g1.clone()])];
+        let report = reconcile(&mut s, &app, 130, 600);
+        assert_eq!(report.newly_listed, 1);
+        assert!(report.released.is_empty(), "the init container's GPU is kept within the grace");
+        assert!(s.records().iter().any(|r| r.device_ids == [g1.clone()] && r.listed));
+        // The app container ends: released at once, though young; the init one still waits.
+        let report = reconcile(&mut s, &[], 140, 600);
+        assert_eq!(report.released.len(), 1);
+        assert_eq!(report.released[0].device_ids, [g1]);
+        assert_eq!(report.kept_young, 1);
+        let report = reconcile(&mut s, &[], 700, 600);
+        assert_eq!(report.released.len(), 1, "after the grace");
+        assert!(s.records().is_empty());
+    }
+
+    fn s_gpu(s: &NodeState, i: usize) -> String {
+        s.gpus().nth(i).expect("gpu").uuid.to_string()
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! device list is a `watch` channel recomputed after every change of the ledger.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use baleen_device_plugin::device::DeviceSnapshot;
@@ -32,15 +34,19 @@ struct Inner {
 pub struct Ledger {
     inner: Mutex<Inner>,
     views: BTreeMap<View, (String, watch::Sender<DeviceSnapshot>)>,
+    pod_resources: Option<PathBuf>,
 }
 
 impl Ledger {
     /// Wraps `state`; every change is written to `checkpoint` for `node` in boot `boot_id`.
+    /// `pod_resources` is the kubelet's pod-resources socket, asked before an Allocate replaces
+    /// an older allocation of the same resource (`None`: trust the kubelet without asking).
     pub fn new(
         state: NodeState,
         checkpoint: Checkpoint,
         node: String,
         boot_id: String,
+        pod_resources: Option<PathBuf>,
     ) -> Arc<Self> {
         let domain = state.config().domain.clone();
         let views = state
@@ -52,7 +58,11 @@ impl Ledger {
                 (v, (name, tx))
             })
             .collect();
-        Arc::new(Self { inner: Mutex::new(Inner { state, checkpoint, node, boot_id }), views })
+        Arc::new(Self {
+            inner: Mutex::new(Inner { state, checkpoint, node, boot_id }),
+            views,
+            pod_resources,
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -180,6 +190,40 @@ impl DeviceBackend for ViewBackend {
     }
 
     async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError> {
+        // Devices of this resource that an older allocation holds: the kubelet reassigns only
+        // devices whose container ended, but if its books were lost it could hand out devices
+        // still in use. Ask its pod-resources list before replacing anything.
+        let replaced = self.ledger.lock().state.overlapping(&self.view, &device_ids);
+        if !replaced.is_empty()
+            && let Some(socket) = &self.ledger.pod_resources
+        {
+            match reconcile::fetch(socket, Duration::from_secs(2)).await {
+                Ok(listed) => {
+                    let running: Vec<&KubeletAllocation> = listed
+                        .iter()
+                        .filter(|k| {
+                            replaced
+                                .iter()
+                                .any(|r| r.resource == k.resource && r.device_ids == k.device_ids)
+                        })
+                        .collect();
+                    if let Some(k) = running.first() {
+                        return Err(BackendError::Conflict {
+                            ids: device_ids,
+                            reason: format!(
+                                "the kubelet still lists devices {:?} for running container {}/{}/{}",
+                                k.device_ids, k.namespace, k.pod, k.container
+                            ),
+                        });
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    resource = self.resource,
+                    error = %e,
+                    "cannot ask pod-resources whether replaced allocations ended; trusting the kubelet"
+                ),
+            }
+        }
         // The checkpoint write blocks (fsync): off the async worker threads.
         let ledger = self.ledger.clone();
         let view = self.view.clone();

@@ -17,6 +17,7 @@ use baleen_proto::deviceplugin::v1beta1 as api;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::backend::DeviceBackend;
 use crate::registration::{RegisterError, register};
@@ -210,7 +211,9 @@ impl Plugin {
             };
             tracing::info!(resource, socket = %socket_path.display(), "serving");
             let server_stop = shutdown.child_token();
-            let server = tokio::spawn(
+            // Aborted if this future is dropped (the plugin's task aborted), so that a server
+            // never outlives its plugin.
+            let server = AbortOnDropHandle::new(tokio::spawn(
                 tonic::transport::Server::builder()
                     .add_service(
                         DevicePluginService::new(self.backend.clone(), server_stop.clone())
@@ -220,7 +223,7 @@ impl Plugin {
                         UnixListenerStream::new(listener),
                         server_stop.clone().cancelled_owned(),
                     ),
-            );
+            ));
 
             let outcome = self
                 .register_and_watch(
@@ -344,7 +347,7 @@ impl Plugin {
 }
 
 async fn stop_server(
-    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    server: AbortOnDropHandle<Result<(), tonic::transport::Error>>,
     resource: &str,
 ) {
     // Streams end on the stop token, so a graceful stop is quick; do not hang on a peer that

@@ -66,6 +66,20 @@ impl KubeletView {
         self.devices.get(resource).map_or(&[], Vec::as_slice)
     }
 
+    /// A short description for error messages: registrations, refusals, open streams, and
+    /// per resource the devices and how many are healthy.
+    pub fn summary(&self) -> String {
+        let devices: BTreeMap<&String, (usize, usize)> = self
+            .devices
+            .iter()
+            .map(|(r, d)| (r, (d.len(), d.iter().filter(|x| x.health == api::HEALTHY).count())))
+            .collect();
+        format!(
+            "registrations {:?}, refusals {:?}, streaming {:?}, devices (all, healthy) {:?}, starts {}",
+            self.registrations, self.refusals, self.streaming, devices, self.starts
+        )
+    }
+
     /// The healthy device IDs of `resource`.
     pub fn healthy(&self, resource: &str) -> Vec<String> {
         self.devices_of(resource)
@@ -293,10 +307,10 @@ impl FakeKubelet {
         self.shared.view.send_modify(|v| v.streaming.clear());
     }
 
-    /// Stops listening and removes `kubelet.sock`, like a kubelet that died.
+    /// Stops listening, like a kubelet that died or was stopped: connections drop, and
+    /// `kubelet.sock` stays behind as a stale file (the kubelet does not remove it).
     pub async fn stop(&mut self) {
         self.shut_down().await;
-        let _ = std::fs::remove_file(self.shared.dir.join(api::KUBELET_SOCKET));
     }
 
     /// A kubelet restart: drop every plugin connection, wipe the directory, listen again. The
@@ -326,8 +340,8 @@ impl FakeKubelet {
             Ok(Ok(view)) => Ok(view),
             Ok(Err(_)) => bail!("fake kubelet dropped while waiting for {what}"),
             Err(_) => bail!(
-                "timed out after {timeout:?} waiting for {what}; kubelet view: {:?}",
-                *rx.borrow()
+                "timed out after {timeout:?} waiting for {what}; kubelet view: {}",
+                rx.borrow().summary()
             ),
         }
     }
@@ -391,17 +405,17 @@ impl FakeKubelet {
         } else {
             None
         };
-        // The kubelet takes the preference when it is usable, and otherwise chooses itself.
-        let device_ids = match &preferred {
-            Some(p)
-                if p.len() == count
-                    && p.iter().collect::<BTreeSet<_>>().len() == count
-                    && p.iter().all(|id| available.contains(id)) =>
-            {
-                p.clone()
+        // Like the kubelet: the preferred devices that are available, then its own choice
+        // (here: in sorted order) for the rest.
+        let mut device_ids: Vec<String> = Vec::with_capacity(count);
+        for id in preferred.iter().flatten().chain(available.iter()) {
+            if device_ids.len() == count {
+                break;
             }
-            _ => available[..count].to_vec(),
-        };
+            if available.contains(id) && !device_ids.contains(id) {
+                device_ids.push(id.clone());
+            }
+        }
         let response = self.allocate_raw(resource, vec![device_ids.clone()]).await?;
         let response = response
             .container_responses
@@ -483,13 +497,21 @@ impl Registration {
             .map_err(|e| anyhow!("failed to dial device plugin: {e}"))?;
         let mut client = PluginClient::new(channel);
         let options = with_timeout(client.get_device_plugin_options(api::Empty {})).await?;
-        let mut stream = with_timeout(client.list_and_watch(api::Empty {})).await?;
-        shared.view.send_modify(|v| {
-            v.streaming.insert(resource.clone());
-        });
+        // Like the kubelet's goroutine: ListAndWatch is opened beside, not before, the answer.
         let view = shared.view.clone();
         let name = resource.clone();
+        let mut stream_client = client.clone();
         let task = tokio::spawn(async move {
+            let Ok(Ok(response)) =
+                tokio::time::timeout(DIAL_TIMEOUT, stream_client.list_and_watch(api::Empty {}))
+                    .await
+            else {
+                return;
+            };
+            let mut stream = response.into_inner();
+            view.send_modify(|v| {
+                v.streaming.insert(name.clone());
+            });
             while let Ok(Some(message)) = stream.message().await {
                 view.send_modify(|v| {
                     v.devices.insert(name.clone(), message.devices);

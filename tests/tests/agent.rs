@@ -250,15 +250,40 @@ fn sorted(mut records: Vec<AllocationRecord>) -> Vec<(String, Vec<String>)> {
 
 async fn crash_and_restart(corrupt: bool) -> Result<()> {
     let node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
-    let (agent, _token) = node.start().await?;
+    // The first agent runs on a runtime of its own, so that it can be killed whole: every task,
+    // gRPC connections included, dropped at once, nothing shut down in order.
+    let doomed =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let (config, inventory) = (node.config.clone(), node.inventory.clone());
+    let agent = tokio::time::timeout(
+        WAIT,
+        doomed
+            .spawn(async move { Agent::start(config, inventory, CancellationToken::new()).await }),
+    )
+    .await???;
     node.registered(&agent, 1).await?;
     node.kubelet.admit_to("ns/a", "c", MEM, 10).await?;
     node.kubelet.admit_to("ns/b", "c", GPU, 2).await?;
     node.kubelet.admit_to("ns/c", "c", "awesome-ai-company.com/nvlink-group-2", 1).await?;
     let before = sorted(agent.ledger().records());
     assert_eq!(before.len(), 3);
-    // Crash: no shutdown, tasks aborted, nothing flushed beyond what each Allocate wrote.
+    let sockets: Vec<PathBuf> = agent
+        .plugins()
+        .iter()
+        .map(|(r, _)| {
+            node.config.device_plugin_dir.join(baleen_device_plugin::plugin::socket_name(r))
+        })
+        .collect();
+    // The crash.
     drop(agent);
+    doomed.shutdown_background();
+    // A crashed process leaves its socket files behind: put stale ones in place (new files, so
+    // that no dying task of the old runtime takes them for its own and removes them).
+    for socket in &sockets {
+        let _ = std::fs::remove_file(socket);
+        drop(std::os::unix::net::UnixListener::bind(socket)?);
+        assert!(socket.exists());
+    }
     if corrupt {
         let text = std::fs::read_to_string(node.checkpoint())?;
         std::fs::write(node.checkpoint(), text.replacen("::1", "::9", 1))?;
@@ -358,4 +383,31 @@ async fn simulated_mig_views_register_and_allocate() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fake_nvml_mig_views_register_and_allocate() -> Result<()> {
     mig_views(Backend::FakeNvml).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_of_a_running_container_are_not_handed_out_again() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let a = node.kubelet.admit_to("ns/a", "c", MEM, 4).await?;
+    let gpu = gpu_of(&a.device_ids[0]).to_owned();
+    let units = |r: std::ops::Range<u32>| r.map(|n| format!("{gpu}::{n}")).collect::<Vec<_>>();
+    assert_eq!(a.device_ids, units(0..4));
+    // A kubelet that lost its books hands units 2..6 to another container while ns/a runs:
+    // the agent asks pod-resources and refuses.
+    let err = node.kubelet.allocate_raw(MEM, vec![units(2..6)]).await.expect_err("still in use");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(status.message().contains("running container ns/a/c"), "{status:?}");
+    assert_eq!(agent.ledger().records().len(), 1);
+    // Once ns/a has ended, the same request replaces its allocation.
+    node.kubelet.end_pod("ns/a");
+    node.kubelet.allocate_raw(MEM, vec![units(2..6)]).await?;
+    let records = agent.ledger().records();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].device_ids, units(2..6));
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
 }

@@ -132,6 +132,17 @@ async fn kubelet_restart_is_followed_by_registration_within_a_second() -> anyhow
         .await;
     let admitted = kubelet.admit(RESOURCE, 1).await?;
     assert_eq!(admitted.device_ids, ["dev-1"]);
+
+    // A kubelet that dies leaves a stale kubelet.sock; when it comes back it replaces it.
+    kubelet.stop().await;
+    assert!(tmp.path().join("kubelet.sock").exists(), "stale socket left behind");
+    let restarted = Instant::now();
+    kubelet.restart().await?;
+    kubelet.wait_registered(RESOURCE, 3).await?;
+    let took = restarted.elapsed();
+    assert!(took < Duration::from_secs(1), "re-registration took {took:?}");
+    let admitted = kubelet.admit(RESOURCE, 1).await?;
+    assert_eq!(admitted.device_ids, ["dev-0"]);
     plugin.stop().await;
     Ok(())
 }
