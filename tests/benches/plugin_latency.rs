@@ -11,6 +11,7 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use baleen_device_plugin::{Device, DeviceBackend as _, Plugin, PluginConfig};
 use baleen_tests::fake_kubelet::FakeKubelet;
 use baleen_tests::memory_backend::MemoryBackend;
@@ -32,6 +33,51 @@ fn percentiles(label: &str, mut samples: Vec<Duration>) {
         at(0.99),
         at(1.0)
     );
+}
+
+async fn agent_allocate(
+    kubelet: &FakeKubelet,
+    dir: &std::path::Path,
+    n: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    use baleen_agent::checkpoint::Checkpoint;
+    use baleen_agent::inventory::GpuInventory as _;
+    use baleen_agent::inventory::simulated::SimulatedInventory;
+    use baleen_agent::node::{NodeState, ViewConfig};
+    use baleen_agent::resources::Ledger;
+
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../packaging/examples/h200-8x-nvswitch.yaml");
+    let inventory = SimulatedInventory::from_file(&example)?.discover()?;
+    let state = NodeState::new("bench", &inventory, ViewConfig::default())?;
+    // The checkpoint goes where the bench's temp dir is (see docs/benchmarks.md for the disk).
+    let checkpoint = Checkpoint::in_dir(&dir.join("state"));
+    let ledger = Ledger::new(state, checkpoint, "bench".into(), "boot".into(), None);
+    let backend = ledger
+        .backends()
+        .into_iter()
+        .find(|b| b.resource_name().ends_with("/gpu-memory"))
+        .context("gpu-memory view")?;
+    let resource = backend.resource_name().to_owned();
+    let token = CancellationToken::new();
+    let plugin = Plugin::new(backend, PluginConfig::new(kubelet.dir(), &resource));
+    let task = tokio::spawn(plugin.run(token.clone()));
+    kubelet.wait_registered(&resource, 1).await?;
+    let gpu = inventory.gpus[0].uuid.to_string();
+    let units = |from: u32| (from..from + 8).map(|u| format!("{gpu}::{u}")).collect::<Vec<_>>();
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n + 20 {
+        let request = vec![units(if i % 2 == 0 { 0 } else { 4 })];
+        let start = Instant::now();
+        kubelet.allocate_raw(&resource, request).await?;
+        if i >= 20 {
+            samples.push(start.elapsed());
+        }
+    }
+    assert_eq!(ledger.records().len(), 1, "each Allocate replaced the previous one");
+    token.cancel();
+    tokio::time::timeout(Duration::from_secs(10), task).await???;
+    Ok(samples)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -81,6 +127,13 @@ fn main() -> anyhow::Result<()> {
         assert_eq!(backend.resource_name(), RESOURCE);
         token.cancel();
         tokio::time::timeout(Duration::from_secs(10), task).await???;
+
+        // The agent's own gpu-memory backend on the 8x H200 example: each Allocate replaces the
+        // previous one (overlapping units), so every call changes the ledger and writes the
+        // checkpoint (write, fsync, rename, fsync of the directory) before answering.
+        let agent_allocs = allocs / 10;
+        let samples = agent_allocate(&kubelet, tmp.path(), agent_allocs).await?;
+        percentiles("Allocate through the agent's ledger (checkpoint fsync)", samples);
         Ok(())
     })
 }
