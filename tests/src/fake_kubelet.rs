@@ -369,12 +369,27 @@ impl FakeKubelet {
 
     /// Admits one container asking for `count` devices of `resource`, as the kubelet does.
     pub async fn admit(&self, resource: &str, count: usize) -> Result<Admission, AdmitError> {
+        self.admit_reusing(resource, count, &[]).await
+    }
+
+    /// Admits one container that may reuse `reusable` devices of the pod's init containers, as
+    /// the kubelet does: with enough reusable devices it takes the first `count` of them without
+    /// asking the plugin; otherwise it asks GetPreferredAllocation with the reusable devices as
+    /// must-include (and among the available), then calls Allocate with all of them.
+    pub async fn admit_reusing(
+        &self,
+        resource: &str,
+        count: usize,
+        reusable: &[String],
+    ) -> Result<Admission, AdmitError> {
         let (mut client, options) = self.client(resource)?;
+        let mut reusable: Vec<String> = reusable.to_vec();
+        reusable.sort();
         let available: Vec<String> = {
             let books = self.shared.books();
             let taken = books.allocated.get(resource);
             let mut healthy = self.view().healthy(resource);
-            healthy.retain(|id| !taken.is_some_and(|t| t.contains(id)));
+            healthy.retain(|id| !taken.is_some_and(|t| t.contains(id)) || reusable.contains(id));
             healthy.sort();
             healthy
         };
@@ -385,11 +400,13 @@ impl FakeKubelet {
                 available: available.len(),
             });
         }
-        let preferred = if options.get_preferred_allocation_available {
+        let preferred = if reusable.len() >= count {
+            None
+        } else if options.get_preferred_allocation_available {
             let request = api::PreferredAllocationRequest {
                 container_requests: vec![api::ContainerPreferredAllocationRequest {
                     available_device_i_ds: available.clone(),
-                    must_include_device_i_ds: vec![],
+                    must_include_device_i_ds: reusable.clone(),
                     allocation_size: i32::try_from(count).unwrap_or(i32::MAX),
                 }],
             };
@@ -405,10 +422,10 @@ impl FakeKubelet {
         } else {
             None
         };
-        // Like the kubelet: the preferred devices that are available, then its own choice
-        // (here: in sorted order) for the rest.
+        // Like the kubelet: reusable devices first, then the preferred devices that are
+        // available, then its own choice (here: in sorted order) for the rest.
         let mut device_ids: Vec<String> = Vec::with_capacity(count);
-        for id in preferred.iter().flatten().chain(available.iter()) {
+        for id in reusable.iter().chain(preferred.iter().flatten()).chain(available.iter()) {
             if device_ids.len() == count {
                 break;
             }

@@ -411,3 +411,38 @@ async fn devices_of_a_running_container_are_not_handed_out_again() -> Result<()>
     tokio::time::timeout(WAIT, agent.wait()).await??;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_init_containers_units_are_reused_by_the_app_container() -> Result<()> {
+    let node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    // Another pod already uses part of one GPU, so packing has a preference to show.
+    node.kubelet.admit_to("ns/other", "c", MEM, 100).await?;
+    // The init container (not in pod-resources, as the kubelet omits init containers).
+    let init = node.kubelet.admit(MEM, 4).await?;
+    let gpu = gpu_of(&init.device_ids[0]).to_owned();
+    // The app container asks for more: the kubelet must include the init container's units.
+    let app = node.kubelet.admit_reusing(MEM, 10, &init.device_ids).await?;
+    assert!(init.device_ids.iter().all(|id| app.device_ids.contains(id)), "{app:?}");
+    assert!(app.device_ids.iter().all(|id| gpu_of(id) == gpu), "all on the init's GPU: {app:?}");
+    let records: Vec<Vec<String>> = agent
+        .ledger()
+        .records()
+        .into_iter()
+        .filter(|r| r.device_ids.iter().any(|id| init.device_ids.contains(id)))
+        .map(|r| r.device_ids)
+        .collect();
+    let mut expected = app.device_ids.clone();
+    expected.sort();
+    assert_eq!(records, [expected], "the app container's allocation replaced the init one");
+    // A second app container needing fewer than the init container had: a subset, no question.
+    let init2 = node.kubelet.admit(MEM, 6).await?;
+    let small = node.kubelet.admit_reusing(MEM, 2, &init2.device_ids).await?;
+    assert_eq!(small.preferred, None, "the kubelet does not ask when reuse suffices");
+    assert_eq!(small.device_ids, init2.device_ids[..2]);
+    assert_eq!(agent.ledger().records().len(), 3);
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
+}
