@@ -1126,4 +1126,101 @@ mod tests {
         }]);
         assert_eq!(refused.len(), 1);
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Units { gpu: usize, start: u32, count: u32 },
+            Whole { gpus: Vec<usize> },
+            Group { index: usize },
+            Release { pick: usize },
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0..4usize, 0..22u32, 1..8u32).prop_map(|(gpu, start, count)| Op::Units { gpu, start, count }),
+                2 => proptest::collection::vec(0..4usize, 1..3).prop_map(|gpus| Op::Whole { gpus }),
+                1 => (0..2usize).prop_map(|index| Op::Group { index }),
+                2 => any::<usize>().prop_map(|pick| Op::Release { pick }),
+            ]
+        }
+
+        fn check(state: &NodeState) -> Result<(), TestCaseError> {
+            let records = state.records();
+            let mut whole: Vec<usize> = Vec::new();
+            let mut units: BTreeSet<String> = BTreeSet::new();
+            for r in &records {
+                let view = state.view_for(&r.resource).expect("a view of the node");
+                let parsed = state
+                    .parse(&view, &r.device_ids)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                if view.is_whole() {
+                    whole.extend(parsed.gpus.iter());
+                } else {
+                    for id in &r.device_ids {
+                        prop_assert!(units.insert(id.clone()), "unit {id} held twice");
+                    }
+                }
+            }
+            let mut sorted = whole.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            prop_assert_eq!(sorted.len(), whole.len(), "a GPU held whole twice: {:?}", whole);
+            for &g in &whole {
+                prop_assert_eq!(state.units_taken(g), 0, "GPU {} whole and shared", g);
+                let uuid = state.slots[g].gpu.uuid.to_string();
+                prop_assert!(
+                    state
+                        .devices(&View::GpuMemory)
+                        .iter()
+                        .filter(|d| d.id.starts_with(&uuid))
+                        .all(|d| d.health == Health::Unhealthy)
+                );
+            }
+            for g in 0..4 {
+                if state.units_taken(g) > 0 {
+                    let uuid = state.slots[g].gpu.uuid.to_string();
+                    let gpu_device = state.devices(&View::Gpu).into_iter().find(|d| d.id == uuid);
+                    prop_assert_eq!(gpu_device.map(|d| d.health), Some(Health::Unhealthy));
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #[test]
+            fn no_sequence_of_allocations_breaks_exclusivity(ops in proptest::collection::vec(op(), 1..40)) {
+                let mut state = example("l4-4x-pcie.yaml");
+                let groups: Vec<String> = state.devices(&View::NvlinkGroup(2)).into_iter().map(|d| d.id).collect();
+                for (t, op) in ops.into_iter().enumerate() {
+                    let before = state.records();
+                    let outcome = match op {
+                        Op::Units { gpu, start, count } => {
+                            let ids = units(&state, gpu, start..(start + count).min(22));
+                            state.allocate(&View::GpuMemory, &ids, t as u64)
+                        }
+                        Op::Whole { gpus } => {
+                            let ids: Vec<String> = gpus.iter().map(|&g| uuid(&state, g)).collect();
+                            state.allocate(&View::Gpu, &ids, t as u64)
+                        }
+                        Op::Group { index } => state.allocate(&View::NvlinkGroup(2), &[groups[index].clone()], t as u64),
+                        Op::Release { pick } => {
+                            if !before.is_empty() {
+                                let gone = before[pick % before.len()].clone();
+                                state.retain(|r| *r != gone);
+                            }
+                            Ok(ContainerAllocation::default())
+                        }
+                    };
+                    if outcome.is_err() {
+                        prop_assert_eq!(state.records(), before, "a refusal changed the ledger");
+                    }
+                    check(&state)?;
+                }
+            }
+        }
+    }
 }
