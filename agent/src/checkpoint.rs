@@ -239,4 +239,14 @@ mod tests {
         fs::write(cp.path(), b"").expect("write");
         assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
     }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_load_as_an_error_or_a_checkpoint_never_a_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let cp = Checkpoint::in_dir(dir.path());
+            fs::write(cp.path(), &bytes).expect("write");
+            let _ = cp.load("n1", "boot-a");
+        }
+    }
 }

@@ -1148,6 +1148,13 @@ mod tests {
             ]
         }
 
+        fn check_any(state: &NodeState) -> Result<(), TestCaseError> {
+            for r in state.records() {
+                prop_assert!(state.view_for(&r.resource).is_some());
+            }
+            Ok(())
+        }
+
         fn check(state: &NodeState) -> Result<(), TestCaseError> {
             let records = state.records();
             let mut whole: Vec<usize> = Vec::new();
@@ -1191,6 +1198,16 @@ mod tests {
         }
 
         proptest! {
+            #[test]
+            fn arbitrary_device_ids_are_refused_not_panicked_on(ids in proptest::collection::vec(".{0,60}", 1..4)) {
+                let mut state = example("a100-4x-mig.yaml");
+                for view in state.views() {
+                    let _ = state.allocate(&view, &ids, 0);
+                    let _ = state.preferred(&view, &ids, &ids[..1], ids.len());
+                }
+                check_any(&state)?;
+            }
+
             #[test]
             fn no_sequence_of_allocations_breaks_exclusivity(ops in proptest::collection::vec(op(), 1..40)) {
                 let mut state = example("l4-4x-pcie.yaml");
