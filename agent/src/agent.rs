@@ -323,8 +323,14 @@ fn spawn_health_thread(
         for gpu in watcher.unwatched() {
             tracing::warn!(gpu.uuid = %gpu, "GPU cannot report health events");
         }
+        let mut failing = false;
         while !stop.is_cancelled() {
-            match watcher.next_event(Duration::from_millis(500)) {
+            let event = watcher.next_event(Duration::from_millis(500));
+            if failing && event.is_ok() {
+                tracing::warn!("GPU health watch answers again; GPUs stay unhealthy until the agent restarts");
+                failing = false;
+            }
+            match event {
                 Ok(Some(event)) if event.critical => {
                     tracing::error!(gpu.uuid = %event.gpu, xid = event.xid, "critical XID: GPU marked unhealthy");
                     ledger.set_health(event.gpu.as_str(), false);
@@ -334,8 +340,16 @@ fn spawn_health_thread(
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::error!(error = %e, "GPU health watch failed; GPUs stay as they are");
-                    return;
+                    // A failed wait usually means a GPU fell off the bus, and the event cannot
+                    // even say which: like NVIDIA's device plugin, mark every GPU unhealthy and
+                    // keep watching (once per second while the errors last).
+                    if !failing {
+                        tracing::error!(error = %e, "GPU health watch failed; every GPU marked unhealthy");
+                        failing = true;
+                    }
+                    ledger.set_all_health(false);
+                    std::thread::park_timeout(Duration::from_secs(1));
+                    continue;
                 }
             }
         }

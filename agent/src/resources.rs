@@ -142,6 +142,19 @@ impl Ledger {
         self.change(|state| Ok(reconcile::reconcile(state, allocations, unix_now(), grace_secs)))
     }
 
+    /// Marks every GPU healthy or not and republishes.
+    pub fn set_all_health(&self, healthy: bool) {
+        let mut inner = self.lock();
+        let uuids: Vec<String> = inner.state.gpus().map(|g| g.uuid.to_string()).collect();
+        let mut changed = false;
+        for uuid in uuids {
+            changed |= inner.state.set_health(&uuid, healthy);
+        }
+        if changed {
+            self.publish(&inner.state);
+        }
+    }
+
     /// Marks a GPU healthy or not and republishes.
     pub fn set_health(&self, uuid: &str, healthy: bool) -> bool {
         let mut inner = self.lock();

@@ -578,7 +578,21 @@ nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
     nvmlReturn_t failure = injected("nvmlEventSetCreate", -1);
     if (failure != NVML_SUCCESS) return failure;
     *set = calloc(1, sizeof **set);
-    return *set == NULL ? NVML_ERROR_UNKNOWN : NVML_SUCCESS;
+    if (*set == NULL) return NVML_ERROR_UNKNOWN;
+    /* Like NVML, a new set sees only events that happen after it exists: skip what the events
+       file already holds. */
+    char path[PATH_MAX];
+    if (data_file("BALEEN_FAKE_NVML_EVENTS", "fake-nvml-events.txt", path, sizeof path) == 0) {
+        FILE *file = fopen(path, "r");
+        if (file != NULL) {
+            if (fseek(file, 0, SEEK_END) == 0) {
+                long end = ftell(file);
+                (*set)->offset = end > 0 ? end : 0;
+            }
+            fclose(file);
+        }
+    }
+    return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,

@@ -446,3 +446,26 @@ async fn an_init_containers_units_are_reused_by_the_app_container() -> Result<()
     tokio::time::timeout(WAIT, agent.wait()).await??;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_health_watch_marks_every_gpu_unhealthy() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    // NVML_ERROR_GPU_IS_LOST (15) from every wait, as when a GPU falls off the bus.
+    let fake = FakeNvml::with_directives(&expected, &["fail nvmlEventSetWait_v2 * 15"])?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    node._nvml = Some(fake);
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet
+        .wait_for("every GPU unhealthy", WAIT, |v| {
+            v.devices_of(GPU).len() == 4
+                && v.healthy(GPU).is_empty()
+                && v.healthy(MEM).is_empty()
+                && !v.devices_of(MEM).is_empty()
+        })
+        .await?;
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
+}

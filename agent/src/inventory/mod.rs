@@ -357,14 +357,16 @@ pub fn normalize_pci_bus_id(bus_id: &str) -> Result<String, InvalidPciBusId> {
 }
 
 /// The name of a GPU's directory under `/sys/bus/pci/devices/` for a normalised bus ID:
-/// lowercase, 4-digit domain (`00000000:3B:00.0` becomes `0000:3b:00.0`).
+/// lowercase, the domain printed as the kernel does (`%04x`: `00000000:3B:00.0` becomes
+/// `0000:3b:00.0`, a VMD domain `00010000:01:00.0` becomes `10000:01:00.0`).
 pub fn pci_sysfs_name(normalized_bus_id: &str) -> String {
     let lower = normalized_bus_id.to_ascii_lowercase();
     match lower.split_once(':') {
-        Some((domain, rest)) if domain.len() == 8 && domain.starts_with("0000") => {
-            format!("{}:{rest}", &domain[4..])
-        }
-        _ => lower,
+        Some((domain, rest)) => match u32::from_str_radix(domain, 16) {
+            Ok(value) => format!("{value:04x}:{rest}"),
+            Err(_) => lower,
+        },
+        None => lower,
     }
 }
 
@@ -530,7 +532,7 @@ mod tests {
             assert!(normalize_pci_bus_id(bad).is_err(), "{bad} should be rejected");
         }
         assert_eq!(pci_sysfs_name("00000000:3B:00.0"), "0000:3b:00.0");
-        assert_eq!(pci_sysfs_name("00010000:3B:00.0"), "00010000:3b:00.0");
+        assert_eq!(pci_sysfs_name("00010000:3B:00.0"), "10000:3b:00.0", "the kernel prints %04x");
     }
 
     #[test]

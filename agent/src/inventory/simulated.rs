@@ -119,6 +119,9 @@ impl fmt::Display for TopologyProblem {
     }
 }
 
+/// GPU-instance slices of a MIG-capable GPU.
+const MIG_GPU_SLICES: u32 = 7;
+
 /// A GPU inventory read from a YAML topology file.
 #[derive(Debug)]
 pub struct SimulatedInventory {
@@ -464,11 +467,9 @@ fn build(file: &TopologyFile, node: &str, problems: &mut Problems) -> Inventory 
             },
             None => generated_gpu_uuid(node, spec.index),
         };
-        // Generated UUIDs repeat only where indices do, which is reported above.
-        let other = match &spec.uuid {
-            Some(_) => seen_uuids.insert(uuid.as_str().to_owned(), spec.index),
-            None => None,
-        };
+        // Generated UUIDs count too: one pasted from `inventory` output onto another GPU
+        // would otherwise repeat unnoticed.
+        let other = seen_uuids.insert(uuid.as_str().to_owned(), spec.index);
         if let Some(other) = other {
             problems.add(
                 &gpu_field(position, "uuid"),
@@ -651,7 +652,12 @@ fn build_mig(
         };
         let memory_bytes = match (inst.memory, profile) {
             (Some(memory), profile) => {
-                if memory.0 > gpu_memory {
+                if memory.0 == 0 {
+                    problems.add(
+                        &with(at.clone(), Seg::Key("memory")),
+                        "MIG instance memory must be more than 0 bytes",
+                    );
+                } else if memory.0 > gpu_memory {
                     problems.add(
                         &with(at.clone(), Seg::Key("memory")),
                         format!(
@@ -729,7 +735,7 @@ fn build_mig(
             },
             None => generated_mig_uuid(node, spec.index, gpu_instance_id, compute_instance_id),
         };
-        // Generated UUIDs repeat only where instance IDs do, which is reported above.
+        // Generated MIG UUIDs repeat only where instance IDs do, which is reported above.
         let repeated = inst.uuid.is_some()
             && seen_mig_uuids.insert(uuid.as_str().to_owned(), spec.index).is_some();
         if repeated {
@@ -746,6 +752,18 @@ fn build_mig(
         });
     }
 
+    // A GPU has 7 GPU-instance slices (A100, H100, H200); instances cannot share them.
+    let slices: u32 = gpu_instances.values().map(|&(slices, _, _)| slices).sum();
+    if slices > MIG_GPU_SLICES {
+        problems.add(
+            &with(gpu_field(position, "mig"), Seg::Key("instances")),
+            format!(
+                "the MIG GPU instances of GPU {} need {slices} GPU slices, more than the \
+                 {MIG_GPU_SLICES} a GPU has",
+                spec.index
+            ),
+        );
+    }
     let total: u64 = gpu_instances.values().map(|&(_, memory, _)| memory).sum();
     if total > gpu_memory {
         problems.add(
@@ -1126,6 +1144,7 @@ gpus:                                      # 4
             (32, "not a MIG profile name"),
             (34, "makes profile 3g.10gb, not 3g.40gb"),
             (36, "not a MIG UUID"),
+            (27, "need 11 GPU slices, more than the 7 a GPU has"),
         ];
         for (line, text) in expected {
             assert!(has(&found, *line, text), "missing line {line}: {text}\nfound: {found:#?}");
@@ -1139,7 +1158,7 @@ gpus:                                      # 4
 
         let err = parse_topology(yaml, Path::new("bad.yaml"), None).expect_err("invalid");
         let text = err.to_string();
-        assert!(text.starts_with("bad.yaml: invalid topology (18 problems):"), "{text}");
+        assert!(text.starts_with("bad.yaml: invalid topology (19 problems):"), "{text}");
         assert!(text.contains("\n  bad.yaml:3: NVLink group names GPU 7"), "{text}");
     }
 
