@@ -102,6 +102,21 @@ fn gpus_without_xid_events_are_reported_unwatched() -> Result<()> {
 }
 
 #[test]
+fn a_gpu_whose_event_registration_fails_is_unwatched_and_the_others_are_watched() -> Result<()> {
+    let inventory = simulated("l4-4x-pcie.yaml")?;
+    // NVML_ERROR_UNKNOWN (999) registering GPU 2's events; nvml-wrapper frees the set then.
+    let fake = FakeNvml::with_directives(&inventory, &["fail nvmlDeviceRegisterEvents 2 999"])?;
+    let nvml = NvmlInventory::new(fake.nvml_config())?;
+    let mut watcher = nvml.health_watcher()?;
+    assert_eq!(watcher.unwatched(), [inventory.gpus[2].uuid.clone()]);
+    fake.inject_xid(2, 79)?;
+    fake.inject_xid(0, 79)?;
+    let event = next_event(watcher.as_mut(), Duration::from_secs(10))?;
+    assert_eq!(event.gpu, inventory.gpus[0].uuid, "GPU 0 registered in the rebuilt set");
+    Ok(())
+}
+
+#[test]
 fn not_supported_means_none() -> Result<()> {
     let mut expected = simulated("a100-4x-mig.yaml")?;
     let fake = FakeNvml::with_directives(

@@ -312,14 +312,44 @@ impl GpuInventory for NvmlInventory {
                 unwatched.push(uuid);
             }
         }
-        let mut set =
-            self.nvml.create_event_set().map_err(nvml_error("nvmlEventSetCreate", None))?;
-        for (index, device) in watched {
-            // On failure nvml-wrapper frees the set; the watcher cannot be built then.
-            set = device
-                .register_events(EventTypes::CRITICAL_XID_ERROR, set)
-                .map_err(|err| nvml_error("nvmlDeviceRegisterEvents", Some(index))(err.error))?;
-        }
+        // On a registration failure nvml-wrapper frees the set: start a new one without the GPU
+        // that failed (it is reported as unwatched) rather than watching no GPU at all.
+        let mut watched = watched;
+        let set = loop {
+            let mut set =
+                Some(self.nvml.create_event_set().map_err(nvml_error("nvmlEventSetCreate", None))?);
+            let mut failed = None;
+            for (position, (index, device)) in watched.iter().enumerate() {
+                let Some(current) = set.take() else { break };
+                match device.register_events(EventTypes::CRITICAL_XID_ERROR, current) {
+                    Ok(next) => set = Some(next),
+                    Err(err) => {
+                        tracing::warn!(gpu.index = *index, error = %err.error, "cannot watch this GPU's XID events");
+                        failed = Some(position);
+                        break;
+                    }
+                }
+            }
+            match (failed, set) {
+                (None, Some(set)) => break set,
+                (None, None) => {
+                    return Err(InventoryError::NvmlValue {
+                        call: "nvmlDeviceRegisterEvents",
+                        gpu_index: None,
+                        detail: "the event set was lost without an error".into(),
+                    });
+                }
+                (Some(position), _) => {
+                    let (index, device) = watched.remove(position);
+                    let uuid =
+                        device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", Some(index)))?;
+                    unwatched.push(
+                        GpuUuid::new(uuid)
+                            .map_err(|err| bad_value("nvmlDeviceGetUUID", Some(index), err))?,
+                    );
+                }
+            }
+        };
         Ok(Box::new(NvmlHealthWatcher { set, unwatched }))
     }
 }
