@@ -314,7 +314,6 @@ impl GpuInventory for NvmlInventory {
         }
         // On a registration failure nvml-wrapper frees the set: start a new one without the GPU
         // that failed (it is reported as unwatched) rather than watching no GPU at all.
-        let mut watched = watched;
         let set = loop {
             let mut set =
                 Some(self.nvml.create_event_set().map_err(nvml_error("nvmlEventSetCreate", None))?);
