@@ -354,9 +354,7 @@ impl NodeState {
 
     /// Memory units allocated on the GPU at `index`.
     pub fn units_taken(&self, index: usize) -> u32 {
-        self.slots
-            .get(index)
-            .map_or(0, |s| s.unit_holder.iter().filter(|h| h.is_some()).count() as u32)
+        if index < self.slots.len() { self.units_held(index, &BTreeSet::new()) as u32 } else { 0 }
     }
 
     /// Marks a GPU healthy or not; returns whether anything changed.
@@ -533,15 +531,8 @@ impl NodeState {
         let parsed = self.parse(view, ids)?;
         // Older allocations of the same view that share a device ended (the kubelet reassigns
         // only freed devices): they are replaced.
-        let superseded: BTreeSet<u64> = self
-            .held
-            .iter()
-            .filter(|(_, h)| {
-                h.view == *view
-                    && h.record.device_ids.iter().any(|d| sorted.binary_search(d).is_ok())
-            })
-            .map(|(&id, _)| id)
-            .collect();
+        let superseded: BTreeSet<u64> =
+            self.replaced_by(view, &sorted).map(|(&id, _)| id).collect();
         self.check_conflicts(view, ids, &parsed, &superseded)?;
         for id in &superseded {
             self.release_id(*id);
@@ -702,15 +693,21 @@ impl NodeState {
     /// ones an Allocate of `ids` would replace.
     pub fn overlapping(&self, view: &View, ids: &[String]) -> Vec<AllocationRecord> {
         let sorted = ids_of(ids);
-        self.held
-            .values()
-            .filter(|h| {
-                h.view == *view
-                    && h.record.device_ids != sorted
-                    && h.record.device_ids.iter().any(|d| sorted.binary_search(d).is_ok())
-            })
-            .map(|h| h.record.clone())
+        self.replaced_by(view, &sorted)
+            .filter(|(_, h)| h.record.device_ids != sorted)
+            .map(|(_, h)| h.record.clone())
             .collect()
+    }
+
+    /// Allocations of `view` sharing a device with `sorted` (sorted device IDs).
+    fn replaced_by<'a>(
+        &'a self,
+        view: &'a View,
+        sorted: &'a [String],
+    ) -> impl Iterator<Item = (&'a u64, &'a Held)> + 'a {
+        self.held.iter().filter(move |(_, h)| {
+            h.view == *view && h.record.device_ids.iter().any(|d| sorted.binary_search(d).is_ok())
+        })
     }
 
     /// The environment, mounts and CDI devices a container needs for an allocation.
