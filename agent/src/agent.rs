@@ -7,7 +7,7 @@
 //! cancelling the token (a clean stop) or drop the agent (a crash: tasks aborted, nothing
 //! flushed beyond what every change already wrote).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -148,22 +148,21 @@ impl Agent {
         // could hand their GPUs out again through another view. Wait for pod-resources first.
         let mut waiting_logged = false;
         loop {
-            match reconcile::fetch(&config.pod_resources_socket, Duration::from_secs(2)).await {
-                Ok(truth) => {
-                    let ledger = ledger.clone();
-                    let report =
-                        tokio::task::spawn_blocking(move || ledger.reconcile(&truth, grace))
-                            .await
-                            .map_err(|e| AgentError::Task(e.to_string()))?
-                            .map_err(|e| AgentError::Task(e.to_string()))?;
-                    log_report(&report);
-                    break;
-                }
-                Err(e) if trusted => {
+            match reconcile_once(
+                &ledger,
+                &config.pod_resources_socket,
+                Duration::from_secs(2),
+                grace,
+            )
+            .await
+            {
+                Ok(()) => break,
+                Err(ReconcileFailure::NotSaved(e)) => return Err(AgentError::Task(e)),
+                Err(ReconcileFailure::Unreachable(e)) if trusted => {
                     tracing::warn!(error = %e, "cannot reconcile with the kubelet yet; serving from the checkpoint and retrying");
                     break;
                 }
-                Err(e) => {
+                Err(ReconcileFailure::Unreachable(e)) => {
                     if !waiting_logged {
                         tracing::warn!(
                             error = %e,
@@ -282,27 +281,51 @@ async fn reconcile_loop(
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(interval) => {}
         }
-        match reconcile::fetch(&socket, Duration::from_secs(5)).await {
-            Ok(truth) => {
+        match reconcile_once(&ledger, &socket, Duration::from_secs(5), grace).await {
+            Ok(()) => {
                 if failing {
                     tracing::info!(socket = %socket.display(), "pod-resources reachable again");
                     failing = false;
                 }
-                let ledger = ledger.clone();
-                // The checkpoint write blocks (fsync): off the async worker threads.
-                match tokio::task::spawn_blocking(move || ledger.reconcile(&truth, grace)).await {
-                    Ok(Ok(report)) => log_report(&report),
-                    Ok(Err(e)) => tracing::error!(error = %e, "reconciliation could not be saved"),
-                    Err(e) => tracing::error!(error = %e, "reconciliation task failed"),
-                }
             }
-            Err(e) if !failing => {
+            Err(ReconcileFailure::NotSaved(e)) => {
+                tracing::error!(error = %e, "reconciliation failed")
+            }
+            Err(ReconcileFailure::Unreachable(e)) if !failing => {
                 tracing::warn!(error = %e, "cannot reconcile with the kubelet; allocations of ended pods stay held until it answers");
                 failing = true;
             }
-            Err(e) => tracing::debug!(error = %e, "pod-resources still unreachable"),
+            Err(ReconcileFailure::Unreachable(e)) => {
+                tracing::debug!(error = %e, "pod-resources still unreachable");
+            }
         }
     }
+}
+
+/// Why one reconciliation did not happen.
+enum ReconcileFailure {
+    /// The kubelet's pod-resources API did not answer.
+    Unreachable(reconcile::FetchError),
+    /// The reconciled ledger could not be saved (or its task failed).
+    NotSaved(String),
+}
+
+/// Reads the kubelet's allocations and brings the ledger in line, logging what changed. The
+/// checkpoint write blocks (fsync), so the ledger change runs off the async worker threads.
+async fn reconcile_once(
+    ledger: &Arc<Ledger>,
+    socket: &Path,
+    timeout: Duration,
+    grace: u64,
+) -> Result<(), ReconcileFailure> {
+    let truth = reconcile::fetch(socket, timeout).await.map_err(ReconcileFailure::Unreachable)?;
+    let ledger = ledger.clone();
+    let report = tokio::task::spawn_blocking(move || ledger.reconcile(&truth, grace))
+        .await
+        .map_err(|e| ReconcileFailure::NotSaved(format!("reconciliation task failed: {e}")))?
+        .map_err(|e| ReconcileFailure::NotSaved(e.to_string()))?;
+    log_report(&report);
+    Ok(())
 }
 
 /// Follows XID events on a thread of its own (NVML's wait blocks); a critical XID marks the GPU
