@@ -187,24 +187,12 @@ impl FakeKubelet {
         let _ = std::fs::remove_file(socket);
         let listener = UnixListener::bind(socket)
             .with_context(|| format!("listen on {}", socket.display()))?;
-        let token = CancellationToken::new();
-        let stop = token.clone();
-        let service = pr::pod_resources_lister_server::PodResourcesListerServer::new(PodResources(
-            self.shared.clone(),
-        ));
-        let task = tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(listener),
-                    stop.cancelled_owned(),
-                )
-                .await;
-            if let Err(e) = served {
-                tracing::error!(error = %e, "fake pod-resources server failed");
-            }
-        });
-        self.pod_resources = Some((token, task));
+        let router = tonic::transport::Server::builder().add_service(
+            pr::pod_resources_lister_server::PodResourcesListerServer::new(PodResources(
+                self.shared.clone(),
+            )),
+        );
+        self.pod_resources = Some(serve(router, listener, "fake pod-resources"));
         Ok(())
     }
 
@@ -268,23 +256,10 @@ impl FakeKubelet {
         }
         let listener = UnixListener::bind(dir.join(api::KUBELET_SOCKET))
             .with_context(|| format!("listen on {}", dir.display()))?;
-        let token = CancellationToken::new();
-        let service =
-            api::registration_server::RegistrationServer::new(Registration(self.shared.clone()));
-        let stop = token.clone();
-        let task = tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(listener),
-                    stop.cancelled_owned(),
-                )
-                .await;
-            if let Err(e) = served {
-                tracing::error!(error = %e, "fake kubelet server failed");
-            }
-        });
-        self.server = Some((token, task));
+        let router = tonic::transport::Server::builder().add_service(
+            api::registration_server::RegistrationServer::new(Registration(self.shared.clone())),
+        );
+        self.server = Some(serve(router, listener, "fake kubelet"));
         self.shared.view.send_modify(|v| v.starts += 1);
         Ok(())
     }
@@ -491,6 +466,25 @@ impl Drop for FakeKubelet {
             conn.stream.abort();
         }
     }
+}
+
+/// Serves `router` on `listener` until the returned token is cancelled.
+fn serve(
+    router: tonic::transport::server::Router,
+    listener: UnixListener,
+    what: &'static str,
+) -> (CancellationToken, JoinHandle<()>) {
+    let token = CancellationToken::new();
+    let stop = token.clone();
+    let task = tokio::spawn(async move {
+        let served = router
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop.cancelled_owned())
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "{what} server failed");
+        }
+    });
+    (token, task)
 }
 
 async fn with_timeout<T>(
