@@ -347,11 +347,6 @@ impl NodeState {
         self.slots.iter().map(|s| &s.gpu)
     }
 
-    /// Memory units of the GPU at `index` (0 for a MIG GPU).
-    pub fn units_of(&self, index: usize) -> u32 {
-        self.slots.get(index).map_or(0, |s| s.units)
-    }
-
     /// Memory units allocated on the GPU at `index`.
     pub fn units_taken(&self, index: usize) -> u32 {
         if index < self.slots.len() { self.units_held(index, &BTreeSet::new()) as u32 } else { 0 }

@@ -88,11 +88,6 @@ impl Ledger {
         self.lock().state.records()
     }
 
-    /// A copy of the node state (for inspection and metrics).
-    pub fn snapshot(&self) -> NodeState {
-        self.lock().state.clone()
-    }
-
     fn publish(&self, state: &NodeState) {
         for (view, (_, tx)) in &self.views {
             let devices = state.devices(view);
@@ -171,13 +166,6 @@ pub struct ViewBackend {
     ledger: Arc<Ledger>,
     view: View,
     resource: String,
-}
-
-impl ViewBackend {
-    /// The view.
-    pub fn view(&self) -> &View {
-        &self.view
-    }
 }
 
 #[async_trait::async_trait]

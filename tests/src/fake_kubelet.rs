@@ -448,11 +448,6 @@ impl FakeKubelet {
             }
         }
     }
-
-    /// Devices the kubelet's books hold as allocated for `resource`.
-    pub fn allocated(&self, resource: &str) -> BTreeSet<String> {
-        self.shared.books().allocated.get(resource).cloned().unwrap_or_default()
-    }
 }
 
 impl Drop for FakeKubelet {
