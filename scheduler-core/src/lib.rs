@@ -50,6 +50,7 @@ pub mod frag;
 pub mod ledger;
 pub mod model;
 pub mod node_choice;
+pub mod packing;
 pub mod policy;
 pub mod replay;
 pub mod trace;

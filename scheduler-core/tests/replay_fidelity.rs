@@ -10,9 +10,9 @@
 //! is checked too, so a change that makes fgd no better than best-fit fails even inside the
 //! bound.
 //!
-//! baleen's own policy must stay at least `BALEEN_MARGIN` points better than the published fgd
-//! mean (4.77 %) on the same two seeds (measured: 4.1 to 4.2 %), and better than our fgd, so a
-//! change that makes placement worse fails CI.
+//! baleen's own policy must stay at or below `BALEEN_TARGET` (issue 3's target, 4.0 %, against
+//! the published fgd mean of 4.77 %) on the same two seeds (measured: 3.72 and 3.75 %), and
+//! better than our fgd, so a change that makes placement worse fails CI.
 
 mod common;
 
@@ -21,7 +21,7 @@ use baleen_scheduler_core::replay::{self, ReplayOptions, Workload};
 use std::collections::HashMap;
 
 const TOLERANCE: f64 = 0.75;
-const BALEEN_MARGIN: f64 = 0.4;
+const BALEEN_TARGET: f64 = 4.0;
 const SEEDS: [u64; 2] = [42, 43];
 
 /// Published mean unallocated % at arrived = 100 % per artifact policy, for one workload.
@@ -80,9 +80,9 @@ fn default_trace_matches_published_best_fit_and_fgd() {
     let fgd = published["06-FGD"];
     eprintln!("baleen: ours {baleen:.2} %, published fgd {fgd:.2} %");
     assert!(
-        baleen <= fgd - BALEEN_MARGIN && baleen < ours["fgd"],
-        "baleen leaves {baleen:.2} % unallocated: it must beat the published fgd ({fgd:.2} %) by \
-         {BALEEN_MARGIN} points and our fgd ({:.2} %)",
+        baleen <= BALEEN_TARGET && baleen < ours["fgd"],
+        "baleen leaves {baleen:.2} % unallocated: it must stay at or below {BALEEN_TARGET} % \
+         (published fgd: {fgd:.2} %) and beat our fgd ({:.2} %)",
         ours["fgd"]
     );
     assert!(

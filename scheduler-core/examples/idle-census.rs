@@ -1,0 +1,116 @@
+//! Where the idle GPU is when arrived demand reaches 100 % of capacity: one seed of one policy
+//! on a trace, replayed as `baleen-sim` does, stopped at the first task that takes arrived
+//! demand to 100 %. At that point the unallocated GPU equals the demand that failed, so this
+//! shows what the headline figure is made of.
+//!
+//! Usage: `cargo run --release -p baleen-scheduler-core --example idle-census -- NODES PODS
+//! POLICY SEED [SEED...]`
+
+use baleen_scheduler_core::cluster::ClusterScheduler;
+use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
+use baleen_scheduler_core::model::GpuDemand;
+use baleen_scheduler_core::policy::{Policy, PolicyKind};
+use baleen_scheduler_core::replay::{self, ReplayOptions, Workload};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.len() < 4 {
+        return Err("usage: idle-census NODES PODS POLICY SEED [SEED...]".into());
+    }
+    let workload = Workload::load(Path::new(&args[0]), Path::new(&args[1]))?;
+    let kind: PolicyKind = args[2].parse()?;
+    let options = ReplayOptions::default();
+    let policy = Policy::for_requests(
+        kind,
+        workload.tasks.iter().map(|t| &t.request),
+        options.coverage,
+        options.normalisers,
+    );
+    let capacity = workload.gpu_capacity_milli();
+    let pct = |m: u64| 100.0 * m as f64 / capacity as f64;
+    let mut total_failed = 0.0;
+    let seeds: Vec<u64> = args[3..].iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
+    for &seed in &seeds {
+        let mut order_rng = ChaCha8Rng::seed_from_u64(seed);
+        let order =
+            replay::submission_order(&workload.tasks, capacity, options.tune, &mut order_rng);
+        let ranks = replay::node_ranks(&workload.nodes, &mut order_rng);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(1);
+        let nodes =
+            workload.nodes.iter().map(|n| NodeLedger::new(n.clone())).collect::<Result<_, _>>()?;
+        let mut cluster = ClusterScheduler::new(policy.clone(), nodes, ranks);
+        let mut arrived = 0u64;
+        // Failed demand by (class, milli per GPU): count and milli.
+        let mut failed: BTreeMap<(Option<u32>, u32), (usize, u64)> = BTreeMap::new();
+        for (seq, &t) in order.iter().enumerate() {
+            if arrived >= capacity {
+                break;
+            }
+            let request = &workload.tasks[t].request;
+            arrived += request.gpu.total_milli();
+            match cluster.choose(request, &mut rng) {
+                Some((n, s)) => cluster.place(n, AllocationId(seq as u64), request, s.gpus)?,
+                None => {
+                    let e = failed
+                        .entry((request.gpu.class(), request.gpu.milli_per_gpu().0))
+                        .or_default();
+                    e.0 += 1;
+                    e.1 += request.gpu.total_milli();
+                }
+            }
+        }
+        let failed_sum: u64 = failed.values().map(|v| v.1).sum();
+        total_failed += pct(failed_sum);
+        println!("seed {seed}: arrived {:.2} %, failed {:.2} %", pct(arrived), pct(failed_sum));
+        for ((class, milli), (n, m)) in &failed {
+            println!("  failed class {class:?} {milli:>4}: {n:>4} tasks {:.3} %", pct(*m));
+        }
+        // Idle GPU by what each partly used GPU holds (the sorted shares on it).
+        let mut holes: BTreeMap<Vec<u32>, (usize, u64)> = BTreeMap::new();
+        let mut idle_whole = (0usize, 0usize); // (GPUs, of which on nodes whose CPU or memory is short)
+        for node in cluster.nodes() {
+            for (i, g) in node.gpus().iter().enumerate() {
+                if g.milli.0 == 0 {
+                    continue;
+                }
+                if g.milli.0 == 1000 {
+                    idle_whole.0 += 1;
+                    if node.free_cpu().0 < 4000 || node.free_memory().0 < 16_384 {
+                        idle_whole.1 += 1;
+                    }
+                    continue;
+                }
+                let mut shares: Vec<u32> = node
+                    .allocations()
+                    .filter(|(_, a)| a.gpus.contains(i))
+                    .map(|(_, a)| match a.request.gpu {
+                        GpuDemand::Shared { milli, .. } => milli.0,
+                        _ => 1000,
+                    })
+                    .collect();
+                shares.sort_unstable_by(|a, b| b.cmp(a));
+                let e = holes.entry(shares).or_default();
+                e.0 += 1;
+                e.1 += u64::from(g.milli.0);
+            }
+        }
+        println!(
+            "  idle whole GPUs: {} ({} on nodes short of host), {:.3} %",
+            idle_whole.0,
+            idle_whole.1,
+            pct(idle_whole.0 as u64 * 1000)
+        );
+        let mut by_waste: Vec<_> = holes.into_iter().collect();
+        by_waste.sort_by_key(|(_, (_, m))| std::cmp::Reverse(*m));
+        for (shares, (n, m)) in by_waste.iter().take(25) {
+            println!("  holes {shares:?}: {n:>4} GPUs {:.3} %", pct(*m));
+        }
+    }
+    println!("mean failed {:.3} %", total_failed / seeds.len() as f64);
+    Ok(())
+}

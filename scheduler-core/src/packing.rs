@@ -1,0 +1,231 @@
+//! What a GPU's free share is worth to the shared requests still to come: prices from the
+//! fractional bin-packing LP of the target workload's shares.
+//!
+//! Shared requests take a share of one GPU (`g` milli-GPU, below 1000), so the GPUs they use
+//! are bins of size 1000 and the shares items. Given how often each share occurs (the target
+//! workload), the fractional bin-packing LP packs them into the fewest GPUs:
+//!
+//! ```text
+//! primal:  min Σ_P x_P        s.t. Σ_P a_sP x_P >= n_s for every share s, x >= 0
+//! dual:    max Σ_s n_s y_s    s.t. Σ_s a_sP y_s <= 1 for every pattern P, y >= 0
+//! ```
+//!
+//! where a pattern `P` is a multiset of shares fitting one GPU (`a_sP` copies of `s`). The dual
+//! price `y_s` is the part of a GPU that a share of size `s` is worth when every GPU is packed
+//! the best way; [`SharePrices::best_fill`] `K(r)` is the most that free share `r` can still be
+//! worth (an unbounded knapsack over the prices). Placing share `s` on a GPU with `r` free gives
+//! up `K(r) - K(r - s) - y_s >= 0` of a GPU: nothing when the GPU stays on a best pattern (a
+//! 470 beside a 470, a 320 beside a 650), much when it strands the rest (a 320 beside a 470
+//! leaves 210 that almost no share can use). [`SharePrices::regret`] returns that loss in
+//! milli-GPU; the `baleen` policy subtracts it from its fragmentation descent.
+//!
+//! The dual is solved by cutting planes: start from the one-share patterns, solve, find the
+//! pattern the prices violate most by a knapsack, add it, repeat. The LP is tiny (one variable
+//! per distinct share, a few dozen patterns) and is solved once per target workload.
+
+use crate::frag::TargetWorkload;
+use crate::units::MilliGpu;
+use microlp::{ComparisonOp, OptimizationDirection, Problem};
+use std::collections::BTreeMap;
+
+/// A GPU's compute in milli-GPU: the bin size.
+const BIN: usize = MilliGpu::WHOLE.0 as usize;
+
+/// Most cutting-plane rounds; the LP is tiny and converges in a few dozen.
+const MAX_ROUNDS: usize = 500;
+
+/// Tolerance on a pattern's price sum above 1 that still counts as feasible.
+const EPS: f64 = 1e-9;
+
+/// Prices of GPU shares from the fractional bin-packing LP of a target workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SharePrices {
+    /// Dual price of each share (milli-GPU), in GPUs.
+    prices: BTreeMap<u32, f64>,
+    /// `best_fill[r]`: the most the shares can be worth in `r` free milli-GPU, in GPUs.
+    best_fill: Vec<f64>,
+}
+
+impl Default for SharePrices {
+    /// No shares: every price and fill 0, every regret 0.
+    fn default() -> Self {
+        Self { prices: BTreeMap::new(), best_fill: vec![0.0; BIN + 1] }
+    }
+}
+
+impl SharePrices {
+    /// Prices for the shared shapes of `target`, weighted by their probabilities.
+    pub fn from_target(target: &TargetWorkload) -> Self {
+        let mut weights: BTreeMap<u32, f64> = BTreeMap::new();
+        for (shape, p) in target.shapes() {
+            let g = shape.milli_per_gpu.0;
+            if shape.gpu_count == 1 && g > 0 && (g as usize) < BIN {
+                *weights.entry(g).or_default() += p;
+            }
+        }
+        Self::from_weights(&weights)
+    }
+
+    /// Prices for shares (milli-GPU, 1..=999) with the given weights (counts or probabilities).
+    /// Shares of weight 0 or outside 1..=999 are ignored.
+    pub fn from_weights(weights: &BTreeMap<u32, f64>) -> Self {
+        let items: Vec<(u32, f64)> = weights
+            .iter()
+            .filter(|&(&s, &w)| s > 0 && (s as usize) < BIN && w > 0.0)
+            .map(|(&s, &w)| (s, w))
+            .collect();
+        if items.is_empty() {
+            return Self::default();
+        }
+        let prices = solve_dual(&items);
+        let best_fill = knapsack(&prices);
+        Self { prices, best_fill }
+    }
+
+    /// The dual price of share `milli`, in GPUs (0 for a share the workload does not have).
+    pub fn price(&self, milli: u32) -> f64 {
+        self.prices.get(&milli).copied().unwrap_or(0.0)
+    }
+
+    /// `K(r)`: the most the priced shares can be worth in `free` milli-GPU, in GPUs.
+    pub fn best_fill(&self, free: u32) -> f64 {
+        self.best_fill[(free as usize).min(BIN)]
+    }
+
+    /// What placing share `milli` on a GPU with `free` milli-GPU free gives up, in milli-GPU:
+    /// `1000 (K(free) - K(free - milli) - y_milli)`, at least 0. Zero when `milli` does not fit.
+    pub fn regret(&self, free: u32, milli: u32) -> f64 {
+        if milli > free {
+            return 0.0;
+        }
+        let loss = self.best_fill(free) - self.best_fill(free - milli) - self.price(milli);
+        (loss * BIN as f64).max(0.0)
+    }
+}
+
+/// Solves the dual by cutting planes; returns the price of each share.
+fn solve_dual(items: &[(u32, f64)]) -> BTreeMap<u32, f64> {
+    let mut problem = Problem::new(OptimizationDirection::Maximize);
+    let vars: Vec<_> = items.iter().map(|&(_, w)| problem.add_var(w, (0.0, 1.0))).collect();
+    // One-share patterns: as many copies as fit.
+    for (&(s, _), &v) in items.iter().zip(&vars) {
+        let copies = (BIN / s as usize) as f64;
+        problem.add_constraint([(v, copies)], ComparisonOp::Le, 1.0);
+    }
+    let mut prices: BTreeMap<u32, f64> = BTreeMap::new();
+    let Ok(mut solution) = problem.solve() else {
+        // Cannot happen for this bounded, feasible LP; without prices every regret is 0.
+        return prices;
+    };
+    for _ in 0..MAX_ROUNDS {
+        let current: Vec<f64> = vars.iter().map(|&v| solution.var_value(v).max(0.0)).collect();
+        let priced: BTreeMap<u32, f64> =
+            items.iter().zip(&current).map(|(&(s, _), &y)| (s, y)).collect();
+        let (value, pattern) = most_valuable_pattern(&priced);
+        prices = priced;
+        if value <= 1.0 + EPS {
+            break;
+        }
+        let cut: Vec<_> = pattern
+            .iter()
+            .map(|(s, n)| {
+                let i = items.iter().position(|&(t, _)| t == *s).expect("pattern of known shares");
+                (vars[i], *n as f64)
+            })
+            .collect();
+        match solution.add_constraint(cut, ComparisonOp::Le, 1.0) {
+            Ok(next) => solution = next,
+            Err(_) => break,
+        }
+    }
+    prices
+}
+
+/// The multiset of shares fitting one GPU with the highest total price, and that total.
+fn most_valuable_pattern(prices: &BTreeMap<u32, f64>) -> (f64, Vec<(u32, u32)>) {
+    let best = knapsack(prices);
+    // Walk back from a full GPU to recover one best pattern.
+    let mut pattern: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut r = BIN;
+    while r > 0 {
+        if best[r] <= best[r - 1] {
+            r -= 1;
+            continue;
+        }
+        let Some((&s, _)) = prices.iter().find(|&(&s, &y)| {
+            (s as usize) <= r && (best[r - s as usize] + y - best[r]).abs() < 1e-12
+        }) else {
+            break;
+        };
+        *pattern.entry(s).or_default() += 1;
+        r -= s as usize;
+    }
+    (best[BIN], pattern.into_iter().collect())
+}
+
+/// `best[r]` for `r` in `0..=1000`: the highest total price of shares fitting in `r`.
+fn knapsack(prices: &BTreeMap<u32, f64>) -> Vec<f64> {
+    let mut best = vec![0.0f64; BIN + 1];
+    for r in 1..=BIN {
+        let mut b = best[r - 1];
+        for (&s, &y) in prices {
+            let s = s as usize;
+            if s <= r {
+                b = b.max(best[r - s] + y);
+            }
+        }
+        best[r] = b;
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prices(weights: &[(u32, f64)]) -> SharePrices {
+        SharePrices::from_weights(&weights.iter().copied().collect())
+    }
+
+    #[test]
+    fn halves_are_worth_half_a_gpu_and_pair_without_regret() {
+        let p = prices(&[(470, 1.0)]);
+        assert!((p.price(470) - 0.5).abs() < 1e-9);
+        // A 470 on an empty GPU or beside another 470: both on the best pattern.
+        assert!(p.regret(1000, 470) < 1e-6);
+        assert!(p.regret(530, 470) < 1e-6);
+    }
+
+    #[test]
+    fn a_share_that_strands_the_rest_has_regret() {
+        // 470s pair, 320s go three to a GPU, 650s take a 320 each.
+        let p = prices(&[(470, 750.0), (320, 328.0), (650, 253.0), (810, 1078.0)]);
+        // A 320 beside a 470 leaves 210 that nothing can use: it gives up the 470's partner.
+        let bad = p.regret(530, 320);
+        // A 320 beside a 650 completes a best pattern.
+        let good = p.regret(350, 320);
+        assert!(good < 1e-6, "{good}");
+        assert!(bad > 100.0, "{bad}");
+        // An 810 alone on a GPU is as good as it gets.
+        assert!(p.regret(1000, 810) < 1e-6);
+    }
+
+    #[test]
+    fn dual_is_feasible_and_tight() {
+        let w = [(50, 7.0), (160, 74.0), (230, 140.0), (470, 750.0), (650, 253.0), (810, 1078.0)];
+        let p = prices(&w);
+        // No pattern is worth more than one GPU...
+        assert!(p.best_fill(1000) <= 1.0 + 1e-6);
+        // ...and the prices cover at least the items' volume lower bound (LP >= Σ n_s s / 1000).
+        let lp: f64 = w.iter().map(|&(s, n)| n * p.price(s)).sum();
+        let volume: f64 = w.iter().map(|&(s, n)| n * f64::from(s) / 1000.0).sum();
+        assert!(lp >= volume - 1e-6, "{lp} < {volume}");
+    }
+
+    #[test]
+    fn no_shares_no_regret() {
+        let p = SharePrices::default();
+        assert_eq!(p.regret(1000, 500), 0.0);
+        assert_eq!(p.best_fill(1000), 0.0);
+    }
+}
