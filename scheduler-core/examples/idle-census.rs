@@ -9,6 +9,7 @@
 use baleen_scheduler_core::cluster::ClusterScheduler;
 use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
 use baleen_scheduler_core::model::GpuDemand;
+use baleen_scheduler_core::packing::SharePrices;
 use baleen_scheduler_core::policy::{Policy, PolicyKind};
 use baleen_scheduler_core::replay::{self, ReplayOptions, Workload};
 use rand::SeedableRng;
@@ -45,6 +46,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             workload.nodes.iter().map(|n| NodeLedger::new(n.clone())).collect::<Result<_, _>>()?;
         let mut cluster = ClusterScheduler::new(policy.clone(), nodes, ranks);
         let mut arrived = 0u64;
+        // Shared tasks submitted so far, by share: what the packing bound is computed for.
+        let mut shares: BTreeMap<u32, f64> = BTreeMap::new();
         // Failed demand by (class, milli per GPU): count and milli.
         let mut failed: BTreeMap<(Option<u32>, u32), (usize, u64)> = BTreeMap::new();
         for (seq, &t) in order.iter().enumerate() {
@@ -53,6 +56,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let request = &workload.tasks[t].request;
             arrived += request.gpu.total_milli();
+            if let GpuDemand::Shared { milli, .. } = request.gpu {
+                *shares.entry(milli.0).or_default() += 1.0;
+            }
             match cluster.choose(request, &mut rng) {
                 Some((n, s)) => cluster.place(n, AllocationId(seq as u64), request, s.gpus)?,
                 None => {
@@ -70,6 +76,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for ((class, milli), (n, m)) in &failed {
             println!("  failed class {class:?} {milli:>4}: {n:>4} tasks {:.3} %", pct(*m));
         }
+        // The fractional bin-packing LP of the shared tasks submitted so far: the GPUs they need
+        // at best, and the gaps that leaves (a bound for a policy that places all of them).
+        let prices = SharePrices::from_weights(&shares);
+        let gpus_needed: f64 = shares.iter().map(|(&s, &n)| n * prices.price(s)).sum();
+        let demand: f64 = shares.iter().map(|(&s, &n)| n * f64::from(s)).sum();
+        println!(
+            "  shared tasks submitted: {:.0}, {:.3} % of the cluster; best fractional packing \
+             needs {gpus_needed:.1} GPUs, leaving {:.3} % in gaps",
+            shares.values().sum::<f64>(),
+            100.0 * demand / capacity as f64,
+            100.0 * (gpus_needed * 1000.0 - demand) / capacity as f64
+        );
         // Idle GPU by what each partly used GPU holds (the sorted shares on it).
         let mut holes: BTreeMap<Vec<u32>, (usize, u64)> = BTreeMap::new();
         let mut idle_whole = (0usize, 0usize); // (GPUs, of which on nodes whose CPU or memory is short)

@@ -6,6 +6,7 @@
 //! - [`fit`]: feasibility and in-node GPU candidates;
 //! - [`node_choice`]: the node agent's in-node choice (tightest shared GPU, best-connected set);
 //! - [`frag`]: the FGD fragmentation measure and its target workload;
+//! - [`packing`]: prices of GPU shares from the bin-packing LP of the target workload;
 //! - [`policy`]: score a node for a request and choose its GPUs;
 //! - [`cluster`]: choose a node across a cluster with a fixed tie-break order;
 //! - [`trace`] and [`replay`]: the Alibaba GPU trace and the paper's replay protocol, behind the

@@ -14,7 +14,7 @@
 //! | `gpu-packing` | partly used GPUs first, then used nodes, then idle nodes | best fit |
 //! | `best-fit` | `100 (1 - (c_n - c) / 2C - (U_n - g) / 2G)` | best fit |
 //! | `fgd` | `100 sigmoid(ΔF / 1000)`, the drop in expected fragmentation | the GPU with the best ΔF |
-//! | `baleen` (default) | `25 sigmoid(ΔF' / 1000)`, with `F'` = FGD's measure (memory-aware, all shapes) plus the GPU that free CPU and memory cannot feed | the GPU with the best ΔF' |
+//! | `baleen` (default) | `25 sigmoid((ΔF' - 12 R) / 1000)`, with `F'` = FGD's measure (memory-aware, all shapes) plus the GPU that free CPU and memory cannot feed, and `R` the share of a GPU a shared placement gives up ([`crate::packing`]) | the GPU with the best `ΔF' - 12 R` |
 //!
 //! `C` and `G` are the [`Normalisers`]; `c_n` and `U_n` the node's free CPU and GPU compute;
 //! `c` and `g` the request's CPU and total GPU demand.
@@ -193,7 +193,7 @@ impl Policy {
     /// fragmentation against (the others ignore it). [`Policy::for_requests`] builds the target
     /// each policy expects.
     pub fn new(kind: PolicyKind, target: Arc<TargetWorkload>, normalisers: Normalisers) -> Self {
-        let prices = Arc::new(SharePrices::from_target(&target));
+        let prices = Arc::new(share_prices(kind, &target));
         Self { kind, target, normalisers, baleen: BaleenParams::default(), prices }
     }
 
@@ -213,7 +213,7 @@ impl Policy {
             }
             _ => TargetWorkload::from_requests(requests, fgd_coverage, false),
         };
-        let prices = Arc::new(SharePrices::from_target(&target));
+        let prices = Arc::new(share_prices(kind, &target));
         Self { kind, target: Arc::new(target), normalisers, baleen: params, prices }
     }
 
@@ -321,10 +321,19 @@ impl Policy {
     }
 }
 
+/// The share prices a policy uses: solved for `baleen`, none for the others.
+fn share_prices(kind: PolicyKind, target: &TargetWorkload) -> SharePrices {
+    match kind {
+        PolicyKind::Baleen => SharePrices::from_target(target),
+        _ => SharePrices::default(),
+    }
+}
+
 /// Scores each way of placing `request` on `node` by the drop in `measure` it causes,
 /// `floor(levels * sigmoid((F_before - F_after) / 1000))`, and keeps the best: a shared request
 /// tries every fitting GPU (the lowest index wins ties), other requests use the lowest-index
-/// GPUs.
+/// GPUs. With `prices` `(p, w)`, a shared placement's drop is lowered by `w` times its
+/// [`SharePrices::regret`] on that GPU.
 fn frag_descent(
     node: &NodeLedger,
     request: &Request,
