@@ -77,7 +77,13 @@ impl SharePrices {
         if items.is_empty() {
             return Self::default();
         }
-        let prices = solve_dual(&items);
+        let mut prices = solve_dual(&items);
+        // Keep the prices dual-feasible whatever the solver did (it stops after MAX_ROUNDS
+        // or on a numerical error): no pattern may be worth more than one GPU.
+        let most = knapsack(&prices)[BIN];
+        if most > 1.0 {
+            prices.values_mut().for_each(|y| *y /= most);
+        }
         let best_fill = knapsack(&prices);
         Self { prices, best_fill }
     }
@@ -112,9 +118,11 @@ fn solve_dual(items: &[(u32, f64)]) -> BTreeMap<u32, f64> {
         let copies = (BIN / s as usize) as f64;
         problem.add_constraint([(v, copies)], ComparisonOp::Le, 1.0);
     }
-    let mut prices: BTreeMap<u32, f64> = BTreeMap::new();
+    // Volume prices (a share worth its size) are always feasible: the answer if the solver
+    // fails, which it should not on this bounded LP with a feasible origin.
+    let mut prices: BTreeMap<u32, f64> =
+        items.iter().map(|&(s, _)| (s, f64::from(s) / BIN as f64)).collect();
     let Ok(mut solution) = problem.solve() else {
-        // Cannot happen for this bounded, feasible LP; without prices every regret is 0.
         return prices;
     };
     for _ in 0..MAX_ROUNDS {
@@ -208,6 +216,10 @@ mod tests {
         assert!(bad > 100.0, "{bad}");
         // An 810 alone on a GPU is as good as it gets.
         assert!(p.regret(1000, 810) < 1e-6);
+        // The dual optimum equals the best packing: 1078 GPUs of 810, 375 of two 470s, 253 of
+        // a 650 and a 320, 25 of three 320s.
+        let lp = 750.0 * p.price(470) + 328.0 * p.price(320) + 253.0 * p.price(650) + 1078.0;
+        assert!((lp - 1731.0).abs() < 1e-6, "{lp}");
     }
 
     #[test]
@@ -220,6 +232,31 @@ mod tests {
         let lp: f64 = w.iter().map(|&(s, n)| n * p.price(s)).sum();
         let volume: f64 = w.iter().map(|&(s, n)| n * f64::from(s) / 1000.0).sum();
         assert!(lp >= volume - 1e-6, "{lp} < {volume}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        #[test]
+        fn prices_are_feasible_and_at_least_the_volume_bound(
+            weights in proptest::collection::btree_map(1u32..1000, 1u32..500, 1..12)
+        ) {
+            let w: BTreeMap<u32, f64> = weights.iter().map(|(&s, &n)| (s, f64::from(n))).collect();
+            let p = SharePrices::from_weights(&w);
+            // Dual feasible: no multiset of shares fitting a GPU is worth more than one GPU.
+            proptest::prop_assert!(p.best_fill(1000) <= 1.0 + 1e-6);
+            // The LP optimum is at least the volume bound (volume prices are feasible).
+            let lp: f64 = w.iter().map(|(&s, &n)| n * p.price(s)).sum();
+            let volume: f64 = w.iter().map(|(&s, &n)| n * f64::from(s) / 1000.0).sum();
+            proptest::prop_assert!(lp >= volume - 1e-6 * volume.max(1.0), "{} < {}", lp, volume);
+            // Regret is never negative, and 0 where the share does not fit.
+            for &s in w.keys() {
+                for r in [0u32, s / 2, s, 999, 1000] {
+                    let g = p.regret(r, s);
+                    proptest::prop_assert!(g >= 0.0);
+                    if s > r { proptest::prop_assert_eq!(g, 0.0); }
+                }
+            }
+        }
     }
 
     #[test]
