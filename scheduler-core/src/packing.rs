@@ -20,8 +20,12 @@
 //! milli-GPU; the `baleen` policy subtracts it from its fragmentation descent.
 //!
 //! The dual is solved by cutting planes: start from the one-share patterns, solve, find the
-//! pattern the prices violate most by a knapsack, add it, repeat. The LP is tiny (one variable
-//! per distinct share, a few dozen patterns) and is solved once per target workload.
+//! pattern the prices violate most by a knapsack, add it, repeat. The LP is small (one variable
+//! per distinct share, a few dozen patterns) and is solved once per target workload: 1.4 ms
+//! for the Alibaba trace's 20 shares, 58 ms for 99, 1.5 s for all 999 possible shares.
+//!
+//! Limits: the LP pools the shares of every GPU model (a share constrained to one model may
+//! be counted as filling a gap on another), and packs compute only, not GPU memory units.
 
 use crate::frag::TargetWorkload;
 use crate::units::MilliGpu;
@@ -100,6 +104,8 @@ impl SharePrices {
 
     /// What placing share `milli` on a GPU with `free` milli-GPU free gives up, in milli-GPU:
     /// `1000 (K(free) - K(free - milli) - y_milli)`, at least 0. Zero when `milli` does not fit.
+    /// A share the target workload does not have is priced 0, so wherever it goes it gives up
+    /// what its room could have held of the priced shares.
     pub fn regret(&self, free: u32, milli: u32) -> f64 {
         if milli > free {
             return 0.0;
@@ -218,8 +224,66 @@ mod tests {
         assert!(p.regret(1000, 810) < 1e-6);
         // The dual optimum equals the best packing: 1078 GPUs of 810, 375 of two 470s, 253 of
         // a 650 and a 320, 25 of three 320s.
-        let lp = 750.0 * p.price(470) + 328.0 * p.price(320) + 253.0 * p.price(650) + 1078.0;
+        let lp = 750.0 * p.price(470)
+            + 328.0 * p.price(320)
+            + 253.0 * p.price(650)
+            + 1078.0 * p.price(810);
         assert!((lp - 1731.0).abs() < 1e-6, "{lp}");
+    }
+
+    #[test]
+    fn one_share_is_worth_a_gpu_over_the_copies_that_fit() {
+        for s in [50u32, 200, 333, 334, 499, 500, 501, 999] {
+            let p = prices(&[(s, 3.0)]);
+            let want = 1.0 / f64::from(1000 / s);
+            assert!((p.price(s) - want).abs() < 1e-9, "{s}: {} != {want}", p.price(s));
+        }
+    }
+
+    /// Every multiset of `shares` fitting one GPU (shares of at least 200: at most 5 a GPU).
+    fn all_patterns(shares: &[u32]) -> Vec<Vec<u32>> {
+        fn extend(
+            shares: &[u32],
+            from: usize,
+            room: u32,
+            current: &mut Vec<u32>,
+            out: &mut Vec<Vec<u32>>,
+        ) {
+            if !current.is_empty() {
+                out.push(current.clone());
+            }
+            for i in from..shares.len() {
+                if shares[i] <= room {
+                    current.push(shares[i]);
+                    extend(shares, i, room - shares[i], current, out);
+                    current.pop();
+                }
+            }
+        }
+        let mut out = Vec::new();
+        extend(shares, 0, 1000, &mut Vec::new(), &mut out);
+        out
+    }
+
+    /// The primal LP solved directly over every pattern: the fewest GPUs.
+    fn primal_optimum(weights: &BTreeMap<u32, f64>) -> f64 {
+        let shares: Vec<u32> = weights.keys().copied().collect();
+        let patterns = all_patterns(&shares);
+        let mut problem = Problem::new(OptimizationDirection::Minimize);
+        let vars: Vec<_> =
+            patterns.iter().map(|_| problem.add_var(1.0, (0.0, f64::INFINITY))).collect();
+        for (&s, &n) in weights {
+            let row: Vec<_> = patterns
+                .iter()
+                .zip(&vars)
+                .filter_map(|(pat, &v)| {
+                    let k = pat.iter().filter(|&&t| t == s).count();
+                    (k > 0).then_some((v, k as f64))
+                })
+                .collect();
+            problem.add_constraint(row, ComparisonOp::Ge, n);
+        }
+        problem.solve().expect("the primal is feasible").objective()
     }
 
     #[test]
@@ -237,7 +301,7 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
         #[test]
-        fn prices_are_feasible_and_at_least_the_volume_bound(
+        fn prices_are_feasible_and_regret_well_formed(
             weights in proptest::collection::btree_map(1u32..1000, 1u32..500, 1..12)
         ) {
             let w: BTreeMap<u32, f64> = weights.iter().map(|(&s, &n)| (s, f64::from(n))).collect();
@@ -248,14 +312,26 @@ mod tests {
             let lp: f64 = w.iter().map(|(&s, &n)| n * p.price(s)).sum();
             let volume: f64 = w.iter().map(|(&s, &n)| n * f64::from(s) / 1000.0).sum();
             proptest::prop_assert!(lp >= volume - 1e-6 * volume.max(1.0), "{} < {}", lp, volume);
-            // Regret is never negative, and 0 where the share does not fit.
+            // Unclamped, the regret is never negative (K is a knapsack over the prices), and it
+            // is 0 where the share does not fit.
             for &s in w.keys() {
-                for r in [0u32, s / 2, s, 999, 1000] {
-                    let g = p.regret(r, s);
-                    proptest::prop_assert!(g >= 0.0);
-                    if s > r { proptest::prop_assert_eq!(g, 0.0); }
+                for r in [s, s + (1000 - s) / 2, 999, 1000] {
+                    let raw = p.best_fill(r) - p.best_fill(r - s) - p.price(s);
+                    proptest::prop_assert!(raw >= -1e-9, "K({}) - K({}) - y = {}", r, r - s, raw);
                 }
+                proptest::prop_assert_eq!(p.regret(s / 2, s), 0.0);
             }
+        }
+
+        #[test]
+        fn prices_reach_the_lp_optimum(
+            weights in proptest::collection::btree_map(200u32..1000, 1u32..500, 1..7)
+        ) {
+            let w: BTreeMap<u32, f64> = weights.iter().map(|(&s, &n)| (s, f64::from(n))).collect();
+            let p = SharePrices::from_weights(&w);
+            let dual: f64 = w.iter().map(|(&s, &n)| n * p.price(s)).sum();
+            let primal = primal_optimum(&w);
+            proptest::prop_assert!((dual - primal).abs() <= 1e-6 * primal, "dual {} primal {}", dual, primal);
         }
     }
 

@@ -115,8 +115,9 @@ pub struct BaleenParams {
     pub score_levels: f64,
     /// Weight of the GPU share a shared placement gives up by leaving its GPU off the best
     /// packing patterns of the target workload's shares ([`SharePrices::regret`], in
-    /// milli-GPU, subtracted from the fragmentation drop). 0 turns it off; from about 12 up
-    /// it acts as a filter (any placement without regret beats every placement with).
+    /// milli-GPU, subtracted from the fragmentation drop). 0 turns it off. On the Alibaba
+    /// trace the result stops changing from about 12 up (`docs/benchmarks.md`); it is not a
+    /// strict filter, as the fragmentation drop of two nodes can differ by more.
     pub pattern_weight: f64,
 }
 
@@ -217,7 +218,9 @@ impl Policy {
         Self { kind, target: Arc::new(target), normalisers, baleen: params, prices }
     }
 
-    /// The same policy with other `baleen` knobs (the other policies ignore them).
+    /// The same policy with other `baleen` scoring knobs (the other policies ignore them).
+    /// `coverage` and `memory_in_shapes` shape the target workload, which is built with the
+    /// policy ([`Policy::for_requests`]); changing them here has no effect.
     pub fn with_baleen_params(mut self, params: BaleenParams) -> Self {
         self.baleen = params;
         self
