@@ -234,10 +234,8 @@ pub fn resources_of(
         views.domain = domain.to_owned();
     }
     if let Some(unit) = memory_unit {
-        views.memory_unit_bytes =
-            crate::inventory::simulated::parse_quantity(unit).map_err(|e| {
-                crate::config::ConfigError { problems: vec![format!("memory unit: {e}")] }
-            })?;
+        views.memory_unit_bytes = crate::config::parse_memory_unit(unit)
+            .map_err(|problem| crate::config::ConfigError { problems: vec![problem] })?;
     }
     let state = crate::node::NodeState::new("inventory", inventory, views)?;
     Ok(state
@@ -411,6 +409,25 @@ mod tests {
             "/lib/libnvidia-ml.so.1",
         ]);
         assert!(parsed.is_err());
+    }
+
+    #[test]
+    fn inventory_refuses_a_memory_unit_the_agent_refuses() {
+        let file = format!("{EXAMPLES}/l4-4x-pcie.yaml");
+        let err = run_args(&[
+            "baleen-agent",
+            "inventory",
+            "--simulated",
+            &file,
+            "--memory-unit",
+            "512KiB",
+        ])
+        .expect_err("below 1MiB");
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        assert!(err.to_string().contains("below 1MiB"), "{err}");
+        let ok =
+            run_args(&["baleen-agent", "inventory", "--simulated", &file, "--memory-unit", "4MiB"]);
+        assert!(ok.is_ok(), "{ok:?}");
     }
 
     #[test]

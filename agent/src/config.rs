@@ -225,6 +225,17 @@ fn host_name() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// The GPU memory unit of the `gpu-memory` resource from its text (`1GiB`, `512MiB`, ...): at
+/// least 1 MiB, or the problem in words. The one parser of the unit for the agent and for
+/// `baleen-agent inventory --memory-unit`.
+pub fn parse_memory_unit(text: &str) -> Result<u64, String> {
+    match parse_quantity(text) {
+        Ok(b) if b >= 1 << 20 => Ok(b),
+        Ok(_) => Err(format!("memory unit {text:?} is below 1MiB")),
+        Err(e) => Err(format!("memory unit: {e}")),
+    }
+}
+
 /// Resolves defaults < file < environment (`node_name_env`, normally `$NODE_NAME`) < flags.
 pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings, ConfigError> {
     let mut problems = Vec::new();
@@ -251,17 +262,10 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
 
     let unit_text =
         args.memory_unit.clone().or(file.memory_unit.clone()).unwrap_or_else(|| "1GiB".into());
-    let memory_unit_bytes = match parse_quantity(&unit_text) {
-        Ok(b) if b >= 1 << 20 => b,
-        Ok(_) => {
-            problems.push(format!("memory unit {unit_text:?} is below 1MiB"));
-            1 << 30
-        }
-        Err(e) => {
-            problems.push(format!("memory unit: {e}"));
-            1 << 30
-        }
-    };
+    let memory_unit_bytes = parse_memory_unit(&unit_text).unwrap_or_else(|problem| {
+        problems.push(problem);
+        1 << 30
+    });
 
     let sizes = file.resources.nvlink_group_sizes.clone().unwrap_or_else(|| vec![2, 4, 8]);
     for &n in &sizes {
