@@ -111,13 +111,6 @@ impl Agent {
             driver = discovered.driver_version.as_deref().unwrap_or("unknown"),
             "GPUs discovered"
         );
-        for gpu in &discovered.unusable {
-            tracing::error!(
-                gpu.index = gpu.index,
-                reason = gpu.reason,
-                "GPU unusable: not advertised; restart the agent once it is fixed"
-            );
-        }
         let mut state = NodeState::new(&config.node_name, &discovered, config.views.clone())?;
         let checkpoint = Checkpoint::in_dir(&config.state_dir);
         let trusted = match checkpoint.load(&config.node_name, &boot_id) {

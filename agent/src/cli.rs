@@ -333,12 +333,6 @@ pub fn render_table(inventory: &Inventory) -> String {
         let cells: Vec<&str> = row.iter().map(String::as_str).collect();
         text.push_str(&line(&cells));
     }
-    for gpu in &inventory.unusable {
-        text.push_str(&format!(
-            "GPU {} is unusable and not advertised: {}\n",
-            gpu.index, gpu.reason
-        ));
-    }
     text
 }
 

@@ -448,34 +448,6 @@ async fn an_init_containers_units_are_reused_by_the_app_container() -> Result<()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_gpu_is_left_out_and_the_others_are_served() -> Result<()> {
-    let expected = example("l4-4x-pcie.yaml")?;
-    // NVML_ERROR_GPU_IS_LOST (15) for GPU 2's UUID, as when a GPU falls off the bus.
-    let fake = FakeNvml::with_directives(&expected, &["fail nvmlDeviceGetUUID 2 15"])?;
-    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
-    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
-    node._nvml = Some(fake);
-    let (agent, token) = node.start().await?;
-    node.registered(&agent, 1).await?;
-    let lost = expected.gpus[2].uuid.to_string();
-    node.kubelet
-        .wait_for("three healthy GPUs, none of them the lost one", WAIT, |v| {
-            let gpus = v.devices_of(GPU);
-            gpus.len() == 3
-                && v.healthy(GPU).len() == 3
-                && !gpus.iter().any(|d| d.id == lost)
-                && !v.devices_of(MEM).is_empty()
-                && v.devices_of(MEM).iter().all(|u| gpu_of(&u.id) != lost)
-        })
-        .await?;
-    let whole = node.kubelet.admit(GPU, 3).await?;
-    assert!(whole.device_ids.iter().all(|d| *d != lost), "{:?}", whole.device_ids);
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_health_watch_marks_every_gpu_unhealthy() -> Result<()> {
     let expected = example("l4-4x-pcie.yaml")?;
     // NVML_ERROR_GPU_IS_LOST (15) from every wait, as when a GPU falls off the bus.

@@ -146,19 +146,6 @@ pub struct Inventory {
     pub driver_version: Option<String>,
     /// The GPUs, ordered by [`Gpu::index`].
     pub gpus: Vec<Gpu>,
-    /// GPUs the driver lists but that could not be read (a GPU fallen off the bus, an NVML
-    /// error on one device): not advertised, and reported so that the operator can act.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub unusable: Vec<UnusableGpu>,
-}
-
-/// A GPU the driver lists but that discovery could not read.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UnusableGpu {
-    /// NVML's index.
-    pub index: u32,
-    /// Why, in words (the failed call and its error).
-    pub reason: String,
 }
 
 impl Inventory {
@@ -626,19 +613,10 @@ mod tests {
                     }],
                 },
             }],
-            unusable: Vec::new(),
         };
         let json = serde_json::to_string(&inventory).expect("serialises");
         assert!(json.contains(r#""mig":{"mode":"enabled","instances":["#), "{json}");
-        assert!(!json.contains("unusable"), "left out when empty: {json}");
         let back: Inventory = serde_json::from_str(&json).expect("deserialises");
         assert_eq!(back, inventory);
-        let lost = Inventory {
-            unusable: vec![UnusableGpu { index: 1, reason: "GPU is lost".into() }],
-            ..inventory
-        };
-        let json = serde_json::to_string(&lost).expect("serialises");
-        assert!(json.contains(r#""unusable":[{"index":1,"reason":"GPU is lost"}]"#), "{json}");
-        assert_eq!(serde_json::from_str::<Inventory>(&json).expect("deserialises"), lost);
     }
 }

@@ -47,7 +47,7 @@ use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
     Gpu, GpuInventory, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError, MigInstance,
-    MigProfile, MigState, MigUuid, UnusableGpu, normalize_pci_bus_id, pci_sysfs_name,
+    MigProfile, MigState, MigUuid, normalize_pci_bus_id, pci_sysfs_name,
 };
 
 /// The library loaded when none is configured: the name the driver installs, found through the
@@ -139,18 +139,15 @@ impl NvmlInventory {
         &self.library
     }
 
-    /// Every device NVML lists, by index: its handle, or why there is none.
-    fn devices(&self) -> Result<Vec<(u32, DeviceHandle<'_>)>, InventoryError> {
+    fn devices(&self) -> Result<Vec<Device<'_>>, InventoryError> {
         let count = self.nvml.device_count().map_err(nvml_error("nvmlDeviceGetCount_v2", None))?;
-        Ok((0..count)
+        (0..count)
             .map(|index| {
-                let device = self
-                    .nvml
+                self.nvml
                     .device_by_index(index)
-                    .map_err(nvml_error("nvmlDeviceGetHandleByIndex_v2", Some(index)));
-                (index, device)
+                    .map_err(nvml_error("nvmlDeviceGetHandleByIndex_v2", Some(index)))
             })
-            .collect())
+            .collect()
     }
 
     fn read_gpu(&self, index: u32, device: &Device<'_>) -> Result<Gpu, InventoryError> {
@@ -176,21 +173,6 @@ impl NvmlInventory {
             mig,
         })
     }
-}
-
-/// A device's NVML handle, or why it has none.
-type DeviceHandle<'nvml> = Result<Device<'nvml>, InventoryError>;
-
-/// An error and its causes, `: `-separated.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// The NUMA node of the PCI device `bus_id` (normalised), from sysfs.
@@ -289,27 +271,10 @@ impl GpuInventory for NvmlInventory {
     fn discover(&self) -> Result<Inventory, InventoryError> {
         let driver_version = supported(self.nvml.sys_driver_version())
             .map_err(nvml_error("nvmlSystemGetDriverVersion", None))?;
-        // One GPU that cannot be read (fallen off the bus, an NVML error on that device) costs
-        // that GPU, not the node: it is listed as unusable and the others are served. Only a
-        // node where no GPU can be read fails discovery, with the first GPU's error.
-        let mut gpus = Vec::new();
-        let mut devices = Vec::new();
-        let mut unusable = Vec::new();
-        let mut first_error = None;
-        for (index, device) in self.devices()? {
-            match device.and_then(|device| Ok((self.read_gpu(index, &device)?, device))) {
-                Ok((gpu, device)) => {
-                    gpus.push(gpu);
-                    devices.push(device);
-                }
-                Err(err) => {
-                    unusable.push(UnusableGpu { index, reason: error_chain(&err) });
-                    first_error.get_or_insert(err);
-                }
-            }
-        }
-        if let (true, Some(err)) = (gpus.is_empty(), first_error) {
-            return Err(err);
+        let devices = self.devices()?;
+        let mut gpus = Vec::with_capacity(devices.len());
+        for (index, device) in (0u32..).zip(&devices) {
+            gpus.push(self.read_gpu(index, device)?);
         }
 
         // NVLink: one P2P query per unordered pair; the answer is symmetric.
@@ -327,28 +292,17 @@ impl GpuInventory for NvmlInventory {
         for (gpu, peers) in gpus.iter_mut().zip(peers) {
             gpu.nvlink_peers = peers.into_iter().collect();
         }
-        Ok(Inventory { driver_version, gpus, unusable })
+        Ok(Inventory { driver_version, gpus })
     }
 
     fn health_watcher(&self) -> Result<Box<dyn HealthWatcher + '_>, InventoryError> {
         let devices = self.devices()?;
         let mut watched = Vec::new();
         let mut unwatched = Vec::new();
-        for (index, device) in &devices {
-            let index = *index;
+        for (index, device) in (0u32..).zip(&devices) {
             let at = Some(index);
-            // A GPU without a handle or a UUID is one discovery lists as unusable: it is not
-            // advertised, so there is nothing of it to watch.
-            let Ok(device) = device else { continue };
-            let uuid = match device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", at)).and_then(
-                |uuid| GpuUuid::new(uuid).map_err(|err| bad_value("nvmlDeviceGetUUID", at, err)),
-            ) {
-                Ok(uuid) => uuid,
-                Err(err) => {
-                    tracing::warn!(gpu.index = index, error = %error_chain(&err), "cannot watch an unreadable GPU");
-                    continue;
-                }
-            };
+            let uuid = device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", at))?;
+            let uuid = GpuUuid::new(uuid).map_err(|err| bad_value("nvmlDeviceGetUUID", at, err))?;
             let types = supported(device.supported_event_types())
                 .map_err(nvml_error("nvmlDeviceGetSupportedEventTypes", at))?
                 .unwrap_or(EventTypes::empty());
