@@ -7,14 +7,11 @@
 //! Usage: `cargo run --release -p baleen-scheduler-core --example idle-census -- NODES PODS
 //! POLICY SEED [SEED...]`
 
-use baleen_scheduler_core::cluster::ClusterScheduler;
-use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
+use baleen_scheduler_core::ledger::AllocationId;
 use baleen_scheduler_core::model::GpuDemand;
 use baleen_scheduler_core::packing::SharePrices;
 use baleen_scheduler_core::policy::{Policy, PolicyKind};
 use baleen_scheduler_core::replay::{self, ReplayOptions, Workload};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -37,15 +34,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut total_unallocated = 0.0;
     let seeds: Vec<u64> = args[3..].iter().map(|s| s.parse()).collect::<Result<_, _>>()?;
     for &seed in &seeds {
-        let mut order_rng = ChaCha8Rng::seed_from_u64(seed);
-        let order =
-            replay::submission_order(&workload.tasks, capacity, options.tune, &mut order_rng);
-        let ranks = replay::node_ranks(&workload.nodes, &mut order_rng);
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        rng.set_stream(1);
-        let nodes =
-            workload.nodes.iter().map(|n| NodeLedger::new(n.clone())).collect::<Result<_, _>>()?;
-        let mut cluster = ClusterScheduler::new(policy.clone(), nodes, ranks);
+        let replay::SeedRun { order, mut cluster, decision_rng: mut rng } =
+            replay::SeedRun::start(&workload, &policy, seed, &options)?;
         let mut arrived = 0u64;
         let mut allocated = 0u64;
         // Shared tasks submitted so far, by share: what the packing bound is computed for.

@@ -205,6 +205,51 @@ pub fn node_ranks(nodes: &[NodeSpec], rng: &mut impl Rng) -> Vec<u32> {
     ranks
 }
 
+/// One seed's run before its first task: what [`replay_seed`] submits, and tools that replay a
+/// seed their own way (stopping early, inspecting the cluster) start from, so that a seed means
+/// the same run everywhere.
+#[derive(Debug)]
+pub struct SeedRun {
+    /// The task order: indices into the workload's tasks.
+    pub order: Vec<usize>,
+    /// The empty cluster with the seed's node priority and the policy.
+    pub cluster: ClusterScheduler,
+    /// The random stream of the decisions (the random policy's picks).
+    pub decision_rng: ChaCha8Rng,
+}
+
+impl SeedRun {
+    /// The order (shuffle and inflation to `options.tune`), node priority and decision stream
+    /// of `seed`, and an empty cluster of `workload`'s nodes under `policy`.
+    pub fn start(
+        workload: &Workload,
+        policy: &Policy,
+        seed: u64,
+        options: &ReplayOptions,
+    ) -> Result<Self, ReplayError> {
+        let capacity = workload.gpu_capacity_milli();
+        if capacity == 0 {
+            return Err(ReplayError::NoGpus(workload.name.clone()));
+        }
+        if workload.tasks.is_empty() {
+            return Err(ReplayError::NoTasks(workload.name.clone()));
+        }
+        let mut order_rng = ChaCha8Rng::seed_from_u64(seed);
+        let order = submission_order(&workload.tasks, capacity, options.tune, &mut order_rng);
+        let ranks = node_ranks(&workload.nodes, &mut order_rng);
+        let mut decision_rng = ChaCha8Rng::seed_from_u64(seed);
+        decision_rng.set_stream(1);
+        let nodes = workload
+            .nodes
+            .iter()
+            .map(|n| NodeLedger::new(n.clone()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|source| ReplayError::Node { workload: workload.name.clone(), source })?;
+        let cluster = ClusterScheduler::new(policy.clone(), nodes, ranks);
+        Ok(Self { order, cluster, decision_rng })
+    }
+}
+
 /// Runs one seed of one policy. `metric` is the target workload the fragmentation curves are
 /// measured against (the paper's, whatever the policy).
 pub fn replay_seed(
@@ -217,26 +262,10 @@ pub fn replay_seed(
     let kind = policy.kind();
     let started = std::time::Instant::now();
     let capacity = workload.gpu_capacity_milli();
-    if capacity == 0 {
-        return Err(ReplayError::NoGpus(workload.name.clone()));
-    }
-    if workload.tasks.is_empty() {
-        return Err(ReplayError::NoTasks(workload.name.clone()));
-    }
-    let mut order_rng = ChaCha8Rng::seed_from_u64(seed);
-    let order = submission_order(&workload.tasks, capacity, options.tune, &mut order_rng);
-    let ranks = node_ranks(&workload.nodes, &mut order_rng);
-    let mut decision_rng = ChaCha8Rng::seed_from_u64(seed);
-    decision_rng.set_stream(1);
-
-    let nodes = workload
-        .nodes
-        .iter()
-        .map(|n| NodeLedger::new(n.clone()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|source| ReplayError::Node { workload: workload.name.clone(), source })?;
-    let mut node_frag: Vec<f64> = nodes.iter().map(|n| frag::ledger_fragment(metric, n)).collect();
-    let mut cluster = ClusterScheduler::new(policy.clone(), nodes, ranks);
+    let SeedRun { order, mut cluster, mut decision_rng } =
+        SeedRun::start(workload, policy, seed, options)?;
+    let mut node_frag: Vec<f64> =
+        cluster.nodes().iter().map(|n| frag::ledger_fragment(metric, n)).collect();
     let mut arrived: u64 = 0;
     let mut allocated: u64 = 0;
     let mut placed = 0;
