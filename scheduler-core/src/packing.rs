@@ -82,13 +82,15 @@ impl SharePrices {
             return Self::default();
         }
         let mut prices = solve_dual(&items);
+        let mut best_fill = knapsack(&prices);
         // Keep the prices dual-feasible whatever the solver did (it stops after MAX_ROUNDS
-        // or on a numerical error): no pattern may be worth more than one GPU.
-        let most = knapsack(&prices)[BIN];
+        // or on a numerical error): no pattern may be worth more than one GPU. The knapsack is
+        // linear in the prices, so it scales with them.
+        let most = best_fill[BIN];
         if most > 1.0 {
             prices.values_mut().for_each(|y| *y /= most);
+            best_fill.iter_mut().for_each(|k| *k /= most);
         }
-        let best_fill = knapsack(&prices);
         Self { prices, best_fill }
     }
 
