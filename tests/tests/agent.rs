@@ -101,6 +101,13 @@ impl Node {
     }
 }
 
+/// Cancels the agent and waits (at most `WAIT`) for it to finish cleanly.
+async fn stop(agent: Agent, token: CancellationToken) -> Result<()> {
+    token.cancel();
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    Ok(())
+}
+
 fn gpu_of(unit: &str) -> &str {
     unit.split_once("::").map_or(unit, |(gpu, _)| gpu)
 }
@@ -158,9 +165,7 @@ async fn every_view_registers_and_packs(backend: Backend) -> Result<()> {
     assert_eq!(all.len(), total);
     let records = agent.ledger().records();
     assert_eq!(records.len(), 4);
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
+    stop(agent, token).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,9 +233,7 @@ async fn exclusivity_and_refusals(backend: Backend) -> Result<()> {
         })
         .await?;
     assert_eq!(agent.ledger().records().len(), 1, "only the gpu-memory allocation is left");
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
+    stop(agent, token).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -296,8 +299,7 @@ async fn crash_and_restart(corrupt: bool) -> Result<()> {
     let held: Vec<String> = before.iter().flat_map(|(_, ids)| ids.clone()).collect();
     assert!(more.device_ids.iter().all(|id| !held.contains(id)));
     assert_eq!(agent.ledger().records().len(), 4);
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
+    stop(agent, token).await?;
     // And the checkpoint written since is trusted again.
     let contents = baleen_agent::checkpoint::Checkpoint::in_dir(&node.config.state_dir)
         .load("node-a", "boot-1")?
@@ -343,9 +345,7 @@ async fn a_critical_xid_makes_the_gpu_unhealthy() -> Result<()> {
     })
     .await??;
     assert!(unit_health(&seen, gpu.as_str()).iter().all(|s| *s != HEALTHY));
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
+    stop(agent, token).await
 }
 
 async fn mig_views(backend: Backend) -> Result<()> {
@@ -370,9 +370,7 @@ async fn mig_views(backend: Backend) -> Result<()> {
     let mig = node.kubelet.admit_to("ns/m", "c", "awesome-ai-company.com/mig-1g.10gb", 1).await?;
     assert!(mig.device_ids[0].starts_with("MIG-"));
     assert_eq!(mig.response.envs["NVIDIA_VISIBLE_DEVICES"], mig.device_ids[0]);
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
+    stop(agent, token).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -407,9 +405,7 @@ async fn devices_of_a_running_container_are_not_handed_out_again() -> Result<()>
     let records = agent.ledger().records();
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].device_ids, units(2..6));
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
+    stop(agent, token).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -442,9 +438,7 @@ async fn an_init_containers_units_are_reused_by_the_app_container() -> Result<()
     assert_eq!(small.preferred, None, "the kubelet does not ask when reuse suffices");
     assert_eq!(small.device_ids, init2.device_ids[..2]);
     assert_eq!(agent.ledger().records().len(), 3);
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
+    stop(agent, token).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -465,7 +459,5 @@ async fn a_failing_health_watch_marks_every_gpu_unhealthy() -> Result<()> {
                 && !v.devices_of(MEM).is_empty()
         })
         .await?;
-    token.cancel();
-    tokio::time::timeout(WAIT, agent.wait()).await??;
-    Ok(())
+    stop(agent, token).await
 }
