@@ -3,7 +3,7 @@
 GPU % at arrived = 100 % (mean over seeds), ours beside the published results of the FGD
 paper's artifact (read from ../shared/traces/alibaba-gpu-v2023/expected_results/).
 
-Usage: cargo build --release -p baleen-scheduler-core
+Usage: cargo build --release -p baleen-scheduler-sim
        python3 scripts/fidelity-table.py [--seeds 42..51] [--policy all] [--trace DIR] > table.md
 """
 import argparse

@@ -8,9 +8,9 @@
 //! - [`frag`]: the FGD fragmentation measure and its target workload;
 //! - [`packing`]: prices of GPU shares from the bin-packing LP of the target workload;
 //! - [`policy`]: score a node for a request and choose its GPUs;
-//! - [`cluster`]: choose a node across a cluster with a fixed tie-break order;
-//! - [`trace`] and [`replay`]: the Alibaba GPU trace and the paper's replay protocol, behind the
-//!   `baleen-sim` tool.
+//! - [`cluster`]: choose a node across a cluster with a fixed tie-break order.
+//!
+//! The trace reader and the paper's replay protocol (`baleen-sim`) live in `baleen-scheduler-sim`.
 //!
 //! # Example
 //!
@@ -53,6 +53,4 @@ pub mod model;
 pub mod node_choice;
 pub mod packing;
 pub mod policy;
-pub mod replay;
-pub mod trace;
 pub mod units;

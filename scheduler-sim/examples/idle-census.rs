@@ -11,7 +11,7 @@ use baleen_scheduler_core::ledger::AllocationId;
 use baleen_scheduler_core::model::GpuDemand;
 use baleen_scheduler_core::packing::SharePrices;
 use baleen_scheduler_core::policy::{Policy, PolicyKind};
-use baleen_scheduler_core::replay::{self, ReplayOptions, Workload};
+use baleen_scheduler_sim::replay::{self, ReplayOptions, Workload};
 use std::collections::BTreeMap;
 use std::path::Path;
 

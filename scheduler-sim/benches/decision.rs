@@ -10,7 +10,7 @@
 //! looked up by state.
 //!
 //! Needs `../shared/traces/alibaba-gpu-v2023` beside the repository.
-//! Run: `cargo bench -p baleen-scheduler-core --bench decision`.
+//! Run: `cargo bench -p baleen-scheduler-sim --bench decision`.
 
 // criterion_group! generates an undocumented public function.
 #![allow(missing_docs)]
@@ -19,7 +19,7 @@ use baleen_scheduler_core::cluster::ClusterScheduler;
 use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
 use baleen_scheduler_core::model::Request;
 use baleen_scheduler_core::policy::{Normalisers, Policy, PolicyKind};
-use baleen_scheduler_core::replay::{Workload, node_ranks, submission_order};
+use baleen_scheduler_sim::replay::{Workload, node_ranks, submission_order};
 use criterion::{Criterion, criterion_group, criterion_main};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;

@@ -15,12 +15,12 @@
 //! fixed seeded node priority. Random streams are ChaCha8 seeded from the seed: the artifact's
 //! streams are not reproduced, only their distribution.
 
-use crate::cluster::ClusterScheduler;
-use crate::frag::{self, TargetWorkload};
-use crate::ledger::{AllocationId, LedgerError, NodeLedger};
-use crate::model::{NodeSpec, Request};
-use crate::policy::{Normalisers, Policy, PolicyKind};
 use crate::trace::{self, TraceError, TraceTask};
+use baleen_scheduler_core::cluster::ClusterScheduler;
+use baleen_scheduler_core::frag::{self, TargetWorkload};
+use baleen_scheduler_core::ledger::{AllocationId, LedgerError, NodeLedger};
+use baleen_scheduler_core::model::{NodeSpec, Request};
+use baleen_scheduler_core::policy::{Normalisers, Policy, PolicyKind};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

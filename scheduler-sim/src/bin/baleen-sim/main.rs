@@ -9,14 +9,18 @@
 mod plot;
 
 use baleen_scheduler_core::policy::PolicyKind;
-use baleen_scheduler_core::replay::{self, PolicySummary, ReplayOptions, Workload};
+use baleen_scheduler_sim::replay::{self, PolicySummary, ReplayOptions, Workload};
 use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Replay the Alibaba GPU-sharing trace (cluster-trace-gpu-v2023) under placement policies.
 #[derive(Debug, Parser)]
-#[command(version, about, long_about = None)]
+#[command(
+    version,
+    about = "Replay baleen's and the FGD paper's placement policies on the Alibaba GPU trace.",
+    long_about = None
+)]
 struct Args {
     /// Node list CSV (sn,cpu_milli,memory_mib,gpu,model).
     #[arg(long, value_name = "FILE")]

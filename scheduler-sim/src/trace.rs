@@ -5,8 +5,8 @@
 //! separated by `|`, empty for any) and further columns, which are ignored. Every error names
 //! the file, the line and the column. This is the only module of the crate that does I/O.
 
-use crate::model::{GpuDemand, GpuModel, GpuSpec, NodeSpec, Request};
-use crate::units::{MemMib, MilliCpu, MilliGpu};
+use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSpec, NodeSpec, Request};
+use baleen_scheduler_core::units::{MemMib, MilliCpu, MilliGpu};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
@@ -200,7 +200,7 @@ pub fn parse_nodes(input: impl Read, path: &Path) -> Result<Vec<NodeSpec>, Trace
             return Err(f.error(0, "", "empty node name"));
         }
         let gpu_count = f.number(3)?;
-        if gpu_count > crate::model::MAX_GPUS_PER_NODE as u64 {
+        if gpu_count > baleen_scheduler_core::model::MAX_GPUS_PER_NODE as u64 {
             return Err(f.error(3, &gpu_count.to_string(), "more GPUs than a node may have (64)"));
         }
         let model = f.text(4)?;

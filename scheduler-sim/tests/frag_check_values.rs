@@ -6,8 +6,8 @@ mod common;
 use baleen_scheduler_core::frag::{self, TargetWorkload};
 use baleen_scheduler_core::ledger::NodeLedger;
 use baleen_scheduler_core::model::{GpuModel, GpuSpec, NodeSpec};
-use baleen_scheduler_core::replay::Workload;
 use baleen_scheduler_core::units::{MemMib, MilliCpu};
+use baleen_scheduler_sim::replay::Workload;
 
 fn default_workload() -> Workload {
     let dir = common::trace_dir();

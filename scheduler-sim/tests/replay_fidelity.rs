@@ -17,7 +17,7 @@
 mod common;
 
 use baleen_scheduler_core::policy::PolicyKind;
-use baleen_scheduler_core::replay::{self, ReplayOptions, Workload};
+use baleen_scheduler_sim::replay::{self, ReplayOptions, Workload};
 use std::collections::HashMap;
 
 const TOLERANCE: f64 = 0.75;

@@ -1,7 +1,7 @@
 //! `--plot FILE.svg`: unallocated GPU % against arrived workload % for each policy of a run,
 //! like the allocation figure of the FGD paper.
 
-use baleen_scheduler_core::replay::PolicySummary;
+use baleen_scheduler_sim::replay::PolicySummary;
 use plotters::prelude::*;
 use std::path::Path;
 
