@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use crate::node::AllocationRecord;
+use crate::ledger::AllocationRecord;
 
 /// The checkpoint format version written by this agent.
 pub const FORMAT: u32 = 1;

@@ -1,19 +1,29 @@
-//! The baleen node agent (a DaemonSet): GPU inventory, the node ledger and its resource views,
-//! MPS and cgroup isolation, health, checkpoint and metrics.
+//! The baleen node agent (a DaemonSet): discovers the node's GPUs, keeps one device ledger behind
+//! every resource view, serves the views to the kubelet through the device-plugin API, and keeps
+//! the ledger through restarts (checkpoint, reconciliation with pod-resources) and GPU faults.
 //!
-//! Built so far (issue 5, part 1):
-//! - [`inventory`]: the node's GPUs behind the [`inventory::GpuInventory`] trait, from NVML or
-//!   from a simulated YAML topology;
-//! - [`cli`]: the `baleen-agent` command line (`baleen-agent inventory`), kept here so that the
-//!   binary stays thin.
+//! Modules, from the process inwards:
+//! - [`cli`]: the command line (`baleen-agent`, `baleen-agent inventory`) and exit codes;
+//! - [`bootstrap`]: the run mode's process: configuration, logging, runtime, signals;
+//! - [`config`] and [`defaults`]: settings from defaults, file, environment and flags;
+//! - [`agent`]: the running agent, one task per subsystem;
+//! - [`resources`]: the device-plugin adapter (views as resources, Allocate answers);
+//! - [`isolation`]: what a container needs for its share to be enforced (MPS client setup);
+//! - [`ledger`]: the device ledger (device IDs, views, grants), pure bookkeeping;
+//! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
+//! - [`inventory`]: the node's GPUs from NVML or a simulated topology.
 //!
-//! Placement decisions live in `baleen-scheduler-core`.
+//! Placement decisions live in `baleen-scheduler-core`. Not built yet: the MPS daemon
+//! supervisor, cgroup classes, metrics and node-state publishing.
 
 pub mod agent;
+pub mod bootstrap;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod defaults;
 pub mod inventory;
-pub mod node;
+pub mod isolation;
+pub mod ledger;
 pub mod reconcile;
 pub mod resources;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use baleen_proto::podresources::v1 as api;
 
-use crate::node::{AllocationRecord, NodeState};
+use crate::ledger::{AllocationRecord, DeviceLedger};
 
 /// One container's devices of one resource, as the kubelet reports them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +57,7 @@ impl Report {
 /// allocation only after Allocate returns, and `List` omits ordinary init containers). `now` is
 /// in seconds.
 pub fn reconcile(
-    state: &mut NodeState,
+    state: &mut DeviceLedger,
     allocations: &[KubeletAllocation],
     now: u64,
     grace: u64,
@@ -159,17 +159,17 @@ pub async fn fetch(socket: &Path, timeout: Duration) -> Result<Vec<KubeletAlloca
 mod tests {
     use super::*;
     use crate::inventory::{GpuInventory as _, simulated::SimulatedInventory};
-    use crate::node::{View, ViewConfig};
+    use crate::ledger::{View, ViewConfig};
 
-    fn state() -> NodeState {
+    fn state() -> DeviceLedger {
         let path =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples/l4-4x-pcie.yaml");
         let inventory =
             SimulatedInventory::from_file(&path).expect("example").discover().expect("discover");
-        NodeState::new("n", &inventory, ViewConfig::default()).expect("state")
+        DeviceLedger::new("n", &inventory, ViewConfig::default()).expect("state")
     }
 
-    fn unit_ids(state: &NodeState, gpu: usize, units: std::ops::Range<u32>) -> Vec<String> {
+    fn unit_ids(state: &DeviceLedger, gpu: usize, units: std::ops::Range<u32>) -> Vec<String> {
         let uuid = state.gpus().nth(gpu).expect("gpu").uuid.to_string();
         units.map(|n| format!("{uuid}::{n}")).collect()
     }
@@ -236,7 +236,7 @@ mod tests {
         assert!(s.records().is_empty());
     }
 
-    fn s_gpu(s: &NodeState, i: usize) -> String {
+    fn s_gpu(s: &DeviceLedger, i: usize) -> String {
         s.gpus().nth(i).expect("gpu").uuid.to_string()
     }
 

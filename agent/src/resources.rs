@@ -1,6 +1,9 @@
-//! The resource views as device-plugin backends: one [`Ledger`] (the node state behind a mutex,
-//! persisted to the checkpoint after every change) and one [`ViewBackend`] per view, whose
-//! device list is a `watch` channel recomputed after every change of the ledger.
+//! The device-plugin adapter: the device ledger served as one extended resource per view.
+//! [`NodeResources`] holds the [`DeviceLedger`] behind a mutex, persists it to the checkpoint
+//! after every change and publishes each view's device list on a `watch` channel; one
+//! [`ViewBackend`] per view implements the device-plugin trait; [`container_response`] turns a
+//! [`Grant`] into the kubelet's Allocate answer with the isolation module's help. The only module
+//! of the agent that speaks device-plugin types.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -10,12 +13,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use baleen_device_plugin::device::DeviceSnapshot;
 use baleen_device_plugin::{
-    BackendError, ContainerAllocation, DeviceBackend, DeviceList, PreferredAllocationRequest,
+    BackendError, ContainerAllocation, Device, DeviceBackend, DeviceList, Health, Mount,
+    PreferredAllocationRequest,
 };
 use tokio::sync::watch;
 
 use crate::checkpoint::Checkpoint;
-use crate::node::{AllocationRecord, NodeState, View};
+use crate::isolation::{ContainerSetup, mps};
+use crate::ledger::{AllocationRecord, DeviceLedger, DeviceState, Grant, Refusal, View};
 use crate::reconcile::{self, KubeletAllocation, Report};
 
 /// Seconds since the Unix epoch.
@@ -23,37 +28,94 @@ pub fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// How Allocate answers are written beyond what the ledger grants.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseConfig {
+    /// CDI device kind (e.g. `nvidia.com/gpu`); when set, Allocate also answers CDI names
+    /// `<kind>=<GPU or MIG UUID>`.
+    pub cdi_kind: Option<String>,
+    /// Where each GPU's MPS daemon keeps its pipe directory.
+    pub mps: mps::MpsConfig,
+}
+
+/// The kubelet's Allocate answer for one container's grant: the GPUs it sees
+/// (`NVIDIA_VISIBLE_DEVICES`, and CDI names when configured) and, for a gpu-memory share, the MPS
+/// client setup.
+pub fn container_response(grant: &Grant, config: &ResponseConfig) -> ContainerAllocation {
+    let mut a = ContainerAllocation::default();
+    a.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), grant.visible.join(","));
+    if let Some(kind) = &config.cdi_kind {
+        a.cdi_devices = grant.visible.iter().map(|v| format!("{kind}={v}")).collect();
+    }
+    if let Some(share) = &grant.share {
+        let ContainerSetup { envs, mounts } = mps::client_setup(&config.mps, share);
+        a.envs.extend(envs);
+        a.mounts.extend(mounts.into_iter().map(|m| Mount {
+            container_path: m.container.display().to_string(),
+            host_path: m.host.display().to_string(),
+            read_only: m.read_only,
+        }));
+    }
+    a
+}
+
+impl From<Refusal> for BackendError {
+    fn from(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::UnknownDevices { ids } => BackendError::UnknownDevices { ids },
+            Refusal::InvalidRequest { ids, reason } => BackendError::InvalidRequest { ids, reason },
+            Refusal::Conflict { ids, reason } => BackendError::Conflict { ids, reason },
+            Refusal::Exhausted { reason } => BackendError::Exhausted { reason },
+        }
+    }
+}
+
+fn device_list(devices: Vec<DeviceState>) -> Vec<Device> {
+    devices
+        .into_iter()
+        .map(|d| Device {
+            id: d.id,
+            health: if d.healthy { Health::Healthy } else { Health::Unhealthy },
+            numa_node: d.numa_node,
+        })
+        .collect()
+}
+
 struct Inner {
-    state: NodeState,
+    state: DeviceLedger,
     checkpoint: Checkpoint,
     node: String,
     boot_id: String,
 }
 
-/// The node's ledger shared by every view, persisted on every change.
-pub struct Ledger {
+/// The node's device ledger shared by every view, persisted on every change.
+pub struct NodeResources {
     inner: Mutex<Inner>,
     views: BTreeMap<View, (String, watch::Sender<DeviceSnapshot>)>,
     pod_resources: Option<PathBuf>,
+    responses: ResponseConfig,
 }
 
-impl Ledger {
+impl NodeResources {
     /// Wraps `state`; every change is written to `checkpoint` for `node` in boot `boot_id`.
     /// `pod_resources` is the kubelet's pod-resources socket, asked before an Allocate replaces
     /// an older allocation of the same resource (`None`: trust the kubelet without asking).
+    /// Allocate answers are written with `responses`.
     pub fn new(
-        state: NodeState,
+        state: DeviceLedger,
         checkpoint: Checkpoint,
         node: String,
         boot_id: String,
         pod_resources: Option<PathBuf>,
+        responses: ResponseConfig,
     ) -> Arc<Self> {
         let domain = state.config().domain.clone();
         let views = state
             .views()
             .into_iter()
             .map(|v| {
-                let (tx, _) = watch::channel(Arc::new(DeviceList::new(state.devices(&v))));
+                let (tx, _) =
+                    watch::channel(Arc::new(DeviceList::new(device_list(state.devices(&v)))));
                 let name = v.resource_name(&domain);
                 (v, (name, tx))
             })
@@ -62,6 +124,7 @@ impl Ledger {
             inner: Mutex::new(Inner { state, checkpoint, node, boot_id }),
             views,
             pod_resources,
+            responses,
         })
     }
 
@@ -75,7 +138,7 @@ impl Ledger {
             .iter()
             .map(|(view, (name, _))| {
                 Arc::new(ViewBackend {
-                    ledger: self.clone(),
+                    resources: self.clone(),
                     view: view.clone(),
                     resource: name.clone(),
                 })
@@ -88,9 +151,9 @@ impl Ledger {
         self.lock().state.records()
     }
 
-    fn publish(&self, state: &NodeState) {
+    fn publish(&self, state: &DeviceLedger) {
         for (view, (_, tx)) in &self.views {
-            let devices = state.devices(view);
+            let devices = device_list(state.devices(view));
             tx.send_if_modified(|current| {
                 if current.devices() == devices.as_slice() {
                     false
@@ -105,7 +168,7 @@ impl Ledger {
     /// Applies `change` to the state; keeps it only if the checkpoint is written.
     fn change<T>(
         &self,
-        change: impl FnOnce(&mut NodeState) -> Result<T, BackendError>,
+        change: impl FnOnce(&mut DeviceLedger) -> Result<T, BackendError>,
     ) -> Result<T, BackendError> {
         let mut inner = self.lock();
         let before = inner.state.records();
@@ -163,7 +226,7 @@ impl Ledger {
 
 /// One view of the ledger, served as one extended resource.
 pub struct ViewBackend {
-    ledger: Arc<Ledger>,
+    resources: Arc<NodeResources>,
     view: View,
     resource: String,
 }
@@ -175,7 +238,7 @@ impl DeviceBackend for ViewBackend {
     }
 
     fn devices(&self) -> watch::Receiver<DeviceSnapshot> {
-        match self.ledger.views.get(&self.view) {
+        match self.resources.views.get(&self.view) {
             Some((_, tx)) => tx.subscribe(),
             // Backends are made only for the ledger's views.
             None => watch::channel(Arc::new(DeviceList::default())).1,
@@ -186,17 +249,22 @@ impl DeviceBackend for ViewBackend {
         &self,
         request: PreferredAllocationRequest,
     ) -> Result<Vec<String>, BackendError> {
-        let inner = self.ledger.lock();
-        inner.state.preferred(&self.view, &request.available, &request.must_include, request.size)
+        let inner = self.resources.lock();
+        Ok(inner.state.preferred(
+            &self.view,
+            &request.available,
+            &request.must_include,
+            request.size,
+        )?)
     }
 
     async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError> {
         // Devices of this resource that an older allocation holds: the kubelet reassigns only
         // devices whose container ended, but if its books were lost it could hand out devices
         // still in use. Ask its pod-resources list before replacing anything.
-        let replaced = self.ledger.lock().state.overlapping(&self.view, &device_ids);
+        let replaced = self.resources.lock().state.overlapping(&self.view, &device_ids);
         if !replaced.is_empty()
-            && let Some(socket) = &self.ledger.pod_resources
+            && let Some(socket) = &self.resources.pod_resources
         {
             match reconcile::fetch(socket, Duration::from_secs(2)).await {
                 Ok(listed) => {
@@ -226,13 +294,13 @@ impl DeviceBackend for ViewBackend {
             }
         }
         // The checkpoint write blocks (fsync): off the async worker threads.
-        let ledger = self.ledger.clone();
+        let resources = self.resources.clone();
         let view = self.view.clone();
         let granted = tokio::task::spawn_blocking(move || {
-            ledger.change(|state| state.allocate(&view, &device_ids, unix_now()))
+            resources.change(|state| Ok(state.allocate(&view, &device_ids, unix_now())?))
         })
         .await
         .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;
-        Ok(granted)
+        Ok(container_response(&granted, &self.resources.responses))
     }
 }

@@ -43,17 +43,24 @@ async fn agent_allocate(
     use baleen_agent::checkpoint::Checkpoint;
     use baleen_agent::inventory::GpuInventory as _;
     use baleen_agent::inventory::simulated::SimulatedInventory;
-    use baleen_agent::node::{NodeState, ViewConfig};
-    use baleen_agent::resources::Ledger;
+    use baleen_agent::ledger::{DeviceLedger, ViewConfig};
+    use baleen_agent::resources::{NodeResources, ResponseConfig};
 
     let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../packaging/examples/h200-8x-nvswitch.yaml");
     let inventory = SimulatedInventory::from_file(&example)?.discover()?;
-    let state = NodeState::new("bench", &inventory, ViewConfig::default())?;
+    let state = DeviceLedger::new("bench", &inventory, ViewConfig::default())?;
     // The checkpoint goes where the bench's temp dir is (see docs/benchmarks.md for the disk).
     let checkpoint = Checkpoint::in_dir(&dir.join("state"));
-    let ledger = Ledger::new(state, checkpoint, "bench".into(), "boot".into(), None);
-    let backend = ledger
+    let resources = NodeResources::new(
+        state,
+        checkpoint,
+        "bench".into(),
+        "boot".into(),
+        None,
+        ResponseConfig::default(),
+    );
+    let backend = resources
         .backends()
         .into_iter()
         .find(|b| b.resource_name().ends_with("/gpu-memory"))
@@ -74,7 +81,7 @@ async fn agent_allocate(
             samples.push(start.elapsed());
         }
     }
-    assert_eq!(ledger.records().len(), 1, "each Allocate replaced the previous one");
+    assert_eq!(resources.records().len(), 1, "each Allocate replaced the previous one");
     token.cancel();
     tokio::time::timeout(Duration::from_secs(10), task).await???;
     Ok(samples)

@@ -8,11 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use baleen_agent::agent::{Agent, AgentConfig};
+use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
 use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
-use baleen_agent::node::{AllocationRecord, ViewConfig};
+use baleen_agent::isolation::mps::MpsConfig;
+use baleen_agent::ledger::{AllocationRecord, ViewConfig};
+use baleen_agent::resources::ResponseConfig;
 use baleen_proto::deviceplugin::v1beta1::HEALTHY;
 use baleen_tests::fake_kubelet::{AdmitError, FakeKubelet, KubeletView};
 use baleen_tests::fake_nvml::FakeNvml;
@@ -63,7 +65,8 @@ impl Node {
             pod_resources_socket: root.join("pod-resources/kubelet.sock"),
             state_dir: root.join("state"),
             boot_id_file: root.join("boot_id"),
-            views: ViewConfig { mps_root: root.join("mps"), ..ViewConfig::default() },
+            views: ViewConfig::default(),
+            responses: ResponseConfig { cdi_kind: None, mps: MpsConfig { root: root.join("mps") } },
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),
@@ -75,7 +78,11 @@ impl Node {
         let token = CancellationToken::new();
         let agent = tokio::time::timeout(
             WAIT,
-            Agent::start(self.config.clone(), self.inventory.clone(), token.clone()),
+            Agent::start(
+                self.config.clone(),
+                Dependencies { inventory: self.inventory.clone() },
+                token.clone(),
+            ),
         )
         .await
         .context("agent start timed out")??;
@@ -163,7 +170,7 @@ async fn every_view_registers_and_packs(backend: Backend) -> Result<()> {
     all.sort();
     all.dedup();
     assert_eq!(all.len(), total);
-    let records = agent.ledger().records();
+    let records = agent.resources().records();
     assert_eq!(records.len(), 4);
     stop(agent, token).await
 }
@@ -232,7 +239,7 @@ async fn exclusivity_and_refusals(backend: Backend) -> Result<()> {
             unit_health(v, &gpu).iter().all(|s| *s == HEALTHY)
         })
         .await?;
-    assert_eq!(agent.ledger().records().len(), 1, "only the gpu-memory allocation is left");
+    assert_eq!(agent.resources().records().len(), 1, "only the gpu-memory allocation is left");
     stop(agent, token).await
 }
 
@@ -260,15 +267,16 @@ async fn crash_and_restart(corrupt: bool) -> Result<()> {
     let (config, inventory) = (node.config.clone(), node.inventory.clone());
     let agent = tokio::time::timeout(
         WAIT,
-        doomed
-            .spawn(async move { Agent::start(config, inventory, CancellationToken::new()).await }),
+        doomed.spawn(async move {
+            Agent::start(config, Dependencies { inventory }, CancellationToken::new()).await
+        }),
     )
     .await???;
     node.registered(&agent, 1).await?;
     node.kubelet.admit_to("ns/a", "c", MEM, 10).await?;
     node.kubelet.admit_to("ns/b", "c", GPU, 2).await?;
     node.kubelet.admit_to("ns/c", "c", "awesome-ai-company.com/nvlink-group-2", 1).await?;
-    let before = sorted(agent.ledger().records());
+    let before = sorted(agent.resources().records());
     assert_eq!(before.len(), 3);
     let sockets: Vec<PathBuf> = agent
         .plugins()
@@ -292,13 +300,13 @@ async fn crash_and_restart(corrupt: bool) -> Result<()> {
         std::fs::write(node.checkpoint(), text.replacen("::1", "::9", 1))?;
     }
     let (agent, token) = node.start().await?;
-    assert_eq!(sorted(agent.ledger().records()), before, "nothing lost or duplicated");
+    assert_eq!(sorted(agent.resources().records()), before, "nothing lost or duplicated");
     node.registered(&agent, 2).await?;
     // The restarted agent keeps packing around what it restored: no unit handed out twice.
     let more = node.kubelet.admit_to("ns/d", "c", MEM, 5).await?;
     let held: Vec<String> = before.iter().flat_map(|(_, ids)| ids.clone()).collect();
     assert!(more.device_ids.iter().all(|id| !held.contains(id)));
-    assert_eq!(agent.ledger().records().len(), 4);
+    assert_eq!(agent.resources().records().len(), 4);
     stop(agent, token).await?;
     // And the checkpoint written since is trusted again.
     let contents = baleen_agent::checkpoint::Checkpoint::in_dir(&node.config.state_dir)
@@ -398,11 +406,11 @@ async fn devices_of_a_running_container_are_not_handed_out_again() -> Result<()>
     let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert!(status.message().contains("running container ns/a/c"), "{status:?}");
-    assert_eq!(agent.ledger().records().len(), 1);
+    assert_eq!(agent.resources().records().len(), 1);
     // Once ns/a has ended, the same request replaces its allocation.
     node.kubelet.end_pod("ns/a");
     node.kubelet.allocate_raw(MEM, vec![units(2..6)]).await?;
-    let records = agent.ledger().records();
+    let records = agent.resources().records();
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].device_ids, units(2..6));
     stop(agent, token).await
@@ -423,7 +431,7 @@ async fn an_init_containers_units_are_reused_by_the_app_container() -> Result<()
     assert!(init.device_ids.iter().all(|id| app.device_ids.contains(id)), "{app:?}");
     assert!(app.device_ids.iter().all(|id| gpu_of(id) == gpu), "all on the init's GPU: {app:?}");
     let records: Vec<Vec<String>> = agent
-        .ledger()
+        .resources()
         .records()
         .into_iter()
         .filter(|r| r.device_ids.iter().any(|id| init.device_ids.contains(id)))
@@ -437,7 +445,7 @@ async fn an_init_containers_units_are_reused_by_the_app_container() -> Result<()
     let small = node.kubelet.admit_reusing(MEM, 2, &init2.device_ids).await?;
     assert_eq!(small.preferred, None, "the kubelet does not ask when reuse suffices");
     assert_eq!(small.device_ids, init2.device_ids[..2]);
-    assert_eq!(agent.ledger().records().len(), 3);
+    assert_eq!(agent.resources().records().len(), 3);
     stop(agent, token).await
 }
 

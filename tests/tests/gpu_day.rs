@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use baleen_agent::agent::{Agent, AgentConfig};
+use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
 use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
-use baleen_agent::node::ViewConfig;
+use baleen_agent::ledger::ViewConfig;
+use baleen_agent::resources::ResponseConfig;
 use baleen_tests::fake_kubelet::FakeKubelet;
 use baleen_tests::fake_nvml::FakeNvml;
 use serde_json::Value;
@@ -66,6 +67,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         boot_id_file: root.join("boot_id"),
         // The defaults the agent ran with there (MPS pipes under /run/baleen/mps).
         views: ViewConfig::default(),
+        responses: ResponseConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -74,7 +76,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
     let token = CancellationToken::new();
     let agent = tokio::time::timeout(
         Duration::from_secs(10),
-        Agent::start(config, inventory, token.clone()),
+        Agent::start(config, Dependencies { inventory }, token.clone()),
     )
     .await??;
     let view = kubelet

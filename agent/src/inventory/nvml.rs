@@ -52,9 +52,9 @@ use super::{
 
 /// The library loaded when none is configured: the name the driver installs, found through the
 /// dynamic loader's search path (`ld.so.conf`, `LD_LIBRARY_PATH`).
-pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
+pub const DEFAULT_LIBRARY: &str = crate::defaults::NVML_LIBRARY;
 /// The sysfs mount point read for NUMA nodes when none is configured.
-pub const DEFAULT_SYSFS_ROOT: &str = "/sys";
+pub const DEFAULT_SYSFS_ROOT: &str = crate::defaults::SYSFS_ROOT;
 /// `NVML_DEVICE_MIG_ENABLE` from nvml.h.
 const MIG_ENABLED: u32 = 1;
 /// The XID NVML reports when it cannot tell which XID happened.

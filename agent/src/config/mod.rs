@@ -1,175 +1,66 @@
-//! The agent's configuration: defaults, then a YAML file (what the node offers; unknown fields
-//! rejected), then the environment (`NODE_NAME`, set from the downward API in the DaemonSet),
-//! then flags (how to run). [`resolve`] reports every problem at once; the binary exits with
-//! code 64 on any of them.
+//! The agent's configuration: defaults (`crate::defaults`), then a YAML file ([`file`]: what the
+//! node offers; unknown fields rejected), then the environment (`NODE_NAME`, set from the
+//! downward API in the DaemonSet), then flags ([`RunArgs`]: how to run). [`resolve`] reports
+//! every problem at once; the binary exits with code 64 on any of them. Also the flags that
+//! choose the GPU inventory backend ([`InventorySource`]), shared by the run mode and
+//! `baleen-agent inventory`. Configuration only: the command line and the process bootstrap live
+//! in `crate::cli` and `crate::bootstrap`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
-use serde::Deserialize;
 
 use crate::agent::AgentConfig;
-use crate::cli::InventorySource;
+use crate::defaults;
+use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
+use crate::inventory::simulated::SimulatedInventory;
 use crate::inventory::simulated::parse_quantity;
-use crate::node::ViewConfig;
+use crate::inventory::{GpuInventory, InventoryError};
+use crate::isolation::mps::MpsConfig;
+use crate::ledger::ViewConfig;
+use crate::resources::ResponseConfig;
 
-/// Default kubelet device-plugin directory.
-pub const DEFAULT_DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
-/// Default kubelet pod-resources socket.
-pub const DEFAULT_POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
-/// Default directory of the checkpoint.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/baleen";
-/// Default host directory of the per-GPU MPS pipes.
-pub const DEFAULT_MPS_ROOT: &str = "/run/baleen/mps";
-/// Where the kernel publishes the boot ID.
-pub const DEFAULT_BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+mod file;
+mod flags;
 
-/// The YAML configuration file. Every field is optional; see `docs/agent.md`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct FileConfig {
-    /// Kubernetes node name.
-    pub node_name: Option<String>,
-    /// Resource domain.
-    pub domain: Option<String>,
-    /// Size of one gpu-memory unit, e.g. `1GiB`, `512MiB`.
-    pub memory_unit: Option<String>,
-    /// Which views to offer.
-    #[serde(default)]
-    pub resources: ResourcesFile,
-    /// Container Device Interface names in Allocate answers.
-    #[serde(default)]
-    pub cdi: CdiFile,
-    /// Where GPUs come from.
-    #[serde(default)]
-    pub inventory: InventoryFile,
-    /// Host paths.
-    #[serde(default)]
-    pub paths: PathsFile,
-    /// Reconciliation with pod-resources.
-    #[serde(default)]
-    pub reconcile: ReconcileFile,
-    /// Logging.
-    #[serde(default)]
-    pub log: LogFile,
-}
+pub use file::*;
+pub use flags::RunArgs;
 
-/// `resources:` in the file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct ResourcesFile {
-    /// Offer whole GPUs (default true).
-    pub gpu: Option<bool>,
-    /// Offer gpu-memory units (default true).
-    pub gpu_memory: Option<bool>,
-    /// Offer MIG instances (default true).
-    pub mig: Option<bool>,
-    /// NVLink group sizes (default [2, 4, 8]; empty for none).
-    pub nvlink_group_sizes: Option<Vec<u32>>,
-}
-
-/// `cdi:` in the file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct CdiFile {
-    /// Answer CDI device names (default false).
-    pub enabled: Option<bool>,
-    /// CDI kind (default `nvidia.com/gpu`).
-    pub kind: Option<String>,
-}
-
-/// `inventory:` in the file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct InventoryFile {
-    /// A simulated topology file instead of NVML.
+/// The flags that choose the GPU inventory backend: NVML (default) or a simulated topology.
+#[derive(Debug, Clone, Args)]
+pub struct InventorySource {
+    /// Read the GPUs from this simulated YAML topology file instead of NVML (see
+    /// docs/inventory.md and packaging/examples/).
+    #[arg(long, value_name = "FILE", conflicts_with = "nvml_lib")]
     pub simulated: Option<PathBuf>,
-    /// The NVML library.
-    pub nvml_library: Option<PathBuf>,
-    /// Where sysfs is mounted.
-    pub sysfs_root: Option<PathBuf>,
-}
-
-/// `paths:` in the file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PathsFile {
-    /// The kubelet's device-plugin directory.
-    pub device_plugin_dir: Option<PathBuf>,
-    /// The kubelet's pod-resources socket.
-    pub pod_resources_socket: Option<PathBuf>,
-    /// The checkpoint directory.
-    pub state_dir: Option<PathBuf>,
-    /// The MPS pipe root.
-    pub mps_root: Option<PathBuf>,
-    /// The boot ID file.
-    pub boot_id_file: Option<PathBuf>,
-}
-
-/// `reconcile:` in the file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct ReconcileFile {
-    /// Interval, e.g. `30s`.
-    pub interval: Option<String>,
-    /// How long an allocation the kubelet has never listed is kept, e.g. `10m` (default; at
-    /// least `10s`).
-    pub grace: Option<String>,
-}
-
-/// `log:` in the file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct LogFile {
-    /// `text` or `json`.
-    pub format: Option<String>,
-    /// A level or a tracing filter, e.g. `info` or `baleen_agent=debug,info`.
-    pub level: Option<String>,
-}
-
-/// Flags of the agent's run mode (they win over the file and the environment).
-#[derive(Debug, Clone, Default, Args)]
-pub struct RunArgs {
-    /// YAML configuration file (see docs/agent.md).
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Kubernetes node name [env: NODE_NAME; default: the host name].
-    #[arg(long, value_name = "NAME")]
-    pub node_name: Option<String>,
-    /// The kubelet's device-plugin directory [default: /var/lib/kubelet/device-plugins].
-    #[arg(long, value_name = "DIR")]
-    pub device_plugin_dir: Option<PathBuf>,
-    /// The kubelet's pod-resources socket [default: /var/lib/kubelet/pod-resources/kubelet.sock].
-    #[arg(long, value_name = "PATH")]
-    pub pod_resources_socket: Option<PathBuf>,
-    /// Directory of the checkpoint [default: /var/lib/baleen].
-    #[arg(long, value_name = "DIR")]
-    pub state_dir: Option<PathBuf>,
-    /// Host directory of the per-GPU MPS pipe directories [default: /run/baleen/mps].
-    #[arg(long, value_name = "DIR")]
-    pub mps_root: Option<PathBuf>,
-    /// The kernel boot ID file [default: /proc/sys/kernel/random/boot_id].
-    #[arg(long, value_name = "FILE")]
-    pub boot_id_file: Option<PathBuf>,
-    /// Read GPUs from this simulated topology (YAML) instead of NVML.
-    #[arg(long, value_name = "FILE")]
-    pub simulated: Option<PathBuf>,
-    /// The NVML library [default: libnvidia-ml.so.1].
-    #[arg(long, value_name = "PATH")]
+    /// The NVML library to load, a path or a name for the dynamic loader.
+    #[arg(long, value_name = "PATH", help = format!("The NVML library to load, a path or a name for the dynamic loader [default: {}]", defaults::NVML_LIBRARY))]
     pub nvml_lib: Option<PathBuf>,
-    /// Resource domain [default: awesome-ai-company.com].
-    #[arg(long, value_name = "DOMAIN")]
-    pub domain: Option<String>,
-    /// Size of one gpu-memory unit [default: 1GiB].
-    #[arg(long, value_name = "SIZE")]
-    pub memory_unit: Option<String>,
-    /// Log format: text or json [default: text].
-    #[arg(long, value_name = "FORMAT")]
-    pub log_format: Option<String>,
-    /// Log level or tracing filter [default: info].
-    #[arg(long, value_name = "FILTER")]
-    pub log_level: Option<String>,
+    /// Where sysfs is mounted; NVML GPUs' NUMA nodes are read from
+    /// DIR/bus/pci/devices/BUS_ID/numa_node.
+    #[arg(long, value_name = "DIR", default_value = defaults::SYSFS_ROOT)]
+    pub sysfs_root: PathBuf,
+    /// Node name that seeds the UUIDs generated for simulated GPUs without one
+    /// [default: the topology file's `node`].
+    #[arg(long, value_name = "NAME", requires = "simulated")]
+    pub node_name: Option<String>,
+}
+
+impl InventorySource {
+    /// Opens the chosen backend (for NVML: loads and initialises the library).
+    pub fn open(&self) -> Result<Box<dyn GpuInventory>, InventoryError> {
+        match &self.simulated {
+            Some(path) => Ok(Box::new(SimulatedInventory::from_file_for_node(
+                path,
+                self.node_name.as_deref(),
+            )?)),
+            None => Ok(Box::new(NvmlInventory::new(NvmlConfig {
+                library: self.nvml_lib.clone(),
+                sysfs_root: self.sysfs_root.clone(),
+            })?)),
+        }
+    }
 }
 
 /// How logs are written.
@@ -219,7 +110,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 fn host_name() -> Option<String> {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
+    std::fs::read_to_string(defaults::HOST_NAME_FILE)
         .ok()
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
@@ -230,7 +121,7 @@ fn host_name() -> Option<String> {
 /// `baleen-agent inventory --memory-unit`.
 pub fn parse_memory_unit(text: &str) -> Result<u64, String> {
     match parse_quantity(text) {
-        Ok(b) if b >= 1 << 20 => Ok(b),
+        Ok(b) if b >= defaults::MEMORY_UNIT_MIN_BYTES => Ok(b),
         Ok(_) => Err(format!("memory unit {text:?} is below 1MiB")),
         Err(e) => Err(format!("memory unit: {e}")),
     }
@@ -255,26 +146,33 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
     });
 
     let domain =
-        args.domain.clone().or(file.domain.clone()).unwrap_or_else(|| ViewConfig::default().domain);
+        args.domain.clone().or(file.domain.clone()).unwrap_or_else(|| defaults::DOMAIN.into());
     if let Err(e) = baleen_device_plugin::resource_name::validate(&format!("{domain}/gpu")) {
         problems.push(format!("domain {domain:?} does not make valid resource names: {e}"));
     }
 
-    let unit_text =
-        args.memory_unit.clone().or(file.memory_unit.clone()).unwrap_or_else(|| "1GiB".into());
+    let unit_text = args
+        .memory_unit
+        .clone()
+        .or(file.memory_unit.clone())
+        .unwrap_or_else(|| defaults::MEMORY_UNIT.into());
     let memory_unit_bytes = parse_memory_unit(&unit_text).unwrap_or_else(|problem| {
         problems.push(problem);
-        1 << 30
+        defaults::MEMORY_UNIT_BYTES
     });
 
-    let sizes = file.resources.nvlink_group_sizes.clone().unwrap_or_else(|| vec![2, 4, 8]);
+    let sizes = file
+        .resources
+        .nvlink_group_sizes
+        .clone()
+        .unwrap_or_else(|| defaults::NVLINK_GROUP_SIZES.to_vec());
     for &n in &sizes {
         if !(2..=64).contains(&n) {
             problems.push(format!("NVLink group size {n} is not between 2 and 64"));
         }
     }
     let cdi_kind = if file.cdi.enabled.unwrap_or(false) {
-        let kind = file.cdi.kind.clone().unwrap_or_else(|| "nvidia.com/gpu".into());
+        let kind = file.cdi.kind.clone().unwrap_or_else(|| defaults::CDI_KIND.into());
         if !kind.contains('/') || kind.contains('=') {
             problems.push(format!("CDI kind {kind:?} must look like vendor.com/class"));
         }
@@ -298,26 +196,34 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
         },
     };
     let reconcile_interval =
-        duration("interval", file.reconcile.interval.as_ref(), Duration::from_secs(30));
+        duration("interval", file.reconcile.interval.as_ref(), defaults::RECONCILE_INTERVAL);
     let reconcile_grace =
-        duration("grace", file.reconcile.grace.as_ref(), Duration::from_secs(600));
-    if reconcile_grace < Duration::from_secs(10) {
+        duration("grace", file.reconcile.grace.as_ref(), defaults::RECONCILE_GRACE);
+    if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
         problems.push(format!(
-            "reconcile grace {reconcile_grace:?} is below 10s: allocations the kubelet has not listed yet would be released"
+            "reconcile grace {reconcile_grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
+            defaults::RECONCILE_GRACE_MIN
         ));
     }
 
-    let log_format =
-        match args.log_format.as_deref().or(file.log.format.as_deref()).unwrap_or("text") {
-            "text" => LogFormat::Text,
-            "json" => LogFormat::Json,
-            other => {
-                problems.push(format!("log format {other:?} is not text or json"));
-                LogFormat::Text
-            }
-        };
-    let log_level =
-        args.log_level.clone().or(file.log.level.clone()).unwrap_or_else(|| "info".into());
+    let log_format = match args
+        .log_format
+        .as_deref()
+        .or(file.log.format.as_deref())
+        .unwrap_or(defaults::LOG_FORMAT)
+    {
+        "text" => LogFormat::Text,
+        "json" => LogFormat::Json,
+        other => {
+            problems.push(format!("log format {other:?} is not text or json"));
+            LogFormat::Text
+        }
+    };
+    let log_level = args
+        .log_level
+        .clone()
+        .or(file.log.level.clone())
+        .unwrap_or_else(|| defaults::LOG_LEVEL.into());
     if let Err(e) = log_level.parse::<tracing_subscriber::EnvFilter>() {
         problems.push(format!("log level {log_level:?}: {e}"));
     }
@@ -342,15 +248,15 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
         device_plugin_dir: pick(
             &args.device_plugin_dir,
             &paths.device_plugin_dir,
-            DEFAULT_DEVICE_PLUGIN_DIR,
+            defaults::DEVICE_PLUGIN_DIR,
         ),
         pod_resources_socket: pick(
             &args.pod_resources_socket,
             &paths.pod_resources_socket,
-            DEFAULT_POD_RESOURCES_SOCKET,
+            defaults::POD_RESOURCES_SOCKET,
         ),
-        state_dir: pick(&args.state_dir, &paths.state_dir, DEFAULT_STATE_DIR),
-        boot_id_file: pick(&args.boot_id_file, &paths.boot_id_file, DEFAULT_BOOT_ID_FILE),
+        state_dir: pick(&args.state_dir, &paths.state_dir, defaults::STATE_DIR),
+        boot_id_file: pick(&args.boot_id_file, &paths.boot_id_file, defaults::BOOT_ID_FILE),
         views: ViewConfig {
             domain,
             memory_unit_bytes,
@@ -358,8 +264,10 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
             gpu_memory: file.resources.gpu_memory.unwrap_or(true),
             mig: file.resources.mig.unwrap_or(true),
             nvlink_group_sizes: sizes,
+        },
+        responses: ResponseConfig {
             cdi_kind,
-            mps_root: pick(&args.mps_root, &paths.mps_root, DEFAULT_MPS_ROOT),
+            mps: MpsConfig { root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT) },
         },
         reconcile_interval,
         reconcile_grace,
@@ -374,7 +282,7 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
             .inventory
             .sysfs_root
             .clone()
-            .unwrap_or_else(|| PathBuf::from(crate::inventory::nvml::DEFAULT_SYSFS_ROOT)),
+            .unwrap_or_else(|| PathBuf::from(defaults::SYSFS_ROOT)),
         node_name: Some(node_name),
     };
     Ok(Settings { agent, inventory, log_format, log_level })
@@ -408,11 +316,11 @@ mod tests {
         assert_eq!(s.agent.views.memory_unit_bytes, 512 << 20);
         assert_eq!(s.agent.views.domain, "example.com");
         assert_eq!(s.agent.views.nvlink_group_sizes, [2]);
-        assert_eq!(s.agent.views.cdi_kind.as_deref(), Some("nvidia.com/gpu"));
+        assert_eq!(s.agent.responses.cdi_kind.as_deref(), Some("nvidia.com/gpu"));
         assert_eq!(s.agent.reconcile_interval, Duration::from_secs(5));
         assert_eq!(s.agent.reconcile_grace, Duration::from_secs(600));
         assert_eq!(s.agent.state_dir, PathBuf::from("/tmp/state"));
-        assert_eq!(s.agent.device_plugin_dir, PathBuf::from(DEFAULT_DEVICE_PLUGIN_DIR));
+        assert_eq!(s.agent.device_plugin_dir, PathBuf::from(defaults::DEVICE_PLUGIN_DIR));
         let s = resolve(&args, Some("from-env".into())).expect("valid");
         assert_eq!(s.agent.node_name, "from-env");
         let args = RunArgs {

@@ -1,0 +1,231 @@
+//! The running agent: discovers the GPUs, restores the device ledger (checkpoint, then the
+//! kubelet's pod-resources lists), then runs one task per subsystem until shut down:
+//!
+//! | subsystem | module | task |
+//! |---|---|---|
+//! | start-up: boot ID, discovery, checkpoint, first reconciliation | [`startup`] | before the others |
+//! | one device plugin per resource view | [`plugins`] | one each |
+//! | reconciliation with pod-resources | [`reconciler`] | one |
+//! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
+//!
+//! A new subsystem is a module here and one line in [`Agent::start`].
+//!
+//! `main` (through `crate::bootstrap`) calls [`run`] with the real [`Dependencies`]; tests call
+//! [`Agent::start`] with a simulated or fake-NVML inventory, inspect [`Agent::resources`], and
+//! either [`Agent::wait`] after cancelling the token (a clean stop) or drop the agent (a crash:
+//! tasks aborted, nothing flushed beyond what every change already wrote).
+
+pub mod health;
+pub mod plugins;
+pub mod reconciler;
+pub mod startup;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use baleen_device_plugin::{PluginError, PluginState};
+use tokio::sync::watch;
+use tokio::task::{JoinError, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::CheckpointError;
+use crate::inventory::{GpuInventory, InventoryError};
+use crate::ledger::{BuildError, ViewConfig};
+use crate::resources::{NodeResources, ResponseConfig};
+
+/// How the agent runs on this node (see `crate::config` for where the values come from).
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// The Kubernetes node name.
+    pub node_name: String,
+    /// The kubelet's device-plugin directory.
+    pub device_plugin_dir: PathBuf,
+    /// The kubelet's pod-resources socket.
+    pub pod_resources_socket: PathBuf,
+    /// Where the checkpoint lives.
+    pub state_dir: PathBuf,
+    /// The kernel boot ID file.
+    pub boot_id_file: PathBuf,
+    /// Resource names, unit size and views.
+    pub views: ViewConfig,
+    /// How Allocate answers are written (CDI names, MPS directories).
+    pub responses: ResponseConfig,
+    /// Time between reconciliations with pod-resources.
+    pub reconcile_interval: Duration,
+    /// How long an allocation the kubelet's pod-resources list has never shown is kept (an
+    /// ordinary init container's, or one the kubelet has not recorded yet); allocations it
+    /// listed are released as soon as they leave the list.
+    pub reconcile_grace: Duration,
+}
+
+/// What the agent runs against: the real adapters from `main`, fakes in tests.
+#[derive(Clone)]
+pub struct Dependencies {
+    /// The node's GPUs (NVML, simulated, or NVML over a fake library).
+    pub inventory: Arc<dyn GpuInventory>,
+}
+
+/// Why the agent cannot start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The boot ID cannot be read.
+    #[error("cannot read the boot ID from {}", path.display())]
+    BootId {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// GPU discovery failed.
+    #[error(transparent)]
+    Inventory(#[from] InventoryError),
+    /// The inventory cannot be made into a device ledger.
+    #[error(transparent)]
+    Ledger(#[from] BuildError),
+    /// The checkpoint cannot be written.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The reconciled ledger cannot be saved.
+    #[error(transparent)]
+    Reconcile(#[from] reconciler::ReconcileError),
+    /// A device plugin failed.
+    #[error("device plugin for {resource} failed")]
+    Plugin {
+        /// The resource.
+        resource: String,
+        /// The cause.
+        #[source]
+        source: PluginError,
+    },
+    /// A task of the agent panicked or was aborted.
+    #[error("agent task {task} failed")]
+    Task {
+        /// Which task.
+        task: &'static str,
+        /// Why.
+        #[source]
+        source: JoinError,
+    },
+}
+
+impl AgentError {
+    /// Whether the error is a configuration problem (exit code 64): a topology file that cannot
+    /// be read as one.
+    pub fn is_configuration(&self) -> bool {
+        matches!(self, AgentError::Inventory(InventoryError::Topology(_)))
+    }
+}
+
+/// The subsystems' tasks, each with a name for its errors.
+#[derive(Default)]
+pub struct Tasks {
+    set: JoinSet<Result<(), AgentError>>,
+    names: HashMap<tokio::task::Id, &'static str>,
+}
+
+impl Tasks {
+    /// Spawns `task`, named `name` in errors and logs.
+    pub fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = Result<(), AgentError>> + Send + 'static,
+    ) {
+        let handle = self.set.spawn(task);
+        self.names.insert(handle.id(), name);
+    }
+
+    /// The next task to end, or `None` when none is left.
+    async fn join_next(&mut self) -> Option<Result<(), AgentError>> {
+        let joined = self.set.join_next_with_id().await?;
+        Some(match joined {
+            Ok((id, outcome)) => {
+                self.names.remove(&id);
+                outcome
+            }
+            Err(source) => {
+                let task = self.names.remove(&source.id()).unwrap_or("unnamed");
+                Err(AgentError::Task { task, source })
+            }
+        })
+    }
+}
+
+/// A started agent.
+pub struct Agent {
+    shutdown: CancellationToken,
+    resources: Arc<NodeResources>,
+    plugins: Vec<(String, watch::Receiver<PluginState>)>,
+    tasks: Tasks,
+    health_stop: CancellationToken,
+}
+
+impl Agent {
+    /// Discovers, restores and starts every subsystem. Returns once every task is spawned (each
+    /// plugin then binds, registers and retries on its own).
+    pub async fn start(
+        config: AgentConfig,
+        deps: Dependencies,
+        shutdown: CancellationToken,
+    ) -> Result<Self, AgentError> {
+        let resources = startup::restore(&config, &deps, &shutdown).await?;
+        let mut tasks = Tasks::default();
+        let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
+        let reconcile = reconciler::Settings::of(&config);
+        tasks.spawn(
+            "reconciliation",
+            reconciler::run(resources.clone(), reconcile, shutdown.clone()),
+        );
+        let health_stop = shutdown.child_token();
+        health::spawn(deps.inventory.clone(), resources.clone(), health_stop.clone());
+        Ok(Self { shutdown, resources, plugins, tasks, health_stop })
+    }
+
+    /// The node's resources: the device ledger behind every view.
+    pub fn resources(&self) -> &Arc<NodeResources> {
+        &self.resources
+    }
+
+    /// The resources served, with each plugin's state.
+    pub fn plugins(&self) -> &[(String, watch::Receiver<PluginState>)] {
+        &self.plugins
+    }
+
+    /// Waits until every task ends (after the shutdown token is cancelled, or after a task
+    /// failed, which cancels it); the first error.
+    pub async fn wait(mut self) -> Result<(), AgentError> {
+        let mut result = Ok(());
+        while let Some(outcome) = self.tasks.join_next().await {
+            if let Err(e) = outcome {
+                // A resource that cannot be served any more (its socket cannot be bound, say):
+                // stop the whole agent so that it exits non-zero and the DaemonSet restarts it,
+                // rather than serving part of the node in silence.
+                tracing::error!(error = %e, "agent task failed; stopping the agent");
+                self.shutdown.cancel();
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        self.health_stop.cancel();
+        result
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // Dropping the JoinSet aborts the tasks; the health thread checks this token.
+        self.health_stop.cancel();
+    }
+}
+
+/// Runs the agent until `shutdown` is cancelled.
+pub async fn run(
+    config: AgentConfig,
+    deps: Dependencies,
+    shutdown: CancellationToken,
+) -> Result<(), AgentError> {
+    Agent::start(config, deps, shutdown).await?.wait().await
+}

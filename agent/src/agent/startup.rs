@@ -1,0 +1,106 @@
+//! Start-up: read the boot ID, discover the GPUs, build the device ledger, restore it from the
+//! checkpoint when that is trusted (same node, same boot, intact), and reconcile once with the
+//! kubelet's pod-resources API before anything is served. Without a trusted checkpoint that
+//! reconciliation is waited for: the kubelet is then the only record of running containers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::reconciler::{ReconcileFailure, reconcile_once};
+use super::{AgentConfig, AgentError, Dependencies};
+use crate::checkpoint::{Checkpoint, read_boot_id};
+use crate::ledger::DeviceLedger;
+use crate::resources::NodeResources;
+
+/// How long the first pod-resources `List` may take.
+const FIRST_LIST_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time between tries while waiting for pod-resources.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// The node's resources, restored and reconciled, with the checkpoint written.
+pub async fn restore(
+    config: &AgentConfig,
+    deps: &Dependencies,
+    shutdown: &CancellationToken,
+) -> Result<Arc<NodeResources>, AgentError> {
+    let boot_id = read_boot_id(&config.boot_id_file)
+        .map_err(|source| AgentError::BootId { path: config.boot_id_file.clone(), source })?;
+    let discovered = {
+        let inventory = deps.inventory.clone();
+        tokio::task::spawn_blocking(move || inventory.discover())
+            .await
+            .map_err(|source| AgentError::Task { task: "GPU discovery", source })??
+    };
+    tracing::info!(
+        node = config.node_name,
+        gpus = discovered.gpus.len(),
+        driver = discovered.driver_version.as_deref().unwrap_or("unknown"),
+        "GPUs discovered"
+    );
+    let mut ledger = DeviceLedger::new(&config.node_name, &discovered, config.views.clone())?;
+    let checkpoint = Checkpoint::in_dir(&config.state_dir);
+    let trusted = match checkpoint.load(&config.node_name, &boot_id) {
+        Ok(Some(contents)) => {
+            let refused = ledger.restore(&contents.allocations);
+            for (record, why) in &refused {
+                tracing::warn!(resource = record.resource, devices = ?record.device_ids, why, "checkpointed allocation not restored");
+            }
+            tracing::info!(
+                allocations = contents.allocations.len() - refused.len(),
+                checkpoint = %checkpoint.path().display(),
+                "ledger restored from the checkpoint"
+            );
+            true
+        }
+        Ok(None) => {
+            tracing::info!(checkpoint = %checkpoint.path().display(), "no checkpoint");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "checkpoint not trusted; rebuilding the ledger from pod-resources");
+            false
+        }
+    };
+    let resources = NodeResources::new(
+        ledger,
+        checkpoint,
+        config.node_name.clone(),
+        boot_id,
+        Some(config.pod_resources_socket.clone()),
+        config.responses.clone(),
+    );
+    let grace = config.reconcile_grace.as_secs();
+    // Without a trusted checkpoint the ledger knows nothing of the containers running on the
+    // node (after a reboot the kubelet restarts them without calling Allocate): serving now
+    // could hand their GPUs out again through another view. Wait for pod-resources first.
+    let mut waiting_logged = false;
+    loop {
+        match reconcile_once(&resources, &config.pod_resources_socket, FIRST_LIST_TIMEOUT, grace)
+            .await
+        {
+            Ok(()) => break,
+            Err(ReconcileFailure::NotSaved(e)) => return Err(e.into()),
+            Err(ReconcileFailure::Unreachable(e)) if trusted => {
+                tracing::warn!(error = %e, "cannot reconcile with the kubelet yet; serving from the checkpoint and retrying");
+                break;
+            }
+            Err(ReconcileFailure::Unreachable(e)) => {
+                if !waiting_logged {
+                    tracing::warn!(
+                        error = %e,
+                        "waiting for the kubelet's pod-resources API before serving: without a trusted checkpoint it is the only record of running containers"
+                    );
+                    waiting_logged = true;
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    () = tokio::time::sleep(RETRY) => {}
+                }
+            }
+        }
+    }
+    resources.persist()?;
+    Ok(resources)
+}

@@ -1,0 +1,97 @@
+//! The process around the agent's run mode: resolve the configuration (every problem at once),
+//! start logging, open the GPU inventory, build the async runtime, turn SIGTERM and SIGINT into
+//! the shutdown token, and call [`crate::agent::run`]. Called by `crate::cli`; tests call
+//! `crate::agent` directly with their own dependencies.
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::{AgentError, Dependencies};
+use crate::config::{ConfigError, LogFormat, RunArgs};
+use crate::inventory::{GpuInventory, InventoryError};
+
+/// Why the run mode could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The GPU inventory backend cannot be opened.
+    #[error(transparent)]
+    Inventory(#[from] InventoryError),
+    /// The async runtime cannot start.
+    #[error("cannot start the async runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The agent failed.
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+}
+
+impl RunError {
+    /// Whether the error is a configuration problem (exit code 64): bad flags or file, or a
+    /// topology file that cannot be read as one.
+    pub fn is_configuration(&self) -> bool {
+        match self {
+            RunError::Config(_) | RunError::Inventory(InventoryError::Topology(_)) => true,
+            RunError::Agent(e) => e.is_configuration(),
+            RunError::Runtime(_) | RunError::Inventory(_) => false,
+        }
+    }
+}
+
+/// Runs the agent until SIGTERM or SIGINT.
+pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
+    let settings = crate::config::resolve(args, std::env::var("NODE_NAME").ok())?;
+    init_logging(settings.log_format, &settings.log_level);
+    let inventory: Arc<dyn GpuInventory> = Arc::from(settings.inventory.open()?);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(RunError::Runtime)?;
+    runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(cancel_on_signal(shutdown.clone()));
+        let kubelet = settings
+            .agent
+            .device_plugin_dir
+            .join(baleen_proto::deviceplugin::v1beta1::KUBELET_SOCKET);
+        tracing::info!(
+            node = settings.agent.node_name,
+            kubelet = %kubelet.display(),
+            "starting; each resource registers as soon as a kubelet listens there (waiting if none does)"
+        );
+        crate::agent::run(settings.agent, Dependencies { inventory }, shutdown).await
+    })?;
+    Ok(())
+}
+
+/// Logs to stderr with `filter` (already validated by the configuration).
+fn init_logging(format: LogFormat, filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::new(filter);
+    let subscriber = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // A second initialisation (tests calling this twice) keeps the first subscriber.
+    let _ = match format {
+        LogFormat::Json => subscriber.json().try_init(),
+        LogFormat::Text => subscriber.try_init(),
+    };
+}
+
+/// Cancels `shutdown` at the first SIGTERM or SIGINT.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+    shutdown.cancel();
+}

@@ -1,0 +1,279 @@
+//! The `baleen-agent` command line: argument parsing (clap), dispatch to the run mode
+//! (`crate::bootstrap`) or a subcommand, and the exit code of each failure, so that `main` only
+//! parses, calls [`run`] and exits.
+//!
+//! Subcommands so far:
+//! - `inventory` ([`inventory`]): print the node's GPUs from NVML or from a simulated topology,
+//!   and the resources the agent would advertise, as a table or JSON.
+//!
+//! New subcommands add a variant to [`Command`], an arm to [`run`] and a module here;
+//! `crate::config::InventorySource` is the set of flags that choose a GPU backend, to be
+//! flattened into any subcommand that needs one.
+
+pub mod inventory;
+
+use std::io::Write;
+
+use clap::{Parser, Subcommand};
+
+use crate::inventory::InventoryError;
+pub use inventory::{InventoryArgs, OutputFormat, ResourceSummary, render_table, resources_of};
+
+/// Exit code for configuration errors (a bad topology file, bad flags): `EX_USAGE`.
+pub const EXIT_CONFIG: u8 = 64;
+/// Exit code for every other failure.
+pub const EXIT_FAILURE: u8 = 1;
+
+/// baleen's node agent: shares the node's GPUs with Kubernetes pods.
+///
+/// Without a subcommand it runs the agent: discovers the GPUs (NVML, or --simulated FILE),
+/// restores its allocations (checkpoint, then the kubelet's pod-resources API), and serves every
+/// resource (`awesome-ai-company.com/gpu`, `gpu-memory`, `mig-<profile>`, `nvlink-group-<n>`) to the
+/// kubelet through the device-plugin API, waiting for the kubelet if it is not there yet.
+/// Settings: defaults < --config FILE < environment (NODE_NAME) < flags; see docs/agent.md.
+/// Exit codes: 0 after SIGTERM/SIGINT, 64 for configuration errors, 1 for other failures.
+#[derive(Debug, Parser)]
+#[command(
+    name = "baleen-agent",
+    version,
+    about,
+    long_about,
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    /// What to do instead of running the agent.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// How to run the agent.
+    #[command(flatten)]
+    pub run: crate::config::RunArgs,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the node's GPUs (UUID, model, memory, PCI bus, NUMA node, MIG, NVLink) and the
+    /// resources the agent would advertise for them, then exit.
+    Inventory(InventoryArgs),
+}
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The GPU inventory could not be read.
+    #[error(transparent)]
+    Inventory(#[from] InventoryError),
+    /// Writing the output failed.
+    #[error("cannot write the output")]
+    Output(#[from] std::io::Error),
+    /// The inventory could not be turned into JSON.
+    #[error("cannot encode the inventory as JSON")]
+    Json(#[from] serde_json::Error),
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// The inventory cannot be offered as resources.
+    #[error(transparent)]
+    Ledger(#[from] crate::ledger::BuildError),
+    /// The agent could not start or failed.
+    #[error(transparent)]
+    Run(#[from] crate::bootstrap::RunError),
+}
+
+impl CliError {
+    /// The process exit code for this error: [`EXIT_CONFIG`] for a configuration problem (bad
+    /// flags, file or topology), [`EXIT_FAILURE`] otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Inventory(InventoryError::Topology(_)) | CliError::Config(_) => EXIT_CONFIG,
+            CliError::Run(e) if e.is_configuration() => EXIT_CONFIG,
+            _ => EXIT_FAILURE,
+        }
+    }
+}
+
+/// Runs a parsed command line, writing its output to `out`.
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
+    match cli.command {
+        Some(Command::Inventory(args)) => inventory::run(&args, out),
+        None => Ok(crate::bootstrap::run_agent(&cli.run)?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use clap::CommandFactory;
+
+    use super::*;
+    use crate::inventory::simulated::SimulatedInventory;
+    use crate::inventory::{GpuInventory, Inventory};
+
+    const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/examples");
+
+    fn run_args(args: &[&str]) -> Result<String, CliError> {
+        let cli = Cli::try_parse_from(args).expect("valid command line");
+        let mut out = Vec::new();
+        run(cli, &mut out)?;
+        Ok(String::from_utf8(out).expect("UTF-8 output"))
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn configuration_errors_exit_64_and_list_every_problem() {
+        let err = run_args(&[
+            "baleen-agent",
+            "--node-name",
+            "n",
+            "--memory-unit",
+            "lots",
+            "--log-format",
+            "xml",
+            "--domain",
+            "kubernetes.io",
+        ])
+        .expect_err("invalid configuration");
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        let text = err.to_string();
+        assert!(
+            text.contains("memory unit") && text.contains("log format") && text.contains("domain"),
+            "{text}"
+        );
+        let help = Cli::command().render_long_help().to_string();
+        for flag in [
+            "--config",
+            "--node-name",
+            "--device-plugin-dir",
+            "--pod-resources-socket",
+            "--state-dir",
+            "--log-format",
+            "--log-level",
+            "--simulated",
+            "--nvml-lib",
+        ] {
+            assert!(help.contains(flag), "--help documents {flag}");
+        }
+        for default in [
+            crate::defaults::DEVICE_PLUGIN_DIR,
+            crate::defaults::POD_RESOURCES_SOCKET,
+            crate::defaults::STATE_DIR,
+            crate::defaults::MPS_ROOT,
+            crate::defaults::BOOT_ID_FILE,
+            crate::defaults::NVML_LIBRARY,
+            crate::defaults::DOMAIN,
+            crate::defaults::MEMORY_UNIT,
+            crate::defaults::LOG_FORMAT,
+            crate::defaults::LOG_LEVEL,
+        ] {
+            assert!(help.contains(&format!("[default: {default}]")), "--help shows {default}");
+        }
+    }
+
+    #[test]
+    fn simulated_and_nvml_lib_exclude_each_other() {
+        let parsed = Cli::try_parse_from([
+            "baleen-agent",
+            "inventory",
+            "--simulated",
+            "x.yaml",
+            "--nvml-lib",
+            "/lib/libnvidia-ml.so.1",
+        ]);
+        assert!(parsed.is_err());
+    }
+
+    #[test]
+    fn inventory_refuses_a_memory_unit_the_agent_refuses() {
+        let file = format!("{EXAMPLES}/l4-4x-pcie.yaml");
+        let err = run_args(&[
+            "baleen-agent",
+            "inventory",
+            "--simulated",
+            &file,
+            "--memory-unit",
+            "512KiB",
+        ])
+        .expect_err("below 1MiB");
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        assert!(err.to_string().contains("below 1MiB"), "{err}");
+        let ok =
+            run_args(&["baleen-agent", "inventory", "--simulated", &file, "--memory-unit", "4MiB"]);
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+
+    #[test]
+    fn json_output_is_the_inventory() {
+        let file = format!("{EXAMPLES}/a100-4x-mig.yaml");
+        let json =
+            run_args(&["baleen-agent", "inventory", "--simulated", &file, "--output", "json"])
+                .expect("runs");
+        let printed: Inventory = serde_json::from_str(&json).expect("JSON inventory");
+        let expected = SimulatedInventory::from_file(Path::new(&file))
+            .expect("example loads")
+            .discover()
+            .expect("simulated discovery");
+        assert_eq!(printed, expected);
+    }
+
+    #[test]
+    fn table_output_has_a_row_per_gpu_and_mig_instance() {
+        let file = format!("{EXAMPLES}/a100-4x-mig.yaml");
+        let table = run_args(&["baleen-agent", "inventory", "--simulated", &file]).expect("runs");
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines[0], "driver 550.127.05, 4 GPUs");
+        assert!(lines[1].starts_with("INDEX  UUID"), "{table}");
+        // 4 GPUs + 4 MIG instances, a blank line, then the resources: gpu, gpu-memory, three
+        // MIG profiles and one NVLink pair (GPUs 0 and 1; 2 and 3 are in MIG mode).
+        assert_eq!(lines.len(), 2 + 4 + 4 + 1 + 1 + 6, "{table}");
+        assert_eq!(lines[10], "", "{table}");
+        assert!(lines[11].starts_with("RESOURCE"), "{table}");
+        let resources: Vec<(&str, &str)> = lines[12..]
+            .iter()
+            .filter_map(|l| l.split_once(char::is_whitespace))
+            .map(|(name, count)| (name, count.trim()))
+            .collect();
+        assert_eq!(
+            resources,
+            [
+                ("awesome-ai-company.com/gpu", "2"),
+                ("awesome-ai-company.com/gpu-memory", "160"),
+                ("awesome-ai-company.com/mig-1g.10gb", "2"),
+                ("awesome-ai-company.com/mig-3g.40gb", "1"),
+                ("awesome-ai-company.com/mig-7g.80gb", "1"),
+                ("awesome-ai-company.com/nvlink-group-2", "1"),
+            ],
+            "{table}"
+        );
+        assert!(lines[2].starts_with("0      GPU-3f1c7a52-8d0e-4b6a-9c21-5e7f0a1b2c30"), "{table}");
+        assert!(lines[2].contains("80.0 GiB  00000000:01:00.0  0     off"), "{table}");
+        assert!(lines[2].ends_with(" 3"), "three NVLink peers: {table}");
+        assert!(lines[4].contains("on (3)"), "{table}");
+        assert!(lines[5].contains("└ MIG-6a0d4e1b-2c3f-5a7e-8b9d-0f1e2d3c4b50"), "{table}");
+        assert!(lines[5].contains("MIG 3g.40gb"), "{table}");
+        assert!(lines[5].contains("39.2 GiB"), "{table}");
+        assert!(lines[5].ends_with("gi 2 ci 0"), "{table}");
+    }
+
+    #[test]
+    fn a_bad_topology_exits_64_and_a_missing_nvml_exits_1() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let bad = dir.path().join("bad.yaml");
+        std::fs::write(&bad, "gpus: 3\n").expect("write file");
+        let bad = bad.to_str().expect("UTF-8 path");
+        let err = run_args(&["baleen-agent", "inventory", "--simulated", bad]).expect_err("bad");
+        assert_eq!(err.exit_code(), EXIT_CONFIG);
+        assert!(err.to_string().starts_with(&format!("{bad}:1:")), "{err}");
+
+        let missing = dir.path().join("libnvidia-ml.so.1");
+        let missing = missing.to_str().expect("UTF-8 path");
+        let err =
+            run_args(&["baleen-agent", "inventory", "--nvml-lib", missing]).expect_err("none");
+        assert_eq!(err.exit_code(), EXIT_FAILURE);
+        assert!(err.to_string().contains(missing), "{err}");
+    }
+}

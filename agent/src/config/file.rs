@@ -1,0 +1,109 @@
+//! The YAML configuration file's schema (what the node offers): every field optional, unknown
+//! fields rejected with their line. Read by [`super::resolve`]; documented in docs/agent.md.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+/// The YAML configuration file. Every field is optional; see `docs/agent.md`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct FileConfig {
+    /// Kubernetes node name.
+    pub node_name: Option<String>,
+    /// Resource domain.
+    pub domain: Option<String>,
+    /// Size of one gpu-memory unit, e.g. `1GiB`, `512MiB`.
+    pub memory_unit: Option<String>,
+    /// Which views to offer.
+    #[serde(default)]
+    pub resources: ResourcesFile,
+    /// Container Device Interface names in Allocate answers.
+    #[serde(default)]
+    pub cdi: CdiFile,
+    /// Where GPUs come from.
+    #[serde(default)]
+    pub inventory: InventoryFile,
+    /// Host paths.
+    #[serde(default)]
+    pub paths: PathsFile,
+    /// Reconciliation with pod-resources.
+    #[serde(default)]
+    pub reconcile: ReconcileFile,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogFile,
+}
+
+/// `resources:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ResourcesFile {
+    /// Offer whole GPUs (default true).
+    pub gpu: Option<bool>,
+    /// Offer gpu-memory units (default true).
+    pub gpu_memory: Option<bool>,
+    /// Offer MIG instances (default true).
+    pub mig: Option<bool>,
+    /// NVLink group sizes (default [2, 4, 8]; empty for none).
+    pub nvlink_group_sizes: Option<Vec<u32>>,
+}
+
+/// `cdi:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CdiFile {
+    /// Answer CDI device names (default false).
+    pub enabled: Option<bool>,
+    /// CDI kind (default `nvidia.com/gpu`).
+    pub kind: Option<String>,
+}
+
+/// `inventory:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct InventoryFile {
+    /// A simulated topology file instead of NVML.
+    pub simulated: Option<PathBuf>,
+    /// The NVML library.
+    pub nvml_library: Option<PathBuf>,
+    /// Where sysfs is mounted.
+    pub sysfs_root: Option<PathBuf>,
+}
+
+/// `paths:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PathsFile {
+    /// The kubelet's device-plugin directory.
+    pub device_plugin_dir: Option<PathBuf>,
+    /// The kubelet's pod-resources socket.
+    pub pod_resources_socket: Option<PathBuf>,
+    /// The checkpoint directory.
+    pub state_dir: Option<PathBuf>,
+    /// The MPS pipe root.
+    pub mps_root: Option<PathBuf>,
+    /// The boot ID file.
+    pub boot_id_file: Option<PathBuf>,
+}
+
+/// `reconcile:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ReconcileFile {
+    /// Interval, e.g. `30s`.
+    pub interval: Option<String>,
+    /// How long an allocation the kubelet has never listed is kept, e.g. `10m` (default; at
+    /// least `10s`).
+    pub grace: Option<String>,
+}
+
+/// `log:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LogFile {
+    /// `text` or `json`.
+    pub format: Option<String>,
+    /// A level or a tracing filter, e.g. `info` or `baleen_agent=debug,info`.
+    pub level: Option<String>,
+}

@@ -1,0 +1,113 @@
+//! Every default of the agent, written once: the configuration, the `--help` text, the view
+//! configuration and the isolation module read them from here. `tests::no_default_is_written_twice`
+//! checks that no other source file of the workspace spells one of these values again.
+
+use std::time::Duration;
+
+/// Resource domain of every extended resource.
+pub const DOMAIN: &str = "awesome-ai-company.com";
+/// Size of one `gpu-memory` unit, as written in the configuration.
+pub const MEMORY_UNIT: &str = "1GiB";
+/// Size of one `gpu-memory` unit in bytes ([`MEMORY_UNIT`]).
+pub const MEMORY_UNIT_BYTES: u64 = 1 << 30;
+/// Smallest `gpu-memory` unit accepted.
+pub const MEMORY_UNIT_MIN_BYTES: u64 = 1 << 20;
+/// Sizes of the NVLink groups offered.
+pub const NVLINK_GROUP_SIZES: [u32; 3] = [2, 4, 8];
+/// CDI kind named in Allocate answers when CDI is switched on.
+pub const CDI_KIND: &str = "nvidia.com/gpu";
+
+/// The kubelet's device-plugin directory (the kubelet's own default, from the API crate).
+pub const DEVICE_PLUGIN_DIR: &str = baleen_proto::deviceplugin::v1beta1::DEFAULT_DEVICE_PLUGIN_DIR;
+/// The kubelet's pod-resources socket (the kubelet's own default, from the API crate).
+pub const POD_RESOURCES_SOCKET: &str = baleen_proto::podresources::v1::DEFAULT_SOCKET;
+/// Directory of the checkpoint.
+pub const STATE_DIR: &str = "/var/lib/baleen";
+/// Host directory holding `<GPU UUID>/pipe` and `<GPU UUID>/log` of each GPU's MPS daemon.
+pub const MPS_ROOT: &str = "/run/baleen/mps";
+/// Where a gpu-memory container finds its GPU's MPS pipe directory (a fixed path inside the
+/// container, not a host path: it is mounted from `<mps root>/<GPU UUID>/pipe`).
+pub const MPS_PIPE_IN_CONTAINER: &str = "/run/baleen/mps";
+/// Where the kernel publishes the boot ID.
+pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+/// Where the kernel publishes the host name (the node name's last fallback).
+pub const HOST_NAME_FILE: &str = "/proc/sys/kernel/hostname";
+/// The NVML library loaded when none is named.
+pub const NVML_LIBRARY: &str = "libnvidia-ml.so.1";
+/// Where sysfs is mounted (NVML GPUs' NUMA nodes are read there).
+pub const SYSFS_ROOT: &str = "/sys";
+
+/// Time between reconciliations with pod-resources.
+pub const RECONCILE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long an allocation the kubelet has never listed is kept.
+pub const RECONCILE_GRACE: Duration = Duration::from_secs(600);
+/// The shortest grace accepted.
+pub const RECONCILE_GRACE_MIN: Duration = Duration::from_secs(10);
+/// Log format.
+pub const LOG_FORMAT: &str = "text";
+/// Log level or tracing filter.
+pub const LOG_LEVEL: &str = "info";
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("readable source dir").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && path.file_name().is_none_or(|n| n != "tests.rs")
+            {
+                out.push(path);
+            }
+        }
+    }
+
+    /// The part of a source file outside its `#[cfg(test)]` module (tests may spell values;
+    /// files named `tests.rs` are left out whole).
+    fn shipped(text: &str) -> &str {
+        text.split("#[cfg(test)]").next().unwrap_or(text)
+    }
+
+    #[test]
+    fn no_default_is_written_twice() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let this = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/defaults.rs");
+        let mut files = Vec::new();
+        for krate in ["agent", "device-plugin", "scheduler-core", "extender"] {
+            sources(&root.join(krate).join("src"), &mut files);
+        }
+        let literals = [
+            format!("{DOMAIN:?}"),
+            format!("{MEMORY_UNIT:?}"),
+            format!("{CDI_KIND:?}"),
+            format!("{STATE_DIR:?}"),
+            format!("{MPS_ROOT:?}"),
+            format!("{BOOT_ID_FILE:?}"),
+            format!("{HOST_NAME_FILE:?}"),
+            format!("{NVML_LIBRARY:?}"),
+            format!("{SYSFS_ROOT:?}"),
+            format!("{DEVICE_PLUGIN_DIR:?}"),
+            format!("{POD_RESOURCES_SOCKET:?}"),
+        ];
+        let mut found = Vec::new();
+        for file in files.iter().filter(|f| f.canonicalize().ok() != this.canonicalize().ok()) {
+            let text = std::fs::read_to_string(file).expect("readable source");
+            for literal in &literals {
+                if shipped(&text).contains(literal.as_str()) {
+                    found.push(format!("{} spells {literal}", file.display()));
+                }
+            }
+        }
+        assert!(found.is_empty(), "use agent/src/defaults.rs instead:\n{}", found.join("\n"));
+    }
+
+    #[test]
+    fn the_unit_text_and_bytes_agree() {
+        assert_eq!(crate::config::parse_memory_unit(MEMORY_UNIT), Ok(MEMORY_UNIT_BYTES));
+    }
+}

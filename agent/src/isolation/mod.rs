@@ -1,0 +1,28 @@
+//! Isolation of the containers that share a GPU: what a container needs so that its share is
+//! enforced. Today that is the MPS client setup of a gpu-memory grant ([`mps`]); the MPS daemon
+//! supervisor and the cgroup classes grow here. Called by the device-plugin adapter
+//! (`crate::resources`) when it answers Allocate.
+
+pub mod mps;
+
+use std::path::PathBuf;
+
+/// A host directory or file bound into a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BindMount {
+    /// Path on the host.
+    pub host: PathBuf,
+    /// Path in the container.
+    pub container: PathBuf,
+    /// Mounted read-only.
+    pub read_only: bool,
+}
+
+/// What a container must be given for its share to be enforced.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerSetup {
+    /// Environment variables, in the order they were set.
+    pub envs: Vec<(String, String)>,
+    /// Mounts.
+    pub mounts: Vec<BindMount>,
+}

@@ -1,0 +1,742 @@
+//! The agent's device ledger: the node's physical GPUs and every device handed out through any
+//! resource view, kept together so that no GPU or unit is ever handed out twice.
+//!
+//! A GPU serves one mode at a time: whole (the `gpu` and `nvlink-group-<n>` views), shared (the
+//! `gpu-memory` view, in memory units) or MIG (the `mig-<profile>` views, fixed by the GPU's MIG
+//! mode). [`DeviceLedger`] keeps the allocations of all views together, so that:
+//!
+//! - device lists mark a device unhealthy while its GPU is taken through another view (or the
+//!   GPU is unhealthy), and healthy again when that allocation ends;
+//! - an allocation re-checks the ledger and refuses a device whose GPU another view holds; a
+//!   repeated allocation of the same IDs in the same view is accepted (init containers), and IDs
+//!   of the same view that overlap an older allocation replace it (the kubelet reassigns only
+//!   devices whose pod ended, and it never tells the plugin);
+//! - preferred choices come from `baleen-scheduler-core` ([`preferred`]).
+//!
+//! Domain values in and out: device IDs ([`device_id`]) and views ([`view`]) in, [`Grant`]s,
+//! [`DeviceState`]s and [`Refusal`]s out. It is synchronous, does no I/O and knows nothing of the
+//! device-plugin protocol: `crate::resources` wraps it in a mutex, persists every change and
+//! turns grants into kubelet answers with `crate::isolation`'s help. (The placement layer below,
+//! `baleen_scheduler_core::ledger::NodeLedger`, keeps the GPU shares; this one keeps device IDs.)
+
+pub mod device_id;
+pub mod preferred;
+pub mod view;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
+use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSet, GpuSpec, NodeSpec, Request};
+use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
+use serde::{Deserialize, Serialize};
+
+use crate::inventory::{Gpu, Inventory};
+
+pub use device_id::UNIT_SEPARATOR;
+use device_id::{group_id, parse_unit_id, unit_id};
+pub use view::{View, ViewConfig};
+
+/// Most devices one resource may advertise: a ListAndWatch message of about 70 bytes per device
+/// must stay well under the 4 MiB a kubelet's gRPC client accepts.
+pub const MAX_DEVICES_PER_RESOURCE: u64 = 32_768;
+/// One allocation as the checkpoint stores it: the resource and the device IDs of one container.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AllocationRecord {
+    /// The extended resource name.
+    pub resource: String,
+    /// The device IDs, sorted.
+    pub device_ids: Vec<String>,
+    /// When it was granted (seconds since the Unix epoch); reconciliation leaves allocations the
+    /// kubelet has never listed alone for a grace period.
+    pub allocated_at: u64,
+    /// Whether the kubelet's pod-resources `List` has shown this allocation. Once listed, an
+    /// allocation that disappears from the list is released at once; one never listed (an
+    /// ordinary init container's, which `List` omits, or one the kubelet has not recorded yet)
+    /// only after the grace period.
+    #[serde(default)]
+    pub listed: bool,
+}
+
+/// Why the ledger cannot be built for an inventory.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The gpu-memory unit is zero bytes.
+    #[error("invalid node: the gpu-memory unit must be at least one byte")]
+    ZeroUnit,
+    /// Two GPUs share a UUID.
+    #[error("invalid node: GPU {uuid} appears twice")]
+    DuplicateGpu {
+        /// The UUID.
+        uuid: String,
+    },
+    /// The unit is so small that the gpu-memory device list would not fit in one kubelet message.
+    #[error(
+        "invalid node: a gpu-memory unit of {unit_bytes} bytes makes {devices} devices; the kubelet \
+         takes at most about {MAX_DEVICES_PER_RESOURCE} in one ListAndWatch message (its 4 MiB \
+         limit): use a unit of at least {smallest_mib} MiB"
+    )]
+    TooManyUnits {
+        /// The unit.
+        unit_bytes: u64,
+        /// The devices it would make.
+        devices: u64,
+        /// The smallest unit that works, in MiB.
+        smallest_mib: u64,
+    },
+    /// The placement layer refuses the node.
+    #[error("invalid node")]
+    Placement(#[source] baleen_scheduler_core::ledger::LedgerError),
+}
+
+/// Why an allocation or a preferred choice is refused. The ledger is unchanged by a refusal.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// The IDs are not devices of this view.
+    #[error("unknown device IDs {ids:?}")]
+    UnknownDevices {
+        /// The offending IDs.
+        ids: Vec<String>,
+    },
+    /// The IDs cannot go together (units on two GPUs).
+    #[error("invalid request for devices {ids:?}: {reason}")]
+    InvalidRequest {
+        /// The IDs concerned.
+        ids: Vec<String>,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The devices conflict with the ledger (taken through another view, unhealthy).
+    #[error("devices {ids:?} cannot be allocated: {reason}")]
+    Conflict {
+        /// The IDs concerned.
+        ids: Vec<String>,
+        /// What they conflict with.
+        reason: String,
+    },
+    /// Not enough free devices to choose from.
+    #[error("not enough devices: {reason}")]
+    Exhausted {
+        /// What ran out.
+        reason: String,
+    },
+}
+
+/// One device of a view as the ledger sees it now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceState {
+    /// The device ID.
+    pub id: String,
+    /// Whether it can be allocated now: its GPU is healthy and not held through another view.
+    pub healthy: bool,
+    /// NUMA node of its GPU.
+    pub numa_node: Option<u32>,
+}
+
+/// What one container was granted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// The view it was granted through.
+    pub view: View,
+    /// The device IDs, sorted.
+    pub device_ids: Vec<String>,
+    /// What the container must see: the GPUs' UUIDs, or the MIG instances' UUIDs.
+    pub visible: Vec<String>,
+    /// For a gpu-memory grant: its share of the one GPU.
+    pub share: Option<Share>,
+}
+
+/// A gpu-memory grant's share of its GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    /// The GPU.
+    pub gpu_uuid: String,
+    /// Units granted.
+    pub units: u32,
+    /// Units the GPU has in all.
+    pub gpu_units: u32,
+    /// Bytes granted (units times the unit size).
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    gpu: Gpu,
+    units: u32,
+    healthy: bool,
+    /// Per unit, the allocation holding it.
+    unit_holder: Vec<Option<u64>>,
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    size: u32,
+    id: String,
+    members: GpuSet,
+}
+
+#[derive(Debug, Clone)]
+struct Held {
+    record: AllocationRecord,
+    view: View,
+    gpus: GpuSet,
+    units: Vec<(usize, u32)>,
+}
+
+/// What a request names, once parsed.
+struct Parsed {
+    gpus: GpuSet,
+    units: Vec<(usize, u32)>,
+    groups: Vec<usize>,
+}
+
+/// The node's device ledger and its views. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct DeviceLedger {
+    config: ViewConfig,
+    slots: Vec<Slot>,
+    by_uuid: HashMap<String, usize>,
+    mig: HashMap<String, (usize, String)>,
+    groups: Vec<Group>,
+    group_by_id: HashMap<String, usize>,
+    ledger: NodeLedger,
+    held: BTreeMap<u64, Held>,
+    next_id: u64,
+}
+
+fn ids_of(ids: &[String]) -> Vec<String> {
+    let mut v = ids.to_vec();
+    v.sort();
+    v
+}
+
+impl DeviceLedger {
+    /// The ledger for `inventory`, with nothing allocated.
+    pub fn new(
+        node_name: &str,
+        inventory: &Inventory,
+        config: ViewConfig,
+    ) -> Result<Self, BuildError> {
+        if config.memory_unit_bytes == 0 {
+            return Err(BuildError::ZeroUnit);
+        }
+        let mut by_uuid = HashMap::new();
+        let mut mig = HashMap::new();
+        let mut slots = Vec::with_capacity(inventory.gpus.len());
+        for (i, gpu) in inventory.gpus.iter().enumerate() {
+            if by_uuid.insert(gpu.uuid.as_str().to_owned(), i).is_some() {
+                return Err(BuildError::DuplicateGpu { uuid: gpu.uuid.to_string() });
+            }
+            for instance in gpu.mig.instances() {
+                mig.insert(instance.uuid.as_str().to_owned(), (i, instance.profile.clone()));
+            }
+            let units = if gpu.mig.is_enabled() {
+                0
+            } else {
+                u32::try_from(gpu.memory_bytes / config.memory_unit_bytes).unwrap_or(u32::MAX)
+            };
+            slots.push(Slot {
+                gpu: gpu.clone(),
+                units,
+                healthy: true,
+                unit_holder: vec![None; units as usize],
+            });
+        }
+        let spec = NodeSpec {
+            name: node_name.to_owned(),
+            // The kubelet accounts CPU and memory; the ledger only places GPUs.
+            cpu: MilliCpu(0),
+            memory: MemMib(0),
+            gpus: slots
+                .iter()
+                .map(|s| GpuSpec {
+                    memory_units: MemUnits(s.units),
+                    numa_node: s.gpu.numa_node,
+                    nvlink_peers: s
+                        .gpu
+                        .nvlink_peers
+                        .iter()
+                        .filter_map(|p| by_uuid.get(p.as_str()).copied())
+                        .collect(),
+                    ..GpuSpec::plain(s.gpu.uuid.as_str().to_owned(), GpuModel::new(&s.gpu.name))
+                })
+                .collect(),
+        };
+        let total_units: u64 = slots.iter().map(|s| u64::from(s.units)).sum();
+        if config.gpu_memory && total_units > MAX_DEVICES_PER_RESOURCE {
+            let memory: u64 =
+                slots.iter().filter(|s| s.units > 0).map(|s| s.gpu.memory_bytes).sum();
+            return Err(BuildError::TooManyUnits {
+                unit_bytes: config.memory_unit_bytes,
+                devices: total_units,
+                smallest_mib: memory.div_ceil(MAX_DEVICES_PER_RESOURCE).div_ceil(1 << 20),
+            });
+        }
+        let ledger = NodeLedger::new(spec).map_err(BuildError::Placement)?;
+        let mut state = Self {
+            config,
+            slots,
+            by_uuid,
+            mig,
+            groups: Vec::new(),
+            group_by_id: HashMap::new(),
+            ledger,
+            held: BTreeMap::new(),
+            next_id: 1,
+        };
+        state.build_groups();
+        Ok(state)
+    }
+
+    /// NVLink groups per configured size: GPUs in index order, each group the lowest-indexed
+    /// ungrouped GPUs all NVLink peers of each other; groups of one size never overlap.
+    fn build_groups(&mut self) {
+        let spec = self.ledger.spec().clone();
+        for &size in &self.config.nvlink_group_sizes {
+            if size < 2 {
+                continue;
+            }
+            let mut grouped = GpuSet::EMPTY;
+            for seed in 0..self.slots.len() {
+                if grouped.contains(seed) || self.slots[seed].gpu.mig.is_enabled() {
+                    continue;
+                }
+                let mut members = vec![seed];
+                for cand in seed + 1..self.slots.len() {
+                    if members.len() == size as usize {
+                        break;
+                    }
+                    if grouped.contains(cand) || self.slots[cand].gpu.mig.is_enabled() {
+                        continue;
+                    }
+                    if members.iter().all(|&m| spec.gpus[m].nvlink_peers.contains(&cand)) {
+                        members.push(cand);
+                    }
+                }
+                if members.len() == size as usize {
+                    let set = GpuSet::from_indices(members.iter().copied()).unwrap_or_default();
+                    for &m in &members {
+                        grouped.insert(m);
+                    }
+                    let id = group_id(size, self.slots[seed].gpu.uuid.as_str());
+                    self.group_by_id.insert(id.clone(), self.groups.len());
+                    self.groups.push(Group { size, id, members: set });
+                }
+            }
+        }
+    }
+
+    /// The view configuration.
+    pub fn config(&self) -> &ViewConfig {
+        &self.config
+    }
+
+    /// The views this node offers: whole GPUs and memory units when it has a GPU outside MIG
+    /// mode, one view per MIG profile present, one per NVLink group size with a group.
+    pub fn views(&self) -> Vec<View> {
+        let plain = self.slots.iter().any(|s| !s.gpu.mig.is_enabled());
+        let mut views = Vec::new();
+        if self.config.whole_gpus && plain {
+            views.push(View::Gpu);
+        }
+        if self.config.gpu_memory && plain {
+            views.push(View::GpuMemory);
+        }
+        if self.config.mig {
+            let profiles: BTreeSet<&String> = self.mig.values().map(|(_, p)| p).collect();
+            views.extend(profiles.into_iter().map(|p| View::Mig(p.clone())));
+        }
+        let sizes: BTreeSet<u32> = self.groups.iter().map(|g| g.size).collect();
+        views.extend(sizes.into_iter().map(View::NvlinkGroup));
+        views
+    }
+
+    /// The view serving `resource`, if any.
+    pub fn view_for(&self, resource: &str) -> Option<View> {
+        self.views().into_iter().find(|v| v.resource_name(&self.config.domain) == resource)
+    }
+
+    /// The GPUs of the node.
+    pub fn gpus(&self) -> impl Iterator<Item = &Gpu> {
+        self.slots.iter().map(|s| &s.gpu)
+    }
+
+    /// Memory units allocated on the GPU at `index`.
+    pub fn units_taken(&self, index: usize) -> u32 {
+        if index < self.slots.len() { self.units_held(index, &BTreeSet::new()) as u32 } else { 0 }
+    }
+
+    /// Marks a GPU healthy or not; returns whether anything changed.
+    pub fn set_health(&mut self, uuid: &str, healthy: bool) -> bool {
+        match self.by_uuid.get(uuid) {
+            Some(&i) if self.slots[i].healthy != healthy => {
+                self.slots[i].healthy = healthy;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The current allocations, in grant order.
+    pub fn records(&self) -> Vec<AllocationRecord> {
+        self.held.values().map(|h| h.record.clone()).collect()
+    }
+
+    /// Per GPU: held whole by which allocation (gpu or nvlink view), and units taken.
+    fn whole_holder(&self, index: usize, except: &BTreeSet<u64>) -> Option<&Held> {
+        self.held
+            .iter()
+            .filter(|(id, _)| !except.contains(id))
+            .map(|(_, h)| h)
+            .find(|h| h.view.is_whole() && h.gpus.contains(index))
+    }
+
+    fn units_held(&self, index: usize, except: &BTreeSet<u64>) -> usize {
+        self.slots[index]
+            .unit_holder
+            .iter()
+            .filter(|h| h.is_some_and(|id| !except.contains(&id)))
+            .count()
+    }
+
+    /// The device list of `view`.
+    pub fn devices(&self, view: &View) -> Vec<DeviceState> {
+        let none = BTreeSet::new();
+        let mut out = Vec::new();
+        match view {
+            View::Gpu => {
+                for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| !s.gpu.mig.is_enabled())
+                {
+                    let other = self.units_held(i, &none) > 0
+                        || self.whole_holder(i, &none).is_some_and(|h| h.view != View::Gpu);
+                    out.push(DeviceState {
+                        id: s.gpu.uuid.to_string(),
+                        healthy: s.healthy && !other,
+                        numa_node: s.gpu.numa_node,
+                    });
+                }
+            }
+            View::GpuMemory => {
+                for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| !s.gpu.mig.is_enabled())
+                {
+                    let ok = s.healthy && self.whole_holder(i, &none).is_none();
+                    for unit in 0..s.units {
+                        out.push(DeviceState {
+                            id: unit_id(s.gpu.uuid.as_str(), unit),
+                            healthy: ok,
+                            numa_node: s.gpu.numa_node,
+                        });
+                    }
+                }
+            }
+            View::Mig(profile) => {
+                for s in &self.slots {
+                    for inst in s.gpu.mig.instances().iter().filter(|m| &m.profile == profile) {
+                        out.push(DeviceState {
+                            id: inst.uuid.to_string(),
+                            healthy: s.healthy,
+                            numa_node: s.gpu.numa_node,
+                        });
+                    }
+                }
+            }
+            View::NvlinkGroup(size) => {
+                for g in self.groups.iter().filter(|g| g.size == *size) {
+                    let ok = g.members.iter().all(|i| {
+                        self.slots[i].healthy
+                            && self.units_held(i, &none) == 0
+                            && self.whole_holder(i, &none).is_none_or(|h| {
+                                h.view == *view && h.record.device_ids.contains(&g.id)
+                            })
+                    });
+                    let first = g.members.iter().next().unwrap_or(0);
+                    out.push(DeviceState {
+                        id: g.id.clone(),
+                        healthy: ok,
+                        numa_node: self.slots[first].gpu.numa_node,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    fn parse(&self, view: &View, ids: &[String]) -> Result<Parsed, Refusal> {
+        let mut parsed = Parsed { gpus: GpuSet::EMPTY, units: Vec::new(), groups: Vec::new() };
+        let mut unknown = Vec::new();
+        for id in ids {
+            match view {
+                View::Gpu => match self.by_uuid.get(id) {
+                    Some(&i) if !self.slots[i].gpu.mig.is_enabled() => parsed.gpus.insert(i),
+                    _ => unknown.push(id.clone()),
+                },
+                View::GpuMemory => {
+                    let unit = parse_unit_id(id).and_then(|(uuid, n)| {
+                        let i = *self.by_uuid.get(uuid)?;
+                        (n < self.slots[i].units).then_some((i, n))
+                    });
+                    match unit {
+                        Some((i, n)) => {
+                            parsed.gpus.insert(i);
+                            parsed.units.push((i, n));
+                        }
+                        None => unknown.push(id.clone()),
+                    }
+                }
+                View::Mig(profile) => match self.mig.get(id) {
+                    Some((i, p)) if p == profile => parsed.gpus.insert(*i),
+                    _ => unknown.push(id.clone()),
+                },
+                View::NvlinkGroup(size) => match self.group_by_id.get(id) {
+                    Some(&g) if self.groups[g].size == *size => {
+                        for i in self.groups[g].members.iter() {
+                            parsed.gpus.insert(i);
+                        }
+                        parsed.groups.push(g);
+                    }
+                    _ => unknown.push(id.clone()),
+                },
+            }
+        }
+        if !unknown.is_empty() {
+            return Err(Refusal::UnknownDevices { ids: unknown });
+        }
+        if *view == View::GpuMemory && parsed.gpus.len() > 1 {
+            let gpus: Vec<String> =
+                parsed.gpus.iter().map(|i| self.slots[i].gpu.uuid.to_string()).collect();
+            return Err(Refusal::InvalidRequest {
+                ids: ids.to_vec(),
+                reason: format!(
+                    "gpu-memory units must all be on one GPU, these are on {}: {}",
+                    gpus.len(),
+                    gpus.join(", ")
+                ),
+            });
+        }
+        Ok(parsed)
+    }
+
+    /// Grants one container the devices `ids` of `view`, or refuses with nothing changed.
+    pub fn allocate(&mut self, view: &View, ids: &[String], now: u64) -> Result<Grant, Refusal> {
+        let sorted = ids_of(ids);
+        if let Some(h) =
+            self.held.values_mut().find(|h| h.view == *view && h.record.device_ids == sorted)
+        {
+            // A repeated Allocate: an init container's devices reused, or a new pod given exactly
+            // the devices of one that ended. The same answer; the allocation counts as new
+            // until the kubelet lists it.
+            h.record.allocated_at = now;
+            h.record.listed = false;
+            let h = h.clone();
+            return Ok(self.grant(&h));
+        }
+        let parsed = self.parse(view, ids)?;
+        // Older allocations of the same view that share a device ended (the kubelet reassigns
+        // only freed devices): they are replaced.
+        let superseded: BTreeSet<u64> =
+            self.replaced_by(view, &sorted).map(|(&id, _)| id).collect();
+        self.check_conflicts(view, ids, &parsed, &superseded)?;
+        for id in &superseded {
+            self.release_id(*id);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let request = match view {
+            View::GpuMemory => Some(Request {
+                cpu: MilliCpu(0),
+                memory: MemMib(0),
+                gpu: GpuDemand::Shared {
+                    milli: MilliGpu(0),
+                    memory: MemUnits(parsed.units.len() as u32),
+                },
+                allowed_models: vec![],
+            }),
+            View::Gpu | View::NvlinkGroup(_) => Some(Request {
+                cpu: MilliCpu(0),
+                memory: MemMib(0),
+                gpu: GpuDemand::Whole { count: parsed.gpus.len() as u32 },
+                allowed_models: vec![],
+            }),
+            View::Mig(_) => None,
+        };
+        if let Some(request) = request {
+            self.ledger
+                .allocate(AllocationId(id), &request, parsed.gpus)
+                .map_err(|e| Refusal::Conflict { ids: ids.to_vec(), reason: e.to_string() })?;
+        }
+        for &(i, n) in &parsed.units {
+            self.slots[i].unit_holder[n as usize] = Some(id);
+        }
+        let held = Held {
+            record: AllocationRecord {
+                resource: view.resource_name(&self.config.domain),
+                device_ids: sorted,
+                allocated_at: now,
+                listed: false,
+            },
+            view: view.clone(),
+            gpus: parsed.gpus,
+            units: parsed.units,
+        };
+        let grant = self.grant(&held);
+        self.held.insert(id, held);
+        Ok(grant)
+    }
+
+    fn check_conflicts(
+        &self,
+        view: &View,
+        ids: &[String],
+        parsed: &Parsed,
+        superseded: &BTreeSet<u64>,
+    ) -> Result<(), Refusal> {
+        let conflict = |reason: String| Err(Refusal::Conflict { ids: ids.to_vec(), reason });
+        for i in parsed.gpus.iter() {
+            let uuid = &self.slots[i].gpu.uuid;
+            if !self.slots[i].healthy {
+                return conflict(format!("GPU {uuid} is unhealthy"));
+            }
+            if matches!(view, View::Mig(_)) {
+                continue;
+            }
+            if let Some(h) = self.whole_holder(i, superseded) {
+                return conflict(format!(
+                    "GPU {uuid} is held whole through {} ({})",
+                    h.record.resource,
+                    h.record.device_ids.join(",")
+                ));
+            }
+            if view.is_whole() {
+                let units = self.units_held(i, superseded);
+                if units > 0 {
+                    return conflict(format!(
+                        "GPU {uuid} is shared: {units} gpu-memory units are allocated on it through {}",
+                        View::GpuMemory.resource_name(&self.config.domain)
+                    ));
+                }
+            }
+        }
+        if let View::GpuMemory = view {
+            for &(i, n) in &parsed.units {
+                if let Some(holder) =
+                    self.slots[i].unit_holder[n as usize].filter(|id| !superseded.contains(id))
+                {
+                    return conflict(format!(
+                        "unit {n} of GPU {} is held by another allocation ({holder})",
+                        self.slots[i].gpu.uuid
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn release_id(&mut self, id: u64) -> Option<AllocationRecord> {
+        let held = self.held.remove(&id)?;
+        if !matches!(held.view, View::Mig(_)) {
+            // Recorded together with `held`, so the ledger knows it.
+            let _ = self.ledger.release(AllocationId(id));
+        }
+        for &(i, n) in &held.units {
+            self.slots[i].unit_holder[n as usize] = None;
+        }
+        Some(held.record)
+    }
+
+    /// Releases every allocation for which `keep` is false; returns them.
+    pub fn retain(
+        &mut self,
+        mut keep: impl FnMut(&AllocationRecord) -> bool,
+    ) -> Vec<AllocationRecord> {
+        let gone: Vec<u64> =
+            self.held.iter().filter(|(_, h)| !keep(&h.record)).map(|(&id, _)| id).collect();
+        gone.into_iter().filter_map(|id| self.release_id(id)).collect()
+    }
+
+    /// Re-records allocations (from a checkpoint or the kubelet); returns the ones refused,
+    /// with why.
+    pub fn restore(&mut self, records: &[AllocationRecord]) -> Vec<(AllocationRecord, String)> {
+        let mut refused = Vec::new();
+        for record in records {
+            let outcome = match self.view_for(&record.resource) {
+                None => Err(format!("this node does not offer {}", record.resource)),
+                Some(view) => self
+                    .allocate(&view, &record.device_ids, record.allocated_at)
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+            };
+            match outcome {
+                Err(why) => refused.push((record.clone(), why)),
+                Ok(()) if record.listed => {
+                    self.mark_listed(|r| {
+                        r.resource == record.resource && r.device_ids == record.device_ids
+                    });
+                }
+                Ok(()) => {}
+            }
+        }
+        refused
+    }
+
+    /// Marks the allocations for which `listed` is true as seen in the kubelet's list; returns
+    /// how many changed.
+    pub fn mark_listed(&mut self, mut listed: impl FnMut(&AllocationRecord) -> bool) -> usize {
+        let mut changed = 0;
+        for h in self.held.values_mut() {
+            if !h.record.listed && listed(&h.record) {
+                h.record.listed = true;
+                changed += 1;
+            }
+        }
+        changed
+    }
+
+    /// Allocations of `view` that share a device with `ids` without being exactly `ids`: the
+    /// ones an Allocate of `ids` would replace.
+    pub fn overlapping(&self, view: &View, ids: &[String]) -> Vec<AllocationRecord> {
+        let sorted = ids_of(ids);
+        self.replaced_by(view, &sorted)
+            .filter(|(_, h)| h.record.device_ids != sorted)
+            .map(|(_, h)| h.record.clone())
+            .collect()
+    }
+
+    /// Allocations of `view` sharing a device with `sorted` (sorted device IDs).
+    fn replaced_by<'a>(
+        &'a self,
+        view: &'a View,
+        sorted: &'a [String],
+    ) -> impl Iterator<Item = (&'a u64, &'a Held)> + 'a {
+        self.held.iter().filter(move |(_, h)| {
+            h.view == *view && h.record.device_ids.iter().any(|d| sorted.binary_search(d).is_ok())
+        })
+    }
+
+    /// What an allocation grants, as the isolation module and the kubelet adapter need it.
+    fn grant(&self, held: &Held) -> Grant {
+        let visible: Vec<String> = match &held.view {
+            View::Mig(_) => held.record.device_ids.clone(),
+            _ => held.gpus.iter().map(|i| self.slots[i].gpu.uuid.to_string()).collect(),
+        };
+        let share = match (&held.view, held.gpus.iter().next()) {
+            (View::GpuMemory, Some(i)) => {
+                let units = held.units.len() as u32;
+                Some(Share {
+                    gpu_uuid: self.slots[i].gpu.uuid.to_string(),
+                    units,
+                    gpu_units: self.slots[i].units,
+                    bytes: u64::from(units) * self.config.memory_unit_bytes,
+                })
+            }
+            _ => None,
+        };
+        Grant {
+            view: held.view.clone(),
+            device_ids: held.record.device_ids.clone(),
+            visible,
+            share,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

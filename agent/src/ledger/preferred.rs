@@ -1,0 +1,122 @@
+//! The ledger's preferred choice for the kubelet's GetPreferredAllocation: gpu-memory units on
+//! the one GPU that fits tightest (packing, from `baleen-scheduler-core`), whole GPUs as the
+//! best-connected set, MIG instances and NVLink groups in ID order. A preference only: Allocate
+//! re-checks everything.
+
+use std::collections::BTreeMap;
+
+use baleen_scheduler_core::model::{GpuDemand, GpuSet, Request};
+use baleen_scheduler_core::node_choice;
+use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
+
+use super::device_id::unit_id;
+use super::{DeviceLedger, Parsed, Refusal, View};
+
+impl DeviceLedger {
+    /// The preferred `size` devices of `view` among `available`, including `must_include`.
+    pub fn preferred(
+        &self,
+        view: &View,
+        available: &[String],
+        must_include: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, Refusal> {
+        // The kubelet's list may lag behind ours (a device that just became Unhealthy because
+        // another view took its GPU): prefer only what we advertise as Healthy now.
+        let usable: std::collections::HashSet<String> =
+            self.devices(view).into_iter().filter(|d| d.healthy).map(|d| d.id).collect();
+        let avail: Vec<String> =
+            available.iter().filter(|id| usable.contains(*id)).cloned().collect();
+        let must = self.parse(view, must_include)?;
+        match view {
+            View::GpuMemory => self.preferred_units(&avail, must_include, &must, size),
+            View::Gpu => {
+                let cands = self.parse(view, &avail)?.gpus;
+                let set = node_choice::best_connected(self.ledger.spec(), cands, must.gpus, size)
+                    .ok_or_else(|| Refusal::Exhausted {
+                    reason: format!("{size} whole GPUs asked, {} available", cands.len()),
+                })?;
+                Ok(set.iter().map(|i| self.slots[i].gpu.uuid.to_string()).collect())
+            }
+            View::Mig(_) | View::NvlinkGroup(_) => {
+                let mut chosen: Vec<String> = must_include.to_vec();
+                let mut rest: Vec<&String> =
+                    avail.iter().filter(|id| !chosen.contains(id)).collect();
+                rest.sort();
+                chosen.extend(rest.into_iter().take(size.saturating_sub(chosen.len())).cloned());
+                if chosen.len() < size {
+                    return Err(Refusal::Exhausted {
+                        reason: format!("{size} devices asked, {} available", avail.len()),
+                    });
+                }
+                Ok(chosen)
+            }
+        }
+    }
+
+    fn preferred_units(
+        &self,
+        available: &[String],
+        must_include: &[String],
+        must: &Parsed,
+        size: usize,
+    ) -> Result<Vec<String>, Refusal> {
+        let mut by_gpu: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+        for id in available {
+            if let Ok(p) = self.parse(&View::GpuMemory, std::slice::from_ref(id))
+                && let Some(&(i, n)) = p.units.first()
+            {
+                by_gpu.entry(i).or_default().push(n);
+            }
+        }
+        let mut allowed = GpuSet::EMPTY;
+        for (&i, units) in &by_gpu {
+            if units.len() >= size && (must.gpus.is_empty() || must.gpus.contains(i)) {
+                allowed.insert(i);
+            }
+        }
+        let request = Request {
+            cpu: MilliCpu(0),
+            memory: MemMib(0),
+            gpu: GpuDemand::Shared { milli: MilliGpu(0), memory: MemUnits(size as u32) },
+            allowed_models: vec![],
+        };
+        let gpu = node_choice::tightest_shared_gpu(&self.ledger, &request, allowed).or_else(|| {
+            // The kubelet offers units the ledger still holds (a pod ended and reconciliation has
+            // not caught up): go by what the kubelet offers, tightest first.
+            let pick = allowed.iter().min_by_key(|i| (by_gpu[i].len(), *i));
+            if let Some(i) = pick {
+                tracing::warn!(gpu.uuid = %self.slots[i].gpu.uuid, "ledger and kubelet disagree on free units; preferring by the kubelet's offer");
+            }
+            pick
+        });
+        let Some(gpu) = gpu else {
+            let largest = by_gpu.iter().max_by_key(|(_, u)| u.len());
+            return Err(Refusal::Exhausted {
+                reason: match largest {
+                    Some((&i, u)) => format!(
+                        "no single GPU has {size} free gpu-memory units; the most on one GPU is {} on {}",
+                        u.len(),
+                        self.slots[i].gpu.uuid
+                    ),
+                    None => format!(
+                        "no single GPU has {size} free gpu-memory units; none are available"
+                    ),
+                },
+            });
+        };
+        let mut chosen: Vec<String> = must_include.to_vec();
+        let mut units = by_gpu[&gpu].clone();
+        units.sort_unstable();
+        for n in units {
+            if chosen.len() >= size {
+                break;
+            }
+            let id = unit_id(self.slots[gpu].gpu.uuid.as_str(), n);
+            if !chosen.contains(&id) {
+                chosen.push(id);
+            }
+        }
+        Ok(chosen)
+    }
+}

@@ -1,0 +1,364 @@
+//! The device ledger's unit and property tests: views and IDs, packing, exclusivity across
+//! views, repeats and replacements, restore, and that no sequence of operations breaks them.
+
+use super::*;
+use crate::defaults::MPS_PIPE_IN_CONTAINER;
+use crate::inventory::GpuInventory;
+use crate::inventory::simulated::SimulatedInventory;
+use crate::resources::{ResponseConfig, container_response};
+use baleen_device_plugin::ContainerAllocation;
+
+fn example(name: &str) -> DeviceLedger {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples").join(name);
+    let inventory =
+        SimulatedInventory::from_file(&path).expect("example loads").discover().expect("discover");
+    DeviceLedger::new("node-a", &inventory, ViewConfig::default()).expect("node state")
+}
+
+fn uuid(state: &DeviceLedger, i: usize) -> String {
+    state.slots[i].gpu.uuid.to_string()
+}
+
+fn units(state: &DeviceLedger, gpu: usize, range: std::ops::Range<u32>) -> Vec<String> {
+    range.map(|n| format!("{}::{n}", uuid(state, gpu))).collect()
+}
+
+fn healthy(devices: &[DeviceState]) -> usize {
+    devices.iter().filter(|d| d.healthy).count()
+}
+
+/// The kubelet answer for a grant, with the default response settings.
+fn respond(grant: &Grant) -> ContainerAllocation {
+    container_response(grant, &ResponseConfig::default())
+}
+
+fn all_ids(state: &DeviceLedger, view: &View) -> Vec<String> {
+    state.devices(view).into_iter().filter(|d| d.healthy).map(|d| d.id).collect()
+}
+
+#[test]
+fn h200_views_and_device_ids() {
+    let state = example("h200-8x-nvswitch.yaml");
+    assert_eq!(
+        state.views(),
+        [
+            View::Gpu,
+            View::GpuMemory,
+            View::NvlinkGroup(2),
+            View::NvlinkGroup(4),
+            View::NvlinkGroup(8)
+        ]
+    );
+    let names: Vec<String> =
+        state.views().iter().map(|v| v.resource_name("awesome-ai-company.com")).collect();
+    assert!(names.contains(&"awesome-ai-company.com/gpu-memory".to_owned()));
+    for name in &names {
+        baleen_device_plugin::resource_name::validate(name).expect("valid resource name");
+    }
+    // 150_754_820_096 bytes = 140.4 GiB: 140 whole units per GPU.
+    assert_eq!(state.devices(&View::GpuMemory).len(), 8 * 140);
+    assert_eq!(state.devices(&View::Gpu).len(), 8);
+    assert_eq!(state.devices(&View::NvlinkGroup(2)).len(), 4);
+    assert_eq!(state.devices(&View::NvlinkGroup(4)).len(), 2);
+    assert_eq!(state.devices(&View::NvlinkGroup(8)).len(), 1);
+    let group = &state.devices(&View::NvlinkGroup(4))[1];
+    assert_eq!(group.id, format!("nvlink4-{}", uuid(&state, 4)));
+    assert_eq!(state.devices(&View::GpuMemory)[141].id, format!("{}::1", uuid(&state, 1)));
+}
+
+#[test]
+fn a_unit_too_small_for_the_kubelet_is_refused_with_the_smallest_that_works() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../packaging/examples/h200-8x-nvswitch.yaml");
+    let inventory =
+        SimulatedInventory::from_file(&path).expect("example").discover().expect("discover");
+    let config = ViewConfig { memory_unit_bytes: 16 << 20, ..ViewConfig::default() };
+    let err = DeviceLedger::new("n", &inventory, config).expect_err("72k devices");
+    assert!(err.to_string().contains("at least 36 MiB"), "{err}");
+    let config = ViewConfig { memory_unit_bytes: 36 << 20, ..ViewConfig::default() };
+    assert!(DeviceLedger::new("n", &inventory, config).is_ok());
+}
+
+#[test]
+fn mig_gpus_are_only_in_mig_views() {
+    let state = example("a100-4x-mig.yaml");
+    assert_eq!(
+        state.views(),
+        [
+            View::Gpu,
+            View::GpuMemory,
+            View::Mig("1g.10gb".into()),
+            View::Mig("3g.40gb".into()),
+            View::Mig("7g.80gb".into()),
+            View::NvlinkGroup(2)
+        ]
+    );
+    assert_eq!(state.devices(&View::Gpu).len(), 2);
+    assert_eq!(state.devices(&View::Mig("1g.10gb".into())).len(), 2);
+    assert_eq!(state.devices(&View::NvlinkGroup(2)).len(), 1, "only GPUs 0 and 1 are outside MIG");
+    let mut state = state;
+    let mig = "MIG-6a0d4e1b-2c3f-5a7e-8b9d-0f1e2d3c4b51".to_owned();
+    let a = state
+        .allocate(&View::Mig("1g.10gb".into()), std::slice::from_ref(&mig), 0)
+        .expect("mig allocation");
+    assert_eq!(respond(&a).envs["NVIDIA_VISIBLE_DEVICES"], mig);
+    let err = state
+        .allocate(&View::Mig("3g.40gb".into()), std::slice::from_ref(&mig), 0)
+        .expect_err("wrong profile");
+    assert!(matches!(err, Refusal::UnknownDevices { .. }), "{err}");
+}
+
+#[test]
+fn memory_units_are_packed_onto_the_tightest_partly_used_gpu() {
+    let mut state = example("h200-8x-nvswitch.yaml");
+    state.allocate(&View::GpuMemory, &units(&state, 0, 0..40), 0).expect("40 on GPU 0");
+    state.allocate(&View::GpuMemory, &units(&state, 1, 0..120), 0).expect("120 on GPU 1");
+    let available: Vec<String> = (0..8)
+        .flat_map(|g| units(&state, g, 0..140))
+        .filter(|id| {
+            !id.starts_with(&uuid(&state, 1))
+                || id.rsplit("::").next().is_some_and(|n| n.parse::<u32>().is_ok_and(|n| n >= 120))
+        })
+        .filter(|id| {
+            !id.starts_with(&uuid(&state, 0))
+                || id.rsplit("::").next().is_some_and(|n| n.parse::<u32>().is_ok_and(|n| n >= 40))
+        })
+        .collect();
+    // 20 free on GPU 1, 100 on GPU 0, 140 on the others.
+    let pick = state.preferred(&View::GpuMemory, &available, &[], 16).expect("fits");
+    assert_eq!(pick, units(&state, 1, 120..136));
+    let pick = state.preferred(&View::GpuMemory, &available, &[], 21).expect("fits");
+    assert_eq!(pick, units(&state, 0, 40..61));
+    let pick = state.preferred(&View::GpuMemory, &available, &[], 101).expect("fits");
+    assert_eq!(pick, units(&state, 2, 0..101));
+    let err = state.preferred(&View::GpuMemory, &available, &[], 141).expect_err("too big");
+    assert!(err.to_string().contains("no single GPU has 141"), "{err}");
+    // A must-include unit pins the GPU.
+    let must = units(&state, 3, 5..6);
+    let pick = state.preferred(&View::GpuMemory, &available, &must, 3).expect("fits");
+    assert_eq!(
+        pick,
+        [must[0].clone(), format!("{}::0", uuid(&state, 3)), format!("{}::1", uuid(&state, 3))]
+    );
+}
+
+#[test]
+fn a_whole_gpu_hides_its_units_until_released_and_conflicts_are_refused() {
+    let mut state = example("h200-8x-nvswitch.yaml");
+    let before = healthy(&state.devices(&View::GpuMemory));
+    state.allocate(&View::Gpu, &[uuid(&state, 2)], 0).expect("whole GPU 2");
+    assert_eq!(healthy(&state.devices(&View::GpuMemory)), before - 140);
+    assert!(
+        state
+            .devices(&View::GpuMemory)
+            .iter()
+            .filter(|d| d.id.starts_with(&uuid(&state, 2)))
+            .all(|d| !d.healthy)
+    );
+    assert_eq!(
+        healthy(&state.devices(&View::Gpu)),
+        8,
+        "the gpu view's own allocation stays Healthy"
+    );
+    assert_eq!(healthy(&state.devices(&View::NvlinkGroup(2))), 3);
+    assert_eq!(healthy(&state.devices(&View::NvlinkGroup(8))), 0);
+
+    let err =
+        state.allocate(&View::GpuMemory, &units(&state, 2, 0..4), 0).expect_err("GPU 2 is whole");
+    assert!(matches!(err, Refusal::Conflict { .. }));
+    assert!(
+        err.to_string().contains(&uuid(&state, 2)) && err.to_string().contains("held whole"),
+        "{err}"
+    );
+
+    state.allocate(&View::GpuMemory, &units(&state, 3, 0..4), 0).expect("units on GPU 3");
+    let err = state.allocate(&View::Gpu, &[uuid(&state, 3)], 0).expect_err("GPU 3 is shared");
+    assert!(err.to_string().contains("4 gpu-memory units"), "{err}");
+    assert_eq!(healthy(&state.devices(&View::Gpu)), 7, "GPU 3 advertised Unhealthy as a whole GPU");
+
+    let mut split = units(&state, 4, 0..2);
+    split.extend(units(&state, 5, 0..2));
+    let err = state.allocate(&View::GpuMemory, &split, 0).expect_err("two GPUs");
+    assert!(matches!(err, Refusal::InvalidRequest { .. }));
+    assert!(err.to_string().contains("on one GPU"), "{err}");
+
+    let released = state.retain(|r| r.resource != "awesome-ai-company.com/gpu");
+    assert_eq!(released.len(), 1);
+    assert_eq!(healthy(&state.devices(&View::GpuMemory)), before);
+    assert_eq!(state.records().len(), 1);
+}
+
+#[test]
+fn two_containers_never_share_a_unit_and_repeats_are_idempotent() {
+    let mut state = example("l4-4x-pcie.yaml");
+    let first = units(&state, 0, 0..4);
+    let granted = state.allocate(&View::GpuMemory, &first, 1).expect("first");
+    let a = respond(&granted);
+    assert_eq!(a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=4096M");
+    assert_eq!(a.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "18", "4 of 22 units");
+    assert_eq!(a.mounts[0].container_path, MPS_PIPE_IN_CONTAINER);
+    // The init container's units, allocated again: same answer, no second record.
+    let again = state.allocate(&View::GpuMemory, &first, 2).expect("repeat");
+    assert_eq!(again, granted);
+    assert_eq!(respond(&again), a);
+    assert_eq!(state.records().len(), 1);
+    // The kubelet hands out unit 3 again only after the first pod ended: the old allocation
+    // is replaced, never shared.
+    state.allocate(&View::GpuMemory, &units(&state, 0, 3..6), 3).expect("reassigned");
+    let records = state.records();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].device_ids, units(&state, 0, 3..6));
+    assert_eq!(state.units_taken(0), 3);
+    // Preferred allocations never offer held units when the kubelet offers only free ones.
+    let available = all_ids(&state, &View::GpuMemory)
+        .into_iter()
+        .filter(|id| !records[0].device_ids.contains(id))
+        .collect::<Vec<_>>();
+    let pick = state.preferred(&View::GpuMemory, &available, &[], 2).expect("fits");
+    assert!(pick.iter().all(|id| !records[0].device_ids.contains(id)));
+}
+
+#[test]
+fn whole_gpus_are_chosen_by_connectivity_and_records_restore() {
+    let mut state = example("l4-4x-pcie.yaml");
+    let all = all_ids(&state, &View::Gpu);
+    let pick = state.preferred(&View::Gpu, &all, &[], 2).expect("two GPUs");
+    assert_eq!(pick, [uuid(&state, 0), uuid(&state, 1)], "the bridged pair");
+    let pick = state.preferred(&View::Gpu, &all, &[uuid(&state, 2)], 2).expect("two GPUs");
+    assert_eq!(pick, [uuid(&state, 2), uuid(&state, 3)]);
+    state
+        .allocate(&View::NvlinkGroup(2), &[format!("nvlink2-{}", uuid(&state, 0))], 5)
+        .expect("group");
+    state.allocate(&View::GpuMemory, &units(&state, 3, 0..2), 6).expect("units");
+    let records = state.records();
+    let mut fresh = example("l4-4x-pcie.yaml");
+    assert!(fresh.restore(&records).is_empty());
+    assert_eq!(fresh.records(), records);
+    assert_eq!(
+        healthy(&fresh.devices(&View::Gpu)),
+        1,
+        "GPUs 0 and 1 in a group, 3 shared: only 2 left"
+    );
+    let refused = fresh.restore(&[AllocationRecord {
+        resource: "other.com/gpu".into(),
+        device_ids: vec![],
+        allocated_at: 0,
+        listed: false,
+    }]);
+    assert_eq!(refused.len(), 1);
+}
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Units { gpu: usize, start: u32, count: u32 },
+        Whole { gpus: Vec<usize> },
+        Group { index: usize },
+        Release { pick: usize },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0..4usize, 0..22u32, 1..8u32).prop_map(|(gpu, start, count)| Op::Units { gpu, start, count }),
+            2 => proptest::collection::vec(0..4usize, 1..3).prop_map(|gpus| Op::Whole { gpus }),
+            1 => (0..2usize).prop_map(|index| Op::Group { index }),
+            2 => any::<usize>().prop_map(|pick| Op::Release { pick }),
+        ]
+    }
+
+    fn check_any(state: &DeviceLedger) -> Result<(), TestCaseError> {
+        for r in state.records() {
+            prop_assert!(state.view_for(&r.resource).is_some());
+        }
+        Ok(())
+    }
+
+    fn check(state: &DeviceLedger) -> Result<(), TestCaseError> {
+        let records = state.records();
+        let mut whole: Vec<usize> = Vec::new();
+        let mut units: BTreeSet<String> = BTreeSet::new();
+        for r in &records {
+            let view = state.view_for(&r.resource).expect("a view of the node");
+            let parsed = state
+                .parse(&view, &r.device_ids)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            if view.is_whole() {
+                whole.extend(parsed.gpus.iter());
+            } else {
+                for id in &r.device_ids {
+                    prop_assert!(units.insert(id.clone()), "unit {id} held twice");
+                }
+            }
+        }
+        let mut sorted = whole.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        prop_assert_eq!(sorted.len(), whole.len(), "a GPU held whole twice: {:?}", whole);
+        for &g in &whole {
+            prop_assert_eq!(state.units_taken(g), 0, "GPU {} whole and shared", g);
+            let uuid = state.slots[g].gpu.uuid.to_string();
+            prop_assert!(
+                state
+                    .devices(&View::GpuMemory)
+                    .iter()
+                    .filter(|d| d.id.starts_with(&uuid))
+                    .all(|d| !d.healthy)
+            );
+        }
+        for g in 0..4 {
+            if state.units_taken(g) > 0 {
+                let uuid = state.slots[g].gpu.uuid.to_string();
+                let gpu_device = state.devices(&View::Gpu).into_iter().find(|d| d.id == uuid);
+                prop_assert_eq!(gpu_device.map(|d| d.healthy), Some(false));
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_device_ids_are_refused_not_panicked_on(ids in proptest::collection::vec(".{0,60}", 1..4)) {
+            let mut state = example("a100-4x-mig.yaml");
+            for view in state.views() {
+                let _ = state.allocate(&view, &ids, 0);
+                let _ = state.preferred(&view, &ids, &ids[..1], ids.len());
+            }
+            check_any(&state)?;
+        }
+
+        #[test]
+        fn no_sequence_of_allocations_breaks_exclusivity(ops in proptest::collection::vec(op(), 1..40)) {
+            let mut state = example("l4-4x-pcie.yaml");
+            let groups: Vec<String> = state.devices(&View::NvlinkGroup(2)).into_iter().map(|d| d.id).collect();
+            for (t, op) in ops.into_iter().enumerate() {
+                let before = state.records();
+                let outcome = match op {
+                    Op::Units { gpu, start, count } => {
+                        let ids = units(&state, gpu, start..(start + count).min(22));
+                        state.allocate(&View::GpuMemory, &ids, t as u64).map(drop)
+                    }
+                    Op::Whole { gpus } => {
+                        let ids: Vec<String> = gpus.iter().map(|&g| uuid(&state, g)).collect();
+                        state.allocate(&View::Gpu, &ids, t as u64).map(drop)
+                    }
+                    Op::Group { index } => state.allocate(&View::NvlinkGroup(2), &[groups[index].clone()], t as u64).map(drop),
+                    Op::Release { pick } => {
+                        if !before.is_empty() {
+                            let gone = before[pick % before.len()].clone();
+                            state.retain(|r| *r != gone);
+                        }
+                        Ok(())
+                    }
+                };
+                if outcome.is_err() {
+                    prop_assert_eq!(state.records(), before, "a refusal changed the ledger");
+                }
+                check(&state)?;
+            }
+        }
+    }
+}
