@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentError, Dependencies};
 use crate::config::{ConfigError, LogFormat, RunArgs};
+use crate::error_chain::Chain;
 use crate::inventory::{GpuInventory, InventoryError};
 
 /// Why the run mode could not start or stopped with an error.
@@ -84,7 +85,7 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     let mut term = match signal(SignalKind::terminate()) {
         Ok(s) => s,
         Err(e) => {
-            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            tracing::error!(error = %Chain(&e), "cannot listen for SIGTERM");
             return;
         }
     };

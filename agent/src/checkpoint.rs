@@ -45,7 +45,7 @@ struct Envelope {
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// The file cannot be read or written.
-    #[error("checkpoint {}: {source}", path.display())]
+    #[error("cannot use checkpoint {}", path.display())]
     Io {
         /// The file.
         path: PathBuf,

@@ -11,6 +11,7 @@
 //! - [`isolation`]: what a container needs for its share to be enforced (MPS client setup);
 //! - [`ledger`]: the device ledger (device IDs, views, grants), pure bookkeeping;
 //! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
+//! - [`error_chain`]: an error and its causes on one line, for logs and gRPC messages;
 //! - [`inventory`]: the node's GPUs from NVML or a simulated topology.
 //!
 //! Placement decisions live in `baleen-scheduler-core`. Not built yet: the MPS daemon
@@ -22,6 +23,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod defaults;
+pub mod error_chain;
 pub mod inventory;
 pub mod isolation;
 pub mod ledger;

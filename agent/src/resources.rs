@@ -19,6 +19,7 @@ use baleen_device_plugin::{
 use tokio::sync::watch;
 
 use crate::checkpoint::Checkpoint;
+use crate::error_chain::Chain;
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{AllocationRecord, DeviceLedger, DeviceState, Grant, Refusal, View};
 use crate::reconcile::{self, KubeletAllocation, Report};
@@ -178,7 +179,7 @@ impl NodeResources {
             inner
                 .checkpoint
                 .store(&inner.node, &inner.boot_id, &next.records())
-                .map_err(|e| BackendError::Internal { reason: e.to_string() })?;
+                .map_err(|e| BackendError::Internal { reason: Chain(&e).to_string() })?;
             inner.state = next;
             self.publish(&inner.state);
         }
@@ -288,7 +289,7 @@ impl DeviceBackend for ViewBackend {
                 }
                 Err(e) => tracing::warn!(
                     resource = self.resource,
-                    error = %e,
+                    error = %Chain(&e),
                     "cannot ask pod-resources whether replaced allocations ended; trusting the kubelet"
                 ),
             }

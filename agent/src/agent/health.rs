@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::error_chain::Chain;
 use crate::inventory::GpuInventory;
 use crate::resources::NodeResources;
 
@@ -21,7 +22,7 @@ pub fn spawn(
         let mut watcher = match inventory.health_watcher() {
             Ok(w) => w,
             Err(e) => {
-                tracing::error!(error = %e, "cannot watch GPU health; GPUs stay as discovered");
+                tracing::error!(error = %Chain(&e), "cannot watch GPU health; GPUs stay as discovered");
                 return;
             }
         };
@@ -49,7 +50,7 @@ pub fn spawn(
                     // even say which: like NVIDIA's device plugin, mark every GPU unhealthy and
                     // keep watching (once per second while the errors last).
                     if !failing {
-                        tracing::error!(error = %e, "GPU health watch failed; every GPU marked unhealthy");
+                        tracing::error!(error = %Chain(&e), "GPU health watch failed; every GPU marked unhealthy");
                         failing = true;
                     }
                     resources.set_all_health(false);
@@ -60,6 +61,6 @@ pub fn spawn(
         }
     });
     if let Err(e) = spawned {
-        tracing::error!(error = %e, "cannot start the health thread");
+        tracing::error!(error = %Chain(&e), "cannot start the health thread");
     }
 }

@@ -31,6 +31,7 @@ use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::checkpoint::CheckpointError;
+use crate::error_chain::Chain;
 use crate::inventory::{GpuInventory, InventoryError};
 use crate::ledger::{BuildError, ViewConfig};
 use crate::resources::{NodeResources, ResponseConfig};
@@ -202,7 +203,7 @@ impl Agent {
                 // A resource that cannot be served any more (its socket cannot be bound, say):
                 // stop the whole agent so that it exits non-zero and the DaemonSet restarts it,
                 // rather than serving part of the node in silence.
-                tracing::error!(error = %e, "agent task failed; stopping the agent");
+                tracing::error!(error = %Chain(&e), "agent task failed; stopping the agent");
                 self.shutdown.cancel();
                 if result.is_ok() {
                     result = Err(e);

@@ -11,6 +11,7 @@ use tokio::task::JoinError;
 use tokio_util::sync::CancellationToken;
 
 use super::{AgentConfig, AgentError};
+use crate::error_chain::Chain;
 use crate::reconcile;
 use crate::resources::NodeResources;
 
@@ -80,29 +81,17 @@ pub async fn run(
                 }
             }
             Err(ReconcileFailure::NotSaved(e)) => {
-                tracing::error!(error = %error_chain(&e), "reconciliation failed")
+                tracing::error!(error = %Chain(&e), "reconciliation failed")
             }
             Err(ReconcileFailure::Unreachable(e)) if !failing => {
-                tracing::warn!(error = %e, "cannot reconcile with the kubelet; allocations of ended pods stay held until it answers");
+                tracing::warn!(error = %Chain(&e), "cannot reconcile with the kubelet; allocations of ended pods stay held until it answers");
                 failing = true;
             }
             Err(ReconcileFailure::Unreachable(e)) => {
-                tracing::debug!(error = %e, "pod-resources still unreachable");
+                tracing::debug!(error = %Chain(&e), "pod-resources still unreachable");
             }
         }
     }
-}
-
-/// An error and its causes on one line, for a log field.
-pub(super) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Reads the kubelet's allocations and brings the ledger in line, logging what changed. The

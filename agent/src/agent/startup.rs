@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::reconciler::{ReconcileFailure, reconcile_once};
 use super::{AgentConfig, AgentError, Dependencies};
 use crate::checkpoint::{Checkpoint, read_boot_id};
+use crate::error_chain::Chain;
 use crate::ledger::DeviceLedger;
 use crate::resources::NodeResources;
 
@@ -59,7 +60,7 @@ pub async fn restore(
             false
         }
         Err(e) => {
-            tracing::warn!(error = %e, "checkpoint not trusted; rebuilding the ledger from pod-resources");
+            tracing::warn!(error = %Chain(&e), "checkpoint not trusted; rebuilding the ledger from pod-resources");
             false
         }
     };
@@ -83,13 +84,13 @@ pub async fn restore(
             Ok(()) => break,
             Err(ReconcileFailure::NotSaved(e)) => return Err(e.into()),
             Err(ReconcileFailure::Unreachable(e)) if trusted => {
-                tracing::warn!(error = %e, "cannot reconcile with the kubelet yet; serving from the checkpoint and retrying");
+                tracing::warn!(error = %Chain(&e), "cannot reconcile with the kubelet yet; serving from the checkpoint and retrying");
                 break;
             }
             Err(ReconcileFailure::Unreachable(e)) => {
                 if !waiting_logged {
                     tracing::warn!(
-                        error = %e,
+                        error = %Chain(&e),
                         "waiting for the kubelet's pod-resources API before serving: without a trusted checkpoint it is the only record of running containers"
                     );
                     waiting_logged = true;
