@@ -1,0 +1,66 @@
+//! The agent's module layout stays acyclic: no top-level module of `baleen-agent` uses one that
+//! uses it back (test code aside, which may reach anywhere). Read from the sources, so a new
+//! `use crate::...` that closes a cycle fails here with both directions named.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("readable source dir").flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The top-level module a source file belongs to (`src/ledger/view.rs` -> `ledger`).
+fn module_of(src: &Path, file: &Path) -> Option<String> {
+    let rel = file.strip_prefix(src).ok()?;
+    let first = rel.components().next()?.as_os_str().to_str()?;
+    let name = first.trim_end_matches(".rs");
+    (name != "lib" && name != "main").then(|| name.to_owned())
+}
+
+#[test]
+fn no_module_uses_one_that_uses_it_back() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let mut uses: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in &files {
+        let Some(module) = module_of(&src, file) else { continue };
+        if file.file_name().is_some_and(|n| n == "tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("readable source");
+        let shipped: String = text
+            .split("#[cfg(test)]")
+            .next()
+            .unwrap_or(&text)
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for (i, _) in shipped.match_indices("crate::") {
+            let rest = &shipped[i + "crate::".len()..];
+            let target: String =
+                rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            if !target.is_empty() && target != module {
+                uses.entry(module.clone()).or_default().insert(target);
+            }
+        }
+    }
+    assert!(uses.len() > 5, "the scan found the modules: {uses:?}");
+    let mut cycles = Vec::new();
+    for (a, targets) in &uses {
+        for b in targets {
+            if a < b && uses.get(b).is_some_and(|t| t.contains(a)) {
+                cycles.push(format!("{a} <-> {b}"));
+            }
+        }
+    }
+    assert!(cycles.is_empty(), "modules that use each other: {cycles:?}\nall uses: {uses:#?}");
+}
