@@ -203,6 +203,13 @@ pub struct DeviceLedger {
     next_id: u64,
 }
 
+/// A count of units or GPUs as the placement model's `u32`. Counts are bounded by a GPU's units
+/// (a `u32`) or by the devices of one request; a count beyond `u32` saturates, which the
+/// placement ledger then refuses as over capacity rather than wrapping to a small number.
+pub(crate) fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 fn ids_of(ids: &[String]) -> Vec<String> {
     let mut v = ids.to_vec();
     v.sort();
@@ -362,7 +369,7 @@ impl DeviceLedger {
 
     /// Memory units allocated on the GPU at `index`.
     pub fn units_taken(&self, index: usize) -> u32 {
-        if index < self.slots.len() { self.units_held(index, &BTreeSet::new()) as u32 } else { 0 }
+        if index < self.slots.len() { count(self.units_held(index, &BTreeSet::new())) } else { 0 }
     }
 
     /// Marks a GPU healthy or not; returns whether anything changed.
@@ -546,14 +553,14 @@ impl DeviceLedger {
                 memory: MemMib(0),
                 gpu: GpuDemand::Shared {
                     milli: MilliGpu(0),
-                    memory: MemUnits(parsed.units.len() as u32),
+                    memory: MemUnits(count(parsed.units.len())),
                 },
                 allowed_models: vec![],
             }),
             View::Gpu | View::NvlinkGroup(_) => Some(Request {
                 cpu: MilliCpu(0),
                 memory: MemMib(0),
-                gpu: GpuDemand::Whole { count: parsed.gpus.len() as u32 },
+                gpu: GpuDemand::Whole { count: count(parsed.gpus.len()) },
                 allowed_models: vec![],
             }),
             View::Mig(_) => None,
@@ -719,7 +726,7 @@ impl DeviceLedger {
         };
         let share = match (&held.view, held.gpus.iter().next()) {
             (View::GpuMemory, Some(i)) => {
-                let units = held.units.len() as u32;
+                let units = count(held.units.len());
                 Some(Share {
                     gpu_uuid: self.slots[i].gpu.uuid.to_string(),
                     units,

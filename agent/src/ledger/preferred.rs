@@ -78,7 +78,7 @@ impl DeviceLedger {
         let request = Request {
             cpu: MilliCpu(0),
             memory: MemMib(0),
-            gpu: GpuDemand::Shared { milli: MilliGpu(0), memory: MemUnits(size as u32) },
+            gpu: GpuDemand::Shared { milli: MilliGpu(0), memory: MemUnits(super::count(size)) },
             allowed_models: vec![],
         };
         let gpu = node_choice::tightest_shared_gpu(&self.ledger, &request, allowed).or_else(|| {
