@@ -43,10 +43,10 @@ pub fn select_node(
     }
     let mut best: Option<(usize, Scored)> = None;
     for (i, node) in nodes.iter().enumerate() {
-        if let Some(s) = policy.score(node, request, rng) {
-            if beats(s.score, ranks[i], best.map(|(b, bs)| (bs.score, ranks[b]))) {
-                best = Some((i, s));
-            }
+        if let Some(s) = policy.score(node, request, rng)
+            && beats(s.score, ranks[i], best.map(|(b, bs)| (bs.score, ranks[b])))
+        {
+            best = Some((i, s));
         }
     }
     best
@@ -203,10 +203,10 @@ impl ClusterScheduler {
                 };
                 *slot = (self.generations[i], scored);
             }
-            if let Some(s) = slot.1 {
-                if beats(s.score, self.ranks[i], best.map(|(b, bs)| (bs.score, self.ranks[b]))) {
-                    best = Some((i, s));
-                }
+            if let Some(s) = slot.1
+                && beats(s.score, self.ranks[i], best.map(|(b, bs)| (bs.score, self.ranks[b])))
+            {
+                best = Some((i, s));
             }
         }
         best
