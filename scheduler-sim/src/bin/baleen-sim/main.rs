@@ -163,11 +163,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if let Some(path) = &args.plot {
-        if let Err(e) = plot::unallocated_svg(path, &summaries) {
-            eprintln!("baleen-sim: {e}");
-            return ExitCode::FAILURE;
-        }
+    if let Some(path) = &args.plot
+        && let Err(e) = plot::unallocated_svg(path, &summaries)
+    {
+        eprintln!("baleen-sim: {e}");
+        return ExitCode::FAILURE;
     }
     if args.json {
         for s in &summaries {
