@@ -87,6 +87,11 @@ struct Inner {
     checkpoint: Checkpoint,
     node: String,
     boot_id: String,
+    /// Whether the ledger may be written to the checkpoint: it was restored from a trusted
+    /// checkpoint, or reconciled with the kubelet since. An untrusted ledger (after a reboot, a
+    /// corrupt or foreign checkpoint) that has not been reconciled knows nothing of the running
+    /// containers; writing it would make the next start trust an empty ledger.
+    trusted: bool,
 }
 
 /// The node's device ledger shared by every view, persisted on every change.
@@ -101,7 +106,8 @@ impl NodeResources {
     /// Wraps `state`; every change is written to `checkpoint` for `node` in boot `boot_id`.
     /// `pod_resources` is the kubelet's pod-resources socket, asked before an Allocate replaces
     /// an older allocation of the same resource (`None`: trust the kubelet without asking).
-    /// Allocate answers are written with `responses`.
+    /// Allocate answers are written with `responses`. `trusted`: `state` was restored from a
+    /// trusted checkpoint; if not, nothing is written until the first reconciliation.
     pub fn new(
         state: DeviceLedger,
         checkpoint: Checkpoint,
@@ -109,6 +115,7 @@ impl NodeResources {
         boot_id: String,
         pod_resources: Option<PathBuf>,
         responses: ResponseConfig,
+        trusted: bool,
     ) -> Arc<Self> {
         let domain = state.config().domain.clone();
         let views = state
@@ -122,7 +129,7 @@ impl NodeResources {
             })
             .collect();
         Arc::new(Self {
-            inner: Mutex::new(Inner { state, checkpoint, node, boot_id }),
+            inner: Mutex::new(Inner { state, checkpoint, node, boot_id, trusted }),
             views,
             pod_resources,
             responses,
@@ -166,20 +173,28 @@ impl NodeResources {
         }
     }
 
-    /// Applies `change` to the state; keeps it only if the checkpoint is written.
+    /// Applies `change` to the state; keeps it only if the checkpoint is written (while the
+    /// ledger is untrusted, nothing is written: see `Inner::trusted`). `reconciled`: the change
+    /// is a reconciliation with the kubelet, which makes the ledger trusted.
     fn change<T>(
         &self,
+        reconciled: bool,
         change: impl FnOnce(&mut DeviceLedger) -> Result<T, BackendError>,
     ) -> Result<T, BackendError> {
         let mut inner = self.lock();
         let before = inner.state.records();
         let mut next = inner.state.clone();
         let out = change(&mut next)?;
-        if next.records() != before {
+        let trusted = inner.trusted || reconciled;
+        let changed = next.records() != before;
+        if trusted && (changed || !inner.trusted) {
             inner
                 .checkpoint
                 .store(&inner.node, &inner.boot_id, &next.records())
                 .map_err(|e| BackendError::Internal { reason: Chain(&e).to_string() })?;
+        }
+        inner.trusted = trusted;
+        if changed {
             inner.state = next;
             self.publish(&inner.state);
         }
@@ -187,9 +202,20 @@ impl NodeResources {
     }
 
     /// Writes the checkpoint now.
-    pub fn persist(&self) -> Result<(), crate::checkpoint::CheckpointError> {
+    /// Nothing is written while the ledger is untrusted (never reconciled since an untrusted
+    /// start); returns whether it was written.
+    pub fn persist(&self) -> Result<bool, crate::checkpoint::CheckpointError> {
         let inner = self.lock();
-        inner.checkpoint.store(&inner.node, &inner.boot_id, &inner.state.records())
+        if !inner.trusted {
+            return Ok(false);
+        }
+        inner.checkpoint.store(&inner.node, &inner.boot_id, &inner.state.records())?;
+        Ok(true)
+    }
+
+    /// Whether the ledger is trusted: restored from a trusted checkpoint or reconciled since.
+    pub fn is_trusted(&self) -> bool {
+        self.lock().trusted
     }
 
     /// Reconciles with the kubelet's allocations; see [`reconcile::reconcile`].
@@ -198,7 +224,9 @@ impl NodeResources {
         allocations: &[KubeletAllocation],
         grace_secs: u64,
     ) -> Result<Report, BackendError> {
-        self.change(|state| Ok(reconcile::reconcile(state, allocations, unix_now(), grace_secs)))
+        self.change(true, |state| {
+            Ok(reconcile::reconcile(state, allocations, unix_now(), grace_secs))
+        })
     }
 
     /// Marks every GPU healthy or not and republishes.
@@ -298,7 +326,7 @@ impl DeviceBackend for ViewBackend {
         let resources = self.resources.clone();
         let view = self.view.clone();
         let granted = tokio::task::spawn_blocking(move || {
-            resources.change(|state| Ok(state.allocate(&view, &device_ids, unix_now())?))
+            resources.change(false, |state| Ok(state.allocate(&view, &device_ids, unix_now())?))
         })
         .await
         .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;

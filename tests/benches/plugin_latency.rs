@@ -59,6 +59,7 @@ async fn agent_allocate(
         "boot".into(),
         None,
         ResponseConfig::default(),
+        true,
     );
     let backend = resources
         .backends()

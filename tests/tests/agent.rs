@@ -469,3 +469,40 @@ async fn a_failing_health_watch_marks_every_gpu_unhealthy() -> Result<()> {
         .await?;
     stop(agent, token).await
 }
+
+/// Issue 11, item 3: an agent stopped while it waits for pod-resources (no trusted checkpoint)
+/// writes nothing, so that the next start waits for the kubelet again instead of trusting an
+/// empty ledger and handing out the GPUs of running containers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_while_waiting_for_pod_resources_writes_no_checkpoint() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let held = node.kubelet.admit_to("ns/a", "c", GPU, 1).await?;
+    stop(agent, token).await?;
+    // A corrupted checkpoint (or a reboot): the kubelet is the only record of ns/a, and it does
+    // not answer. The agent is stopped while it waits.
+    std::fs::write(node.checkpoint(), "torn")?;
+    node.kubelet.stop_pod_resources();
+    let token = CancellationToken::new();
+    token.cancel();
+    let agent = tokio::time::timeout(
+        WAIT,
+        Agent::start(
+            node.config.clone(),
+            Dependencies { inventory: node.inventory.clone() },
+            token.clone(),
+        ),
+    )
+    .await??;
+    assert!(!agent.resources().is_trusted());
+    tokio::time::timeout(WAIT, agent.wait()).await??;
+    assert_eq!(std::fs::read_to_string(node.checkpoint())?, "torn", "nothing written");
+    // The kubelet answers again: the next start restores ns/a from it, not from an empty ledger.
+    node.kubelet.serve_pod_resources(&node.config.pod_resources_socket)?;
+    let (agent, token) = node.start().await?;
+    let records = agent.resources().records();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].device_ids, held.device_ids);
+    stop(agent, token).await
+}

@@ -71,6 +71,7 @@ pub async fn restore(
         boot_id,
         Some(config.pod_resources_socket.clone()),
         config.responses.clone(),
+        trusted,
     );
     let grace = config.reconcile_grace.as_secs();
     // Without a trusted checkpoint the ledger knows nothing of the containers running on the
@@ -102,6 +103,10 @@ pub async fn restore(
             }
         }
     }
-    resources.persist()?;
+    if !resources.persist()? {
+        // Stopped while waiting: the empty ledger is not written, so that the next start waits
+        // for the kubelet again instead of trusting it.
+        tracing::info!("stopped before the ledger was reconciled; checkpoint left as it was");
+    }
     Ok(resources)
 }
