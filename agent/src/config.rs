@@ -11,8 +11,8 @@ use serde::Deserialize;
 
 use crate::agent::AgentConfig;
 use crate::cli::InventorySource;
-use crate::inventory::simulated::parse_quantity;
 use crate::node::ViewConfig;
+use crate::quantity::parse_quantity;
 
 /// Default kubelet device-plugin directory.
 pub const DEFAULT_DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";

@@ -15,5 +15,6 @@ pub mod cli;
 pub mod config;
 pub mod inventory;
 pub mod node;
+pub mod quantity;
 pub mod reconcile;
 pub mod resources;

@@ -39,6 +39,8 @@ use std::time::Duration;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
+use crate::quantity::Quantity;
+
 use super::{
     Gpu, GpuInventory, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError, MIB,
     MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id,
@@ -274,65 +276,6 @@ struct MigInstanceSpec {
     gpu_instance_id: Option<u32>,
     #[serde(default)]
     compute_instance_id: Option<u32>,
-}
-
-/// A number of bytes: a YAML integer, or a string with a unit (`80GB`, `141GiB`, `23034 MiB`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Quantity(u64);
-
-/// Parses `<integer>[ ]<unit>`: B, kB/KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB
-/// (powers of 1024); a bare integer is bytes.
-pub fn parse_quantity(text: &str) -> Result<u64, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (digits, unit) = text.split_at(split);
-    let bad = || {
-        format!(
-            "`{text}` is not a memory quantity: expected bytes as an integer, or an integer with \
-             a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. `80GB` or `143771MiB`"
-        )
-    };
-    if digits.is_empty() {
-        return Err(bad());
-    }
-    let value: u64 = digits.parse().map_err(|_| bad())?;
-    let factor: u64 = match unit.trim_start() {
-        "" | "B" => 1,
-        "kB" | "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "TB" => 1_000_000_000_000,
-        "KiB" => 1 << 10,
-        "MiB" => 1 << 20,
-        "GiB" => 1 << 30,
-        "TiB" => 1 << 40,
-        _ => return Err(bad()),
-    };
-    value.checked_mul(factor).ok_or_else(|| format!("`{text}` does not fit in 64 bits of bytes"))
-}
-
-impl<'de> Deserialize<'de> for Quantity {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct QuantityVisitor;
-        impl Visitor<'_> for QuantityVisitor {
-            type Value = Quantity;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a memory size: bytes as an integer, or a string such as `80GB`")
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Quantity, E> {
-                Ok(Quantity(v))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Quantity, E> {
-                u64::try_from(v)
-                    .map(Quantity)
-                    .map_err(|_| E::custom(format!("memory cannot be negative ({v})")))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Quantity, E> {
-                parse_quantity(v).map(Quantity).map_err(E::custom)
-            }
-        }
-        deserializer.deserialize_any(QuantityVisitor)
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1056,18 +999,6 @@ mod tests {
         assert_ne!(a.gpus[0].uuid, b.gpus[0].uuid);
         assert_eq!(a.gpus[0].uuid.as_str().len(), "GPU-".len() + 36);
         assert_eq!(a.gpus[0].memory_bytes, GIB);
-    }
-
-    #[test]
-    fn quantities() {
-        assert_eq!(parse_quantity("80GB"), Ok(80_000_000_000));
-        assert_eq!(parse_quantity("141GiB"), Ok(141 * GIB));
-        assert_eq!(parse_quantity("23034 MiB"), Ok(23034 * MIB));
-        assert_eq!(parse_quantity("150754820096"), Ok(150_754_820_096));
-        assert_eq!(parse_quantity("2KiB"), Ok(2048));
-        for bad in ["", "GiB", "1.5GiB", "10 parsecs", "-3GB", "99999999999TiB"] {
-            assert!(parse_quantity(bad).is_err(), "{bad} should be rejected");
-        }
     }
 
     #[test]
