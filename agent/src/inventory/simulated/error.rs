@@ -1,13 +1,17 @@
-//! What can be wrong with a topology file, and how it prints: [`TopologyError`] (unreadable,
-//! not YAML of the expected shape, or invalid with every [`TopologyProblem`] listed with its
-//! line). The loader (`validate`) and [`SimulatedInventory::from_file`] build them; the shared
-//! [`InventoryError::Topology`] wraps them, and the CLI maps that variant to exit code 64.
+//! The simulated backend's own errors: what can be wrong with a topology file and how it prints
+//! ([`TopologyError`]: unreadable, not YAML of the expected shape, or invalid with every
+//! [`TopologyProblem`] listed with its line), and [`UnknownGpu`] for an injected event about a GPU
+//! the node lacks. The loader (`validate`) and the constructors of [`SimulatedInventory`] build
+//! them; the shared [`InventoryError::Topology`] wraps a `TopologyError`, and the CLI maps that
+//! variant to exit code 64.
 //!
-//! [`SimulatedInventory::from_file`]: super::SimulatedInventory::from_file
+//! [`SimulatedInventory`]: super::SimulatedInventory
 //! [`InventoryError::Topology`]: crate::inventory::InventoryError::Topology
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+
+use crate::inventory::GpuUuid;
 
 /// A topology file that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -80,3 +84,9 @@ impl fmt::Display for TopologyProblem {
         }
     }
 }
+
+/// [`SimulatedInventory::inject_xid`](super::SimulatedInventory::inject_xid) was asked for a GPU
+/// the simulated node does not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no GPU {0} on this simulated node")]
+pub struct UnknownGpu(pub GpuUuid);

@@ -29,7 +29,7 @@
 //!
 //! The work is split by job: `schema` holds the file's serde types, `validate` turns a parsed
 //! file into an [`Inventory`] collecting every problem, `locate` finds each problem's line,
-//! `uuid` generates the UUIDs a file leaves out, and `error` says what can go wrong. This module
+//! `uuid` generates the UUIDs a file leaves out, and `error` holds this backend's own errors. This module
 //! is the backend itself: its constructors, [`GpuInventory`] and the injected health events.
 
 mod error;
@@ -43,7 +43,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-pub use self::error::{TopologyError, TopologyProblem};
+pub use self::error::{TopologyError, TopologyProblem, UnknownGpu};
 pub use self::uuid::{generated_gpu_uuid, generated_mig_uuid};
 use self::validate::parse_topology;
 use super::{GpuInventory, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError};
@@ -92,9 +92,9 @@ impl SimulatedInventory {
     }
 
     /// Plays an XID error of `gpu` to every live health watcher, and returns the event.
-    pub fn inject_xid(&self, gpu: &GpuUuid, xid: u64) -> Result<HealthEvent, InventoryError> {
+    pub fn inject_xid(&self, gpu: &GpuUuid, xid: u64) -> Result<HealthEvent, UnknownGpu> {
         if self.inventory.gpu(gpu).is_none() {
-            return Err(InventoryError::UnknownGpu(gpu.clone()));
+            return Err(UnknownGpu(gpu.clone()));
         }
         let event = HealthEvent::from_xid(gpu.clone(), xid);
         let mut watchers = self.watchers.lock().unwrap_or_else(PoisonError::into_inner);
@@ -234,6 +234,6 @@ mod tests {
         }
         assert_eq!(first.next_event(Duration::from_millis(1)).expect("no error"), None);
         let unknown = GpuUuid::new("GPU-unknown").expect("valid");
-        assert!(matches!(backend.inject_xid(&unknown, 79), Err(InventoryError::UnknownGpu(_))));
+        assert!(matches!(backend.inject_xid(&unknown, 79), Err(UnknownGpu(_))));
     }
 }
