@@ -12,7 +12,8 @@
 //! - [`ledger`]: the device ledger (device IDs, views, grants), pure bookkeeping;
 //! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
 //! - [`error_chain`]: an error and its causes on one line, for logs and gRPC messages;
-//! - [`inventory`]: the node's GPUs from NVML or a simulated topology.
+//! - [`inventory`]: the node's GPUs from NVML or a simulated topology;
+//! - [`quantity`]: sizes like `1GiB` in configuration and topology files.
 //!
 //! Placement decisions live in `baleen-scheduler-core`. Not built yet: the MPS daemon
 //! supervisor, cgroup classes, metrics and node-state publishing.
@@ -27,5 +28,6 @@ pub mod error_chain;
 pub mod inventory;
 pub mod isolation;
 pub mod ledger;
+pub mod quantity;
 pub mod reconcile;
 pub mod resources;

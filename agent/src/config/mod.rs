@@ -15,10 +15,10 @@ use crate::agent::AgentConfig;
 use crate::defaults;
 use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
 use crate::inventory::simulated::SimulatedInventory;
-use crate::inventory::simulated::parse_quantity;
 use crate::inventory::{GpuInventory, InventoryError};
 use crate::isolation::mps::MpsConfig;
 use crate::ledger::ViewConfig;
+use crate::quantity::parse_quantity;
 use crate::resources::ResponseConfig;
 
 mod file;

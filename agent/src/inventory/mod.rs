@@ -423,6 +423,10 @@ pub trait HealthWatcher: Send {
 }
 
 /// Why the inventory could not be read.
+///
+/// The variants up to [`InventoryError::SysfsValue`] are the NVML backend's (its callers and the
+/// tests match on them by name); the simulated backend's errors are its own, wrapped in
+/// [`InventoryError::Topology`].
 #[derive(Debug, thiserror::Error)]
 pub enum InventoryError {
     /// The NVML library could not be loaded.
@@ -492,12 +496,11 @@ pub enum InventoryError {
         /// What was expected.
         expected: &'static str,
     },
-    /// The simulated topology file is unreadable or invalid.
+    /// The simulated topology file is unreadable or invalid. The simulated backend defines its
+    /// errors itself ([`simulated::TopologyError`]); this is the one way they reach a caller of
+    /// [`GpuInventory`], and the CLI exits with code 64 on it.
     #[error(transparent)]
     Topology(#[from] TopologyError),
-    /// A simulated health event names a GPU the node does not have.
-    #[error("no GPU {0} on this simulated node")]
-    UnknownGpu(GpuUuid),
 }
 
 fn on_gpu(gpu_index: Option<u32>) -> String {
