@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use baleen_agent::cli::{self, Cli};
-use baleen_agent::inventory::nvml::{NvmlConfig, NvmlInventory};
+use baleen_agent::inventory::nvml::{NvmlConfig, NvmlInventory, NvmlInventoryError};
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{
     GpuInventory, HealthEvent, HealthWatcher, Inventory, InventoryError, MigProfile, MigState,
@@ -139,7 +139,14 @@ fn other_failures_name_the_call_and_the_gpu() -> Result<()> {
     let nvml = NvmlInventory::new(fake.nvml_config())?;
     let err = nvml.discover().expect_err("GPU 5's name fails");
     assert!(
-        matches!(err, InventoryError::Nvml { call: "nvmlDeviceGetName", gpu_index: Some(5), .. }),
+        matches!(
+            err,
+            InventoryError::Nvml(NvmlInventoryError::Call {
+                call: "nvmlDeviceGetName",
+                gpu_index: Some(5),
+                ..
+            })
+        ),
         "{err:?}"
     );
     assert_eq!(err.to_string(), "NVML call nvmlDeviceGetName failed for GPU 5");
@@ -152,7 +159,10 @@ fn a_missing_library_is_a_clear_error() -> Result<()> {
     let library = dir.path().join("libnvidia-ml.so.1");
     let config = NvmlConfig { library: Some(library.clone()), ..NvmlConfig::default() };
     let err = NvmlInventory::new(config).expect_err("there is no library");
-    assert!(matches!(err, InventoryError::NvmlNotFound { .. }), "{err:?}");
+    assert!(
+        matches!(err, InventoryError::Nvml(NvmlInventoryError::LibraryNotFound { .. })),
+        "{err:?}"
+    );
     let text = err.to_string();
     assert!(text.contains(&library.display().to_string()), "names the path tried: {text}");
     assert!(text.contains("install the NVIDIA driver"), "says what to install: {text}");
@@ -167,7 +177,7 @@ fn a_driver_that_does_not_initialise_is_a_clear_error() -> Result<()> {
     // Without its topology the fake answers nvmlInit_v2 with NVML_ERROR_DRIVER_NOT_LOADED.
     std::fs::remove_file(fake.topology_file())?;
     let err = NvmlInventory::new(fake.nvml_config()).expect_err("init fails");
-    assert!(matches!(err, InventoryError::NvmlInit { .. }), "{err:?}");
+    assert!(matches!(err, InventoryError::Nvml(NvmlInventoryError::Init { .. })), "{err:?}");
     let text = err.to_string();
     assert!(text.contains(&fake.library().display().to_string()), "{text}");
     assert!(text.contains("NVIDIA kernel driver"), "{text}");

@@ -37,7 +37,6 @@ pub mod nvml;
 pub mod simulated;
 
 use std::fmt;
-use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -424,87 +423,16 @@ pub trait HealthWatcher: Send {
 
 /// Why the inventory could not be read.
 ///
-/// The variants up to [`InventoryError::SysfsValue`] are the NVML backend's (its callers and the
-/// tests match on them by name); the simulated backend's errors are its own, wrapped in
-/// [`InventoryError::Topology`].
+/// Each backend's failures are its own error type, wrapped here: the NVML backend's
+/// ([`nvml::NvmlInventoryError`]) and the simulated backend's ([`simulated::TopologyError`]).
 #[derive(Debug, thiserror::Error)]
 pub enum InventoryError {
-    /// The NVML library could not be loaded.
-    #[error(
-        "cannot load the NVML library `{library}`: install the NVIDIA driver (it provides \
-         libnvidia-ml.so.1; in a container, run with the NVIDIA container toolkit), or give its \
-         path with --nvml-lib; on a node without GPUs use --simulated FILE"
-    )]
-    NvmlNotFound {
-        /// The library path or name that was tried.
-        library: String,
-        /// The loader's error.
-        #[source]
-        source: BoxError,
-    },
-    /// The NVML library loaded but did not initialise.
-    #[error(
-        "NVML (`{library}`) failed to initialise: check that the NVIDIA kernel driver is loaded \
-         (`nvidia-smi` works on the host) and that the agent can open /dev/nvidia*"
-    )]
-    NvmlInit {
-        /// The library path or name that was loaded.
-        library: String,
-        /// NVML's error.
-        #[source]
-        source: BoxError,
-    },
-    /// An NVML call failed.
-    #[error("NVML call {call} failed{}", on_gpu(*gpu_index))]
-    Nvml {
-        /// The NVML function, e.g. `nvmlDeviceGetUUID`.
-        call: &'static str,
-        /// The GPU index it was called for, if any.
-        gpu_index: Option<u32>,
-        /// NVML's error.
-        #[source]
-        source: BoxError,
-    },
-    /// An NVML call returned a value the agent cannot use.
-    #[error("NVML call {call} returned an unusable value{}: {detail}", on_gpu(*gpu_index))]
-    NvmlValue {
-        /// The NVML function.
-        call: &'static str,
-        /// The GPU index it was called for, if any.
-        gpu_index: Option<u32>,
-        /// What is wrong with the value.
-        detail: String,
-    },
-    /// A sysfs file could not be read.
-    #[error("cannot read {}", path.display())]
-    Sysfs {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A sysfs file holds something unexpected.
-    #[error("{}:{line}: unexpected content `{content}`: {expected}", path.display())]
-    SysfsValue {
-        /// The file.
-        path: PathBuf,
-        /// The line (1-based).
-        line: usize,
-        /// What was there.
-        content: String,
-        /// What was expected.
-        expected: &'static str,
-    },
-    /// The simulated topology file is unreadable or invalid. The simulated backend defines its
-    /// errors itself ([`simulated::TopologyError`]); this is the one way they reach a caller of
-    /// [`GpuInventory`], and the CLI exits with code 64 on it.
+    /// The NVML backend failed.
+    #[error(transparent)]
+    Nvml(#[from] nvml::NvmlInventoryError),
+    /// The simulated topology file is unreadable or invalid; the CLI exits with code 64 on it.
     #[error(transparent)]
     Topology(#[from] TopologyError),
-}
-
-fn on_gpu(gpu_index: Option<u32>) -> String {
-    gpu_index.map(|index| format!(" for GPU {index}")).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@
 //!   the kernel (and the kubelet's topology manager) use. `-1` or a missing file means `None`.
 //! - A call answering `NotSupported` means "none" (no NVLink on a PCIe card, no MIG on an L4, no
 //!   XID events on an old GPU), never an error. Any other failure is an
-//!   [`InventoryError::Nvml`] naming the call and the GPU index.
+//!   [`NvmlInventoryError::Call`] naming the call and the GPU index.
 //! - GPU- and compute-instance IDs have no safe wrapper in nvml-wrapper 0.13; they are the only
 //!   raw calls, in `mig_instance_ids`.
 //!
@@ -46,8 +46,8 @@ use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
-    Gpu, GpuInventory, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError, MigInstance,
-    MigProfile, MigState, MigUuid, normalize_pci_bus_id, pci_sysfs_name,
+    BoxError, Gpu, GpuInventory, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError,
+    MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id, pci_sysfs_name,
 };
 
 /// The library loaded when none is configured: the name the driver installs, found through the
@@ -55,6 +55,82 @@ use super::{
 pub const DEFAULT_LIBRARY: &str = crate::defaults::NVML_LIBRARY;
 /// The sysfs mount point read for NUMA nodes when none is configured.
 pub const DEFAULT_SYSFS_ROOT: &str = crate::defaults::SYSFS_ROOT;
+/// Why the NVML backend failed: the library, one of its calls, or the sysfs files it reads.
+#[derive(Debug, thiserror::Error)]
+pub enum NvmlInventoryError {
+    /// The NVML library could not be loaded.
+    #[error(
+        "cannot load the NVML library `{library}`: install the NVIDIA driver (it provides \
+         libnvidia-ml.so.1; in a container, run with the NVIDIA container toolkit), or give its \
+         path with --nvml-lib; on a node without GPUs use --simulated FILE"
+    )]
+    LibraryNotFound {
+        /// The library path or name that was tried.
+        library: String,
+        /// The loader's error.
+        #[source]
+        source: BoxError,
+    },
+    /// The NVML library loaded but did not initialise.
+    #[error(
+        "NVML (`{library}`) failed to initialise: check that the NVIDIA kernel driver is loaded \
+         (`nvidia-smi` works on the host) and that the agent can open /dev/nvidia*"
+    )]
+    Init {
+        /// The library path or name that was loaded.
+        library: String,
+        /// NVML's error.
+        #[source]
+        source: BoxError,
+    },
+    /// An NVML call failed.
+    #[error("NVML call {call} failed{}", on_gpu(*gpu_index))]
+    Call {
+        /// The NVML function, e.g. `nvmlDeviceGetUUID`.
+        call: &'static str,
+        /// The GPU index it was called for, if any.
+        gpu_index: Option<u32>,
+        /// NVML's error.
+        #[source]
+        source: BoxError,
+    },
+    /// An NVML call returned a value the agent cannot use.
+    #[error("NVML call {call} returned an unusable value{}: {detail}", on_gpu(*gpu_index))]
+    Value {
+        /// The NVML function.
+        call: &'static str,
+        /// The GPU index it was called for, if any.
+        gpu_index: Option<u32>,
+        /// What is wrong with the value.
+        detail: String,
+    },
+    /// A sysfs file could not be read.
+    #[error("cannot read {}", path.display())]
+    Sysfs {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A sysfs file holds something unexpected.
+    #[error("{}:{line}: unexpected content `{content}`: {expected}", path.display())]
+    SysfsValue {
+        /// The file.
+        path: PathBuf,
+        /// The line (1-based).
+        line: usize,
+        /// What was there.
+        content: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+}
+
+fn on_gpu(gpu_index: Option<u32>) -> String {
+    gpu_index.map(|index| format!(" for GPU {index}")).unwrap_or_default()
+}
+
 /// `NVML_DEVICE_MIG_ENABLE` from nvml.h.
 const MIG_ENABLED: u32 = 1;
 /// The XID NVML reports when it cannot tell which XID happened.
@@ -96,7 +172,7 @@ fn nvml_error(
     call: &'static str,
     gpu_index: Option<u32>,
 ) -> impl FnOnce(NvmlError) -> InventoryError {
-    move |err| InventoryError::Nvml { call, gpu_index, source: Box::new(err) }
+    move |err| NvmlInventoryError::Call { call, gpu_index, source: Box::new(err) }.into()
 }
 
 fn bad_value(
@@ -104,7 +180,7 @@ fn bad_value(
     gpu_index: Option<u32>,
     detail: impl fmt::Display,
 ) -> InventoryError {
-    InventoryError::NvmlValue { call, gpu_index, detail: detail.to_string() }
+    NvmlInventoryError::Value { call, gpu_index, detail: detail.to_string() }.into()
 }
 
 /// `Ok(None)` for `NotSupported`, the value otherwise.
@@ -126,10 +202,11 @@ impl NvmlInventory {
         let shown = library.to_string_lossy().into_owned();
         let nvml = Nvml::builder().lib_path(&library).init().map_err(|err| match err {
             // The loader's own error, without nvml-wrapper's wrapper that repeats it.
-            NvmlError::LibloadingError(loader) => {
-                InventoryError::NvmlNotFound { library: shown.clone(), source: Box::new(loader) }
-            }
-            other => InventoryError::NvmlInit { library: shown.clone(), source: Box::new(other) },
+            NvmlError::LibloadingError(loader) => NvmlInventoryError::LibraryNotFound {
+                library: shown.clone(),
+                source: Box::new(loader),
+            },
+            other => NvmlInventoryError::Init { library: shown.clone(), source: Box::new(other) },
         })?;
         Ok(Self { nvml, library: shown, sysfs_root: config.sysfs_root })
     }
@@ -182,17 +259,20 @@ fn read_numa_node(sysfs_root: &Path, bus_id: &str) -> Result<Option<u32>, Invent
         Ok(text) => text,
         // Kernels built without NUMA support have no such file.
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(InventoryError::Sysfs { path, source }),
+        Err(source) => return Err(NvmlInventoryError::Sysfs { path, source }.into()),
     };
     let content = text.trim();
     if content == "-1" {
         return Ok(None);
     }
-    content.parse::<u32>().map(Some).map_err(|_| InventoryError::SysfsValue {
-        path,
-        line: 1,
-        content: content.to_owned(),
-        expected: "a NUMA node number, or -1 for none",
+    content.parse::<u32>().map(Some).map_err(|_| {
+        NvmlInventoryError::SysfsValue {
+            path,
+            line: 1,
+            content: content.to_owned(),
+            expected: "a NUMA node number, or -1 for none",
+        }
+        .into()
     })
 }
 
@@ -332,11 +412,12 @@ impl GpuInventory for NvmlInventory {
             match (failed, set) {
                 (None, Some(set)) => break set,
                 (None, None) => {
-                    return Err(InventoryError::NvmlValue {
+                    return Err(NvmlInventoryError::Value {
                         call: "nvmlDeviceRegisterEvents",
                         gpu_index: None,
                         detail: "the event set was lost without an error".into(),
-                    });
+                    }
+                    .into());
                 }
                 (Some(position), _) => {
                     let (index, device) = watched.remove(position);
@@ -395,7 +476,10 @@ mod tests {
             ..NvmlConfig::default()
         };
         let err = NvmlInventory::new(config).expect_err("no such library");
-        assert!(matches!(err, InventoryError::NvmlNotFound { .. }), "{err:?}");
+        assert!(
+            matches!(err, InventoryError::Nvml(NvmlInventoryError::LibraryNotFound { .. })),
+            "{err:?}"
+        );
         let text = err.to_string();
         assert!(text.contains("/nonexistent/libnvidia-ml.so.1"), "{text}");
         assert!(text.contains("install the NVIDIA driver"), "{text}");
