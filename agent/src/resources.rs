@@ -288,38 +288,34 @@ impl DeviceBackend for ViewBackend {
     }
 
     async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError> {
-        // Devices of this resource that an older allocation holds: the kubelet reassigns only
-        // devices whose container ended, but if its books were lost it could hand out devices
-        // still in use. Ask its pod-resources list before replacing anything.
-        let replaced = self.resources.lock().state.overlapping(&self.view, &device_ids);
-        if !replaced.is_empty()
+        // Devices of this resource that an older allocation holds, exactly or in part: the
+        // kubelet repeats an Allocate only for an init container's devices (which pod-resources
+        // does not list) and reassigns only devices whose container ended, but a kubelet that
+        // lost its books could hand out devices still in use. Ask its pod-resources list first;
+        // if it cannot answer, refuse rather than risk a GPU handed out twice.
+        let held = self.resources.lock().state.sharing_devices(&self.view, &device_ids);
+        if !held.is_empty()
             && let Some(socket) = &self.resources.pod_resources
         {
-            match reconcile::fetch(socket, Duration::from_secs(2)).await {
-                Ok(listed) => {
-                    let running: Vec<&KubeletAllocation> = listed
-                        .iter()
-                        .filter(|k| {
-                            replaced
-                                .iter()
-                                .any(|r| r.resource == k.resource && r.device_ids == k.device_ids)
-                        })
-                        .collect();
-                    if let Some(k) = running.first() {
-                        return Err(BackendError::Conflict {
-                            ids: device_ids,
-                            reason: format!(
-                                "the kubelet still lists devices {:?} for running container {}/{}/{}",
-                                k.device_ids, k.namespace, k.pod, k.container
-                            ),
-                        });
-                    }
+            let listed = reconcile::fetch(socket, Duration::from_secs(2)).await.map_err(|e| {
+                BackendError::Unavailable {
+                    reason: format!(
+                        "devices {device_ids:?} are held by an earlier allocation and the kubelet's pod-resources API, which says whether its container still runs, cannot be asked ({}); refused rather than risk handing them out twice",
+                        Chain(&e)
+                    ),
                 }
-                Err(e) => tracing::warn!(
-                    resource = self.resource,
-                    error = %Chain(&e),
-                    "cannot ask pod-resources whether replaced allocations ended; trusting the kubelet"
-                ),
+            })?;
+            let running = listed.iter().find(|k| {
+                held.iter().any(|r| r.resource == k.resource && r.device_ids == k.device_ids)
+            });
+            if let Some(k) = running {
+                return Err(BackendError::Conflict {
+                    ids: device_ids,
+                    reason: format!(
+                        "the kubelet still lists devices {:?} for running container {}/{}/{}",
+                        k.device_ids, k.namespace, k.pod, k.container
+                    ),
+                });
             }
         }
         // The checkpoint write blocks (fsync): off the async worker threads.

@@ -506,3 +506,40 @@ async fn stopped_while_waiting_for_pod_resources_writes_no_checkpoint() -> Resul
     assert_eq!(records[0].device_ids, held.device_ids);
     stop(agent, token).await
 }
+
+/// Issue 11, item 2: a request for exactly the devices a listed, running container holds (a
+/// kubelet that lost its books) is refused, not taken for an init container's repeat; and when
+/// pod-resources cannot say whether the holder still runs, the Allocate is refused (Unavailable)
+/// rather than granted on trust.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exact_repeat_of_a_running_containers_devices_is_refused() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let a = node.kubelet.admit_to("ns/a", "c", GPU, 1).await?;
+    let err =
+        node.kubelet.allocate_raw(GPU, vec![a.device_ids.clone()]).await.expect_err("ns/a runs");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(status.message().contains("running container ns/a/c"), "{status:?}");
+    // The same for gpu-memory units.
+    let b = node.kubelet.admit_to("ns/b", "c", MEM, 3).await?;
+    let err = node.kubelet.allocate_raw(MEM, vec![b.device_ids.clone()]).await.expect_err("runs");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    // pod-resources gone: no repeat and no replacement is granted on trust.
+    node.kubelet.stop_pod_resources();
+    let err = node.kubelet.allocate_raw(GPU, vec![a.device_ids.clone()]).await.expect_err("unsure");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("pod-resources"), "{status:?}");
+    // Fresh devices need no question and are still granted.
+    let fresh = node.kubelet.admit_to("ns/c", "c", GPU, 1).await?;
+    assert_ne!(fresh.device_ids, a.device_ids);
+    // Once ns/a has ended (and pod-resources answers), its GPU may be given again.
+    node.kubelet.serve_pod_resources(&node.config.pod_resources_socket)?;
+    node.kubelet.end_pod("ns/a");
+    node.kubelet.allocate_raw(GPU, vec![a.device_ids.clone()]).await?;
+    assert_eq!(agent.resources().records().len(), 3);
+    stop(agent, token).await
+}

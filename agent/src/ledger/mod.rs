@@ -697,14 +697,12 @@ impl DeviceLedger {
         changed
     }
 
-    /// Allocations of `view` that share a device with `ids` without being exactly `ids`: the
-    /// ones an Allocate of `ids` would replace.
-    pub fn overlapping(&self, view: &View, ids: &[String]) -> Vec<AllocationRecord> {
+    /// Allocations of `view` that share a device with `ids`, an exact repeat of `ids` included:
+    /// the ones an Allocate of `ids` would replace or repeat. Before granting such an Allocate
+    /// the adapter asks the kubelet whether their containers still run.
+    pub fn sharing_devices(&self, view: &View, ids: &[String]) -> Vec<AllocationRecord> {
         let sorted = ids_of(ids);
-        self.replaced_by(view, &sorted)
-            .filter(|(_, h)| h.record.device_ids != sorted)
-            .map(|(_, h)| h.record.clone())
-            .collect()
+        self.replaced_by(view, &sorted).map(|(_, h)| h.record.clone()).collect()
     }
 
     /// Allocations of `view` sharing a device with `sorted` (sorted device IDs).
