@@ -51,11 +51,16 @@ impl Report {
     }
 }
 
+/// Consecutive lists that must miss an allocation the kubelet listed before it is released: a
+/// kubelet that has just restarted may answer `List` before it has synced its pods, and one
+/// missing entry in one answer must not hand a running container's GPU out again.
+pub const RELEASE_AFTER_MISSES: u32 = 2;
+
 /// Brings `state` in line with the kubelet's `allocations` (only resources the node serves
-/// count). An allocation the kubelet listed before and lists no more is released; one it has
-/// never listed is kept until `grace` seconds after it was granted (the kubelet records an
-/// allocation only after Allocate returns, and `List` omits ordinary init containers). `now` is
-/// in seconds.
+/// count). An allocation the kubelet listed before is released once [`RELEASE_AFTER_MISSES`]
+/// lists in a row have not shown it; one it has never listed is kept until `grace` seconds after
+/// it was granted (the kubelet records an allocation only after Allocate returns, and `List`
+/// omits ordinary init containers). `now` is in seconds.
 pub fn reconcile(
     state: &mut DeviceLedger,
     allocations: &[KubeletAllocation],
@@ -74,14 +79,18 @@ pub fn reconcile(
     let key = |r: &AllocationRecord| (r.resource.clone(), r.device_ids.clone());
     let mut report = Report::default();
     let mut young = 0;
-    report.released = state.retain(|r| {
-        if truth.contains(&key(r)) {
-            return true;
-        }
-        let keep = !r.listed && r.allocated_at.saturating_add(grace) > now;
-        young += usize::from(keep);
-        keep
-    });
+    report.released = state.note_listing(
+        |r| truth.contains(&key(r)),
+        |r, misses| {
+            if r.listed {
+                misses >= RELEASE_AFTER_MISSES
+            } else {
+                let keep = r.allocated_at.saturating_add(grace) > now;
+                young += usize::from(keep);
+                !keep
+            }
+        },
+    );
     report.kept_young = young;
     let held: BTreeSet<(String, Vec<String>)> = state.records().iter().map(key).collect();
     let missing: Vec<AllocationRecord> = truth
@@ -226,7 +235,11 @@ mod tests {
         assert_eq!(report.newly_listed, 1);
         assert!(report.released.is_empty(), "the init container's GPU is kept within the grace");
         assert!(s.records().iter().any(|r| r.device_ids == [g1.clone()] && r.listed));
-        // The app container ends: released at once, though young; the init one still waits.
+        // The app container ends: one list without it is not enough (a kubelet that has just
+        // restarted may answer before it has synced its pods); the second releases it, though
+        // young; the init one still waits.
+        let report = reconcile(&mut s, &[], 139, 600);
+        assert!(report.released.is_empty(), "one miss keeps it");
         let report = reconcile(&mut s, &[], 140, 600);
         assert_eq!(report.released.len(), 1);
         assert_eq!(report.released[0].device_ids, [g1]);
@@ -234,6 +247,21 @@ mod tests {
         let report = reconcile(&mut s, &[], 700, 600);
         assert_eq!(report.released.len(), 1, "after the grace");
         assert!(s.records().is_empty());
+    }
+
+    #[test]
+    fn a_listing_that_shows_it_again_resets_the_misses() {
+        const GPU: &str = "awesome-ai-company.com/gpu";
+        let mut s = state();
+        let g = s_gpu(&s, 0);
+        s.allocate(&View::Gpu, std::slice::from_ref(&g), 100).expect("app container");
+        let listed = vec![kubelet(GPU, vec![g.clone()])];
+        reconcile(&mut s, &listed, 110, 600);
+        // Missed, shown, missed: never two in a row, never released.
+        for (t, list) in [(111, &[][..]), (112, &listed[..]), (113, &[][..])] {
+            assert!(reconcile(&mut s, list, t, 600).released.is_empty(), "at {t}");
+        }
+        assert_eq!(reconcile(&mut s, &[], 114, 600).released.len(), 1, "two in a row");
     }
 
     fn s_gpu(s: &DeviceLedger, i: usize) -> String {

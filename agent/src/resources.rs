@@ -82,6 +82,15 @@ fn device_list(devices: Vec<DeviceState>) -> Vec<Device> {
         .collect()
 }
 
+/// Whether a change makes an untrusted ledger trusted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trust {
+    /// It does not (an allocation, or a list too old to apply).
+    Unchanged,
+    /// It was a reconciliation with the kubelet's list.
+    Reconciled,
+}
+
 struct Inner {
     state: DeviceLedger,
     checkpoint: Checkpoint,
@@ -92,6 +101,9 @@ struct Inner {
     /// corrupt or foreign checkpoint) that has not been reconciled knows nothing of the running
     /// containers; writing it would make the next start trust an empty ledger.
     trusted: bool,
+    /// Counts the changes of the allocations; a pod-resources list applies only to the
+    /// generation it was asked at (see [`NodeResources::reconcile`]).
+    generation: u64,
 }
 
 /// The node's device ledger shared by every view, persisted on every change.
@@ -129,7 +141,7 @@ impl NodeResources {
             })
             .collect();
         Arc::new(Self {
-            inner: Mutex::new(Inner { state, checkpoint, node, boot_id, trusted }),
+            inner: Mutex::new(Inner { state, checkpoint, node, boot_id, trusted, generation: 0 }),
             views,
             pod_resources,
             responses,
@@ -173,19 +185,18 @@ impl NodeResources {
         }
     }
 
-    /// Applies `change` to the state; keeps it only if the checkpoint is written (while the
-    /// ledger is untrusted, nothing is written: see `Inner::trusted`). `reconciled`: the change
-    /// is a reconciliation with the kubelet, which makes the ledger trusted.
+    /// Applies `change` (given the ledger and the generation it applies to) to the state; keeps
+    /// it only if the checkpoint is written. While the ledger is untrusted nothing is written (see
+    /// `Inner::trusted`); an applied reconciliation makes it trusted.
     fn change<T>(
         &self,
-        reconciled: bool,
-        change: impl FnOnce(&mut DeviceLedger) -> Result<T, BackendError>,
+        change: impl FnOnce(&mut DeviceLedger, u64) -> Result<(T, Trust), BackendError>,
     ) -> Result<T, BackendError> {
         let mut inner = self.lock();
         let before = inner.state.records();
         let mut next = inner.state.clone();
-        let out = change(&mut next)?;
-        let trusted = inner.trusted || reconciled;
+        let (out, trust) = change(&mut next, inner.generation)?;
+        let trusted = inner.trusted || trust == Trust::Reconciled;
         let changed = next.records() != before;
         if trusted && (changed || !inner.trusted) {
             inner
@@ -194,11 +205,19 @@ impl NodeResources {
                 .map_err(|e| BackendError::Internal { reason: Chain(&e).to_string() })?;
         }
         inner.trusted = trusted;
+        // Kept even when no record changed: the ledger also counts missed listings.
+        inner.state = next;
         if changed {
-            inner.state = next;
+            inner.generation += 1;
             self.publish(&inner.state);
         }
         Ok(out)
+    }
+
+    /// The current generation of the allocations: read it before asking pod-resources, and
+    /// pass it to [`Self::reconcile`].
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
     }
 
     /// Writes the checkpoint now.
@@ -218,14 +237,23 @@ impl NodeResources {
         self.lock().trusted
     }
 
-    /// Reconciles with the kubelet's allocations; see [`reconcile::reconcile`].
+    /// Reconciles with the kubelet's allocations, asked when the allocations were at generation
+    /// `asked_at` (see [`reconcile::reconcile`]). A list asked before the latest change may
+    /// predate it (an Allocate answered while the list was on its way: restoring an ended pod's
+    /// devices over a new grant, or marking a fresh init container's grant as listed), so it is
+    /// not applied: `Ok(None)`, and the caller asks again.
     pub fn reconcile(
         &self,
         allocations: &[KubeletAllocation],
         grace_secs: u64,
-    ) -> Result<Report, BackendError> {
-        self.change(true, |state| {
-            Ok(reconcile::reconcile(state, allocations, unix_now(), grace_secs))
+        asked_at: u64,
+    ) -> Result<Option<Report>, BackendError> {
+        self.change(|state, generation| {
+            if generation != asked_at {
+                return Ok((None, Trust::Unchanged));
+            }
+            let report = reconcile::reconcile(state, allocations, unix_now(), grace_secs);
+            Ok((Some(report), Trust::Reconciled))
         })
     }
 
@@ -322,7 +350,9 @@ impl DeviceBackend for ViewBackend {
         let resources = self.resources.clone();
         let view = self.view.clone();
         let granted = tokio::task::spawn_blocking(move || {
-            resources.change(false, |state| Ok(state.allocate(&view, &device_ids, unix_now())?))
+            resources.change(|state, _| {
+                Ok((state.allocate(&view, &device_ids, unix_now())?, Trust::Unchanged))
+            })
         })
         .await
         .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;

@@ -28,7 +28,7 @@ use std::time::Duration;
 use anyhow::{Context as _, anyhow, bail};
 use baleen_proto::deviceplugin::v1beta1 as api;
 use tokio::net::UnixListener;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -103,18 +103,50 @@ struct Books {
     allocated: HashMap<String, BTreeSet<String>>,
     /// Per pod (`namespace/name`): each container's devices per resource, for pod-resources.
     pods: BTreeMap<String, Vec<(String, String, Vec<String>)>>,
+    /// A pod the next pod-resources `List` leaves out (see [`FakeKubelet::omit_from_next_list`]).
+    omit_once: Option<String>,
 }
 
 struct Shared {
     dir: PathBuf,
     view: watch::Sender<KubeletView>,
     books: Mutex<Books>,
+    /// The gate of the next pod-resources `List` (see [`FakeKubelet::hold_next_list`]).
+    held_list: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
 }
 
 impl Shared {
     fn books(&self) -> std::sync::MutexGuard<'_, Books> {
         // A panicking test thread may poison the lock; the books are still consistent.
         self.books.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn held_list(
+        &self,
+    ) -> std::sync::MutexGuard<'_, Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>> {
+        self.held_list.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A pod-resources `List` held on its way back (see [`FakeKubelet::hold_next_list`]).
+pub struct HeldList {
+    asked: oneshot::Receiver<()>,
+    release: oneshot::Sender<()>,
+}
+
+impl HeldList {
+    /// Waits (at most `timeout`) until the held `List` has been asked: its answer, the books as
+    /// they were then, is fixed from that moment.
+    pub async fn asked(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        tokio::time::timeout(timeout, &mut self.asked)
+            .await
+            .context("no pod-resources List was asked in time")?
+            .context("the kubelet went away")
+    }
+
+    /// Lets the held `List` answer.
+    pub fn release(self) {
+        let _ = self.release.send(());
     }
 }
 
@@ -161,8 +193,12 @@ impl FakeKubelet {
     /// Starts a kubelet on `dir`, as the real one starts.
     pub async fn start(dir: &Path) -> anyhow::Result<Self> {
         let (view, _) = watch::channel(KubeletView::default());
-        let shared =
-            Arc::new(Shared { dir: dir.to_path_buf(), view, books: Mutex::new(Books::default()) });
+        let shared = Arc::new(Shared {
+            dir: dir.to_path_buf(),
+            view,
+            books: Mutex::new(Books::default()),
+            held_list: Mutex::new(None),
+        });
         let mut kubelet = Self { shared, server: None, pod_resources: None };
         kubelet.listen()?;
         Ok(kubelet)
@@ -171,8 +207,12 @@ impl FakeKubelet {
     /// A kubelet that has not started yet: [`FakeKubelet::restart`] starts it.
     pub fn absent(dir: &Path) -> Self {
         let (view, _) = watch::channel(KubeletView::default());
-        let shared =
-            Arc::new(Shared { dir: dir.to_path_buf(), view, books: Mutex::new(Books::default()) });
+        let shared = Arc::new(Shared {
+            dir: dir.to_path_buf(),
+            view,
+            books: Mutex::new(Books::default()),
+            held_list: Mutex::new(None),
+        });
         Self { shared, server: None, pod_resources: None }
     }
 
@@ -204,6 +244,16 @@ impl FakeKubelet {
         }
     }
 
+    /// Holds the next pod-resources `List`: it is answered with the books as they are when it is
+    /// asked, but only once the returned handle is released. A deterministic stale answer, as a
+    /// real kubelet gives when pods change while its answer is on its way.
+    pub fn hold_next_list(&self) -> HeldList {
+        let (asked_tx, asked) = oneshot::channel();
+        let (release, release_rx) = oneshot::channel();
+        *self.shared.held_list() = Some((asked_tx, release_rx));
+        HeldList { asked, release }
+    }
+
     /// Admits one container of `pod` (`namespace/name`) and records it for pod-resources.
     pub async fn admit_to(
         &self,
@@ -219,6 +269,12 @@ impl FakeKubelet {
             admission.device_ids.clone(),
         ));
         Ok(admission)
+    }
+
+    /// The next pod-resources `List` leaves `pod` out, once (a kubelet that has just restarted
+    /// answers before it has synced its pods).
+    pub fn omit_from_next_list(&self, pod: &str) {
+        self.shared.books().omit_once = Some(pod.to_owned());
     }
 
     /// The pod ended: its devices are free in the kubelet's books and gone from pod-resources.
@@ -607,8 +663,22 @@ impl pr::pod_resources_lister_server::PodResourcesLister for PodResources {
         &self,
         _request: Request<pr::ListPodResourcesRequest>,
     ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
-        let books = self.0.books();
-        let pod_resources = books.pods.iter().map(|(key, c)| self.pod(key, c)).collect();
+        let pod_resources = {
+            let mut books = self.0.books();
+            let omit = books.omit_once.take();
+            books
+                .pods
+                .iter()
+                .filter(|(key, _)| omit.as_deref() != Some(key.as_str()))
+                .map(|(key, c)| self.pod(key, c))
+                .collect()
+        };
+        let gate = self.0.held_list().take();
+        if let Some((asked, release)) = gate {
+            let _ = asked.send(());
+            // A dropped handle releases too.
+            let _ = release.await;
+        }
         Ok(Response::new(pr::ListPodResourcesResponse { pod_resources }))
     }
 

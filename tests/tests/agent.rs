@@ -543,3 +543,99 @@ async fn an_exact_repeat_of_a_running_containers_devices_is_refused() -> Result<
     assert_eq!(agent.resources().records().len(), 3);
     stop(agent, token).await
 }
+
+/// Lets the reconciliation pass now under way finish: holds the next pod-resources `List` and
+/// waits until it is asked (the reconciler asks only after it has applied or dropped the last
+/// one), then lets it answer.
+async fn next_pass(node: &Node) -> Result<()> {
+    let mut held = node.kubelet.hold_next_list();
+    held.asked(WAIT).await?;
+    held.release();
+    Ok(())
+}
+
+/// Issue 11, item 4: a pod-resources list asked before an Allocate and answered after it is not
+/// applied. Here it would restore an ended pod's units over the new grant that replaced them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_list_does_not_restore_an_ended_pod_over_a_new_grant() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let a = node.kubelet.admit_to("ns/a", "c", MEM, 4).await?;
+    let gpu = gpu_of(&a.device_ids[0]).to_owned();
+    let units = |r: std::ops::Range<u32>| r.map(|n| format!("{gpu}::{n}")).collect::<Vec<_>>();
+    // The reconciler asks; the kubelet's answer (ns/a holds units 0..4) is held on its way.
+    let mut stale = node.kubelet.hold_next_list();
+    stale.asked(WAIT).await?;
+    // Meanwhile ns/a ends and another container is given units 2..6, replacing ns/a's grant.
+    node.kubelet.end_pod("ns/a");
+    node.kubelet.allocate_raw(MEM, vec![units(2..6)]).await?;
+    // The stale answer arrives, then the reconciler asks again.
+    let mut after = node.kubelet.hold_next_list();
+    stale.release();
+    after.asked(WAIT).await?;
+    let records: Vec<Vec<String>> =
+        agent.resources().records().into_iter().map(|r| r.device_ids).collect();
+    assert_eq!(records, [units(2..6)], "the new grant stands; ns/a is not restored over it");
+    after.release();
+    stop(agent, token).await
+}
+
+/// Issue 11, item 4: a stale list does not mark a fresh init-container grant of the same devices
+/// as listed (which would release it as soon as the next list, which omits init containers,
+/// came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_list_does_not_mark_a_fresh_grant_listed() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let a = node.kubelet.admit_to("ns/a", "c", GPU, 1).await?;
+    next_pass(&node).await?;
+    next_pass(&node).await?;
+    assert!(agent.resources().records().iter().all(|r| r.listed), "ns/a seen in the list");
+    let mut stale = node.kubelet.hold_next_list();
+    stale.asked(WAIT).await?;
+    // ns/a ends; an init container of another pod is given exactly ns/a's GPU.
+    node.kubelet.end_pod("ns/a");
+    node.kubelet.allocate_raw(GPU, vec![a.device_ids.clone()]).await?;
+    let mut after = node.kubelet.hold_next_list();
+    stale.release();
+    after.asked(WAIT).await?;
+    let records = agent.resources().records();
+    assert_eq!(records.len(), 1);
+    assert!(!records[0].listed, "the init container's grant is not taken for ns/a's: {records:?}");
+    after.release();
+    // Passes go on: the grant is kept for the grace, not released.
+    next_pass(&node).await?;
+    next_pass(&node).await?;
+    assert_eq!(agent.resources().records().len(), 1);
+    stop(agent, token).await
+}
+
+/// Issue 11, item 6: one list that misses a running container (a kubelet answering before it has
+/// synced its pods) does not release its GPU; two in a row do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_list_missing_a_container_does_not_release_it() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet.admit_to("ns/a", "c", GPU, 1).await?;
+    next_pass(&node).await?;
+    next_pass(&node).await?;
+    assert!(agent.resources().records().iter().all(|r| r.listed));
+    // The kubelet leaves ns/a out of exactly one answer.
+    node.kubelet.omit_from_next_list("ns/a");
+    next_pass(&node).await?;
+    // The next list is asked only once the one without ns/a has been applied.
+    let mut applied = node.kubelet.hold_next_list();
+    applied.asked(WAIT).await?;
+    assert_eq!(agent.resources().records().len(), 1, "one miss keeps the GPU held");
+    applied.release();
+    // A pod that really ended is released after the second miss.
+    node.kubelet.end_pod("ns/a");
+    next_pass(&node).await?;
+    next_pass(&node).await?;
+    next_pass(&node).await?;
+    assert!(agent.resources().records().is_empty());
+    stop(agent, token).await
+}

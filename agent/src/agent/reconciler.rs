@@ -17,6 +17,9 @@ use crate::resources::NodeResources;
 
 /// How long one pod-resources `List` may take in the periodic loop.
 const LIST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often one reconciliation asks again when the allocations changed while the kubelet
+/// answered (its list may predate the change).
+const STALE_RETRIES: usize = 3;
 
 /// Why a reconciled ledger was not saved.
 #[derive(Debug, thiserror::Error)]
@@ -102,13 +105,27 @@ pub(super) async fn reconcile_once(
     timeout: Duration,
     grace_secs: u64,
 ) -> Result<(), ReconcileFailure> {
-    let truth = reconcile::fetch(socket, timeout).await.map_err(ReconcileFailure::Unreachable)?;
-    let resources = resources.clone();
-    let report = tokio::task::spawn_blocking(move || resources.reconcile(&truth, grace_secs))
-        .await
-        .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Task(e)))?
-        .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Saving(e)))?;
-    log_report(&report);
+    for _ in 0..STALE_RETRIES {
+        let asked_at = resources.generation();
+        let truth =
+            reconcile::fetch(socket, timeout).await.map_err(ReconcileFailure::Unreachable)?;
+        let applying = resources.clone();
+        let outcome =
+            tokio::task::spawn_blocking(move || applying.reconcile(&truth, grace_secs, asked_at))
+                .await
+                .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Task(e)))?
+                .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Saving(e)))?;
+        match outcome {
+            Some(report) => {
+                log_report(&report);
+                return Ok(());
+            }
+            None => {
+                tracing::debug!("allocations changed while pod-resources answered; asking again")
+            }
+        }
+    }
+    tracing::debug!(tries = STALE_RETRIES, "allocations kept changing; reconciling next time");
     Ok(())
 }
 

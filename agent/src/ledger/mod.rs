@@ -177,6 +177,8 @@ struct Group {
 #[derive(Debug, Clone)]
 struct Held {
     record: AllocationRecord,
+    /// Consecutive kubelet listings that did not show this allocation.
+    missed: u32,
     view: View,
     gpus: GpuSet,
     units: Vec<(usize, u32)>,
@@ -533,6 +535,7 @@ impl DeviceLedger {
             // until the kubelet lists it.
             h.record.allocated_at = now;
             h.record.listed = false;
+            h.missed = 0;
             let h = h.clone();
             return Ok(self.grant(&h));
         }
@@ -574,6 +577,7 @@ impl DeviceLedger {
             self.slots[i].unit_holder[n as usize] = Some(id);
         }
         let held = Held {
+            missed: 0,
             record: AllocationRecord {
                 resource: view.resource_name(&self.config.domain),
                 device_ids: sorted,
@@ -656,6 +660,28 @@ impl DeviceLedger {
     ) -> Vec<AllocationRecord> {
         let gone: Vec<u64> =
             self.held.iter().filter(|(_, h)| !keep(&h.record)).map(|(&id, _)| id).collect();
+        gone.into_iter().filter_map(|id| self.release_id(id)).collect()
+    }
+
+    /// Applies one listing of the kubelet's: an allocation `shown` is in it has its consecutive
+    /// misses reset; every other one counts one more and is released if `release(record,
+    /// misses)` says so. Returns the released allocations.
+    pub fn note_listing(
+        &mut self,
+        mut shown: impl FnMut(&AllocationRecord) -> bool,
+        mut release: impl FnMut(&AllocationRecord, u32) -> bool,
+    ) -> Vec<AllocationRecord> {
+        let mut gone = Vec::new();
+        for (&id, h) in &mut self.held {
+            if shown(&h.record) {
+                h.missed = 0;
+                continue;
+            }
+            h.missed = h.missed.saturating_add(1);
+            if release(&h.record, h.missed) {
+                gone.push(id);
+            }
+        }
         gone.into_iter().filter_map(|id| self.release_id(id)).collect()
     }
 
