@@ -35,10 +35,22 @@ pub struct BoundSocket {
 
 impl BoundSocket {
     /// Binds at `path`, first removing a stale socket file left there. Refuses to remove
-    /// anything that is not a socket.
+    /// anything that is not a socket, and a socket that a live process still serves (a second
+    /// agent on the node, or a copy run by hand): `AddrInUse`, the file left alone.
     pub fn bind(path: &Path) -> io::Result<(Self, UnixListener)> {
         match std::fs::symlink_metadata(path) {
-            Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)?,
+            Ok(meta) if meta.file_type().is_socket() => {
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        format!(
+                            "{} is served by another live process (a second agent?); not removing it",
+                            path.display()
+                        ),
+                    ));
+                }
+                std::fs::remove_file(path)?
+            }
             Ok(_) => {
                 return Err(io::Error::new(
                     io::ErrorKind::AlreadyExists,
@@ -98,13 +110,26 @@ mod tests {
     async fn bind_replaces_a_stale_socket_and_removes_its_own() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("p.sock");
-        let (first, _l1) = BoundSocket::bind(&path).expect("bind");
+        let (first, l1) = BoundSocket::bind(&path).expect("bind");
         assert!(first.is_intact());
-        std::mem::forget(first); // a crashed process leaves its socket file behind
+        // A crashed process leaves its socket file behind, with nobody listening.
+        drop(l1);
+        std::mem::forget(first);
         let (second, _l2) = BoundSocket::bind(&path).expect("rebind over stale socket");
         assert!(second.is_intact());
         drop(second);
         assert!(!path.exists(), "socket removed on drop");
+    }
+
+    #[tokio::test]
+    async fn a_socket_a_live_process_serves_is_never_taken() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.sock");
+        let (first, _listening) = BoundSocket::bind(&path).expect("bind");
+        let err = BoundSocket::bind(&path).expect_err("someone serves it");
+        assert_eq!(err.kind(), io::ErrorKind::AddrInUse);
+        assert!(err.to_string().contains("another live process"), "{err}");
+        assert!(first.is_intact(), "the live socket file is left alone");
     }
 
     #[tokio::test]

@@ -639,3 +639,51 @@ async fn one_list_missing_a_container_does_not_release_it() -> Result<()> {
     assert!(agent.resources().records().is_empty());
     stop(agent, token).await
 }
+
+/// Issue 11, item 5: a second agent on the node (a rolling update with surge) waits for the
+/// first to exit and never touches its sockets or checkpoint; a copy with another state
+/// directory cannot take the first one's sockets and stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_waits_and_never_steals_the_first_ones_sockets() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (first, first_token) = node.start().await?;
+    let view = node.registered(&first, 1).await?;
+    let a = node.kubelet.admit_to("ns/a", "c", GPU, 1).await?;
+    let second_token = CancellationToken::new();
+    let second = tokio::spawn(Agent::start(
+        node.config.clone(),
+        Dependencies { inventory: node.inventory.clone() },
+        second_token.clone(),
+    ));
+    // It waits (a bounded look for something that must not happen).
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!second.is_finished(), "the second agent waits for the lock");
+    assert_eq!(node.kubelet.view().registrations, view.registrations, "no registration stolen");
+    // The first exits; the second takes over with its allocations.
+    stop(first, first_token).await?;
+    let second = tokio::time::timeout(WAIT, second).await???;
+    node.registered(&second, 2).await?;
+    let records = second.resources().records();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].device_ids, a.device_ids);
+    // A copy run by hand with its own state directory cannot take the serving agent's sockets.
+    let registered = node.kubelet.view().registrations;
+    let mut stray = node.config.clone();
+    stray.state_dir = node.config.state_dir.with_extension("stray");
+    let stray_agent = tokio::time::timeout(
+        WAIT,
+        Agent::start(
+            stray,
+            Dependencies { inventory: node.inventory.clone() },
+            CancellationToken::new(),
+        ),
+    )
+    .await??;
+    let err = tokio::time::timeout(WAIT, stray_agent.wait()).await?.expect_err("stops");
+    assert!(format!("{:#}", anyhow::Error::new(err)).contains("another live process"));
+    let after = node.kubelet.view();
+    assert_eq!(after.registrations, registered, "the stray copy registered nothing");
+    assert!(after.streaming.len() >= 2, "the serving agent still streams: {}", after.summary());
+    assert_eq!(second.resources().records().len(), 1);
+    stop(second, second_token).await
+}

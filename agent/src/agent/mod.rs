@@ -3,6 +3,7 @@
 //!
 //! | subsystem | module | task |
 //! |---|---|---|
+//! | one agent per node: the state directory's lock | [`lock`] | before everything |
 //! | start-up: boot ID, discovery, checkpoint, first reconciliation | [`startup`] | before the others |
 //! | one device plugin per resource view | [`plugins`] | one each |
 //! | reconciliation with pod-resources | [`reconciler`] | one |
@@ -16,6 +17,7 @@
 //! tasks aborted, nothing flushed beyond what every change already wrote).
 
 pub mod health;
+pub mod lock;
 pub mod plugins;
 pub mod reconciler;
 pub mod startup;
@@ -101,6 +103,12 @@ pub enum AgentError {
         #[source]
         source: PluginError,
     },
+    /// The node's agent lock cannot be taken.
+    #[error(transparent)]
+    Lock(#[from] lock::LockError),
+    /// Shut down before it started (while waiting for another agent to exit).
+    #[error("stopped before starting")]
+    StoppedBeforeStart,
     /// A task of the agent panicked or was aborted.
     #[error("agent task {task} failed")]
     Task {
@@ -161,6 +169,8 @@ pub struct Agent {
     plugins: Vec<(String, watch::Receiver<PluginState>)>,
     tasks: Tasks,
     health_stop: CancellationToken,
+    /// Held for the agent's life; declared last, so released after everything else is dropped.
+    _lock: lock::InstanceLock,
 }
 
 impl Agent {
@@ -171,6 +181,9 @@ impl Agent {
         deps: Dependencies,
         shutdown: CancellationToken,
     ) -> Result<Self, AgentError> {
+        let Some(lock) = lock::acquire(&config.state_dir, &shutdown).await? else {
+            return Err(AgentError::StoppedBeforeStart);
+        };
         let resources = startup::restore(&config, &deps, &shutdown).await?;
         let mut tasks = Tasks::default();
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
@@ -181,7 +194,7 @@ impl Agent {
         );
         let health_stop = shutdown.child_token();
         health::spawn(deps.inventory.clone(), resources.clone(), health_stop.clone());
-        Ok(Self { shutdown, resources, plugins, tasks, health_stop })
+        Ok(Self { shutdown, resources, plugins, tasks, health_stop, _lock: lock })
     }
 
     /// The node's resources: the device ledger behind every view.
@@ -228,5 +241,9 @@ pub async fn run(
     deps: Dependencies,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
-    Agent::start(config, deps, shutdown).await?.wait().await
+    match Agent::start(config, deps, shutdown).await {
+        Ok(agent) => agent.wait().await,
+        Err(AgentError::StoppedBeforeStart) => Ok(()),
+        Err(e) => Err(e),
+    }
 }
