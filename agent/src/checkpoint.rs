@@ -4,19 +4,23 @@
 //!
 //! The checkpoint is a cache: the kubelet's pod-resources API is the truth, and
 //! [`crate::reconcile`] rebuilds the allocations from it whenever the checkpoint is missing or
-//! cannot be trusted.
+//! cannot be trusted. It also records the [`Layout`] the device IDs were read with (unit size,
+//! domain, NVLink group members), so that a start with another configuration can tell whether
+//! the held IDs would change meaning (format 2; a format-1 file is not trusted and the ledger is
+//! rebuilt from pod-resources).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write as _};
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use crate::ledger::AllocationRecord;
+use crate::ledger::{AllocationRecord, Layout};
 
 /// The checkpoint format version written by this agent.
-pub const FORMAT: u32 = 1;
+pub const FORMAT: u32 = 2;
 /// The checkpoint's file name in the state directory.
 pub const FILE_NAME: &str = "baleen-checkpoint.json";
 
@@ -30,6 +34,8 @@ pub struct Contents {
     pub node: String,
     /// The kernel boot ID when written (`/proc/sys/kernel/random/boot_id`).
     pub boot_id: String,
+    /// What the device IDs meant when written.
+    pub layout: Layout,
     /// The allocations.
     pub allocations: Vec<AllocationRecord>,
 }
@@ -118,6 +124,15 @@ impl Checkpoint {
 
     /// Reads and verifies the checkpoint: `Ok(None)` when there is none.
     pub fn load(&self, node: &str, boot_id: &str) -> Result<Option<Contents>, CheckpointError> {
+        let Some(contents) = self.read()? else { return Ok(None) };
+        self.verify(&contents, node, boot_id)?;
+        Ok(Some(contents))
+    }
+
+    /// Reads the checkpoint and checks its checksum and format, but not whose or which boot's
+    /// it is (see [`Self::verify`]): `Ok(None)` when there is none. An intact checkpoint of an
+    /// earlier boot still says what the device IDs the kubelet holds meant.
+    pub fn read(&self) -> Result<Option<Contents>, CheckpointError> {
         let bytes = match fs::read(&self.path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -140,29 +155,41 @@ impl Checkpoint {
                 found: contents.format,
             });
         }
+        Ok(Some(contents))
+    }
+
+    /// Whether `contents` are this node's, of this boot: only then are its allocations trusted.
+    pub fn verify(
+        &self,
+        contents: &Contents,
+        node: &str,
+        boot_id: &str,
+    ) -> Result<(), CheckpointError> {
         if contents.node != node {
             return Err(CheckpointError::Foreign {
                 path: self.path.clone(),
-                found: contents.node,
+                found: contents.node.clone(),
                 expected: node.into(),
             });
         }
         if contents.boot_id != boot_id {
             return Err(CheckpointError::OtherBoot {
                 path: self.path.clone(),
-                found: contents.boot_id,
+                found: contents.boot_id.clone(),
                 current: boot_id.into(),
             });
         }
-        Ok(Some(contents))
+        Ok(())
     }
 
-    /// Writes the allocations atomically: after a crash at any point the file holds either the
-    /// previous or the new checkpoint.
+    /// Writes the allocations and the layout atomically: after a crash at any point the file
+    /// holds either the previous or the new checkpoint. The temporary file is created afresh
+    /// (never through a symbolic link left at its path) and readable by its owner only.
     pub fn store(
         &self,
         node: &str,
         boot_id: &str,
+        layout: &Layout,
         allocations: &[AllocationRecord],
     ) -> Result<(), CheckpointError> {
         let io_err = |source| CheckpointError::Io { path: self.path.clone(), source };
@@ -170,6 +197,7 @@ impl Checkpoint {
             format: FORMAT,
             node: node.into(),
             boot_id: boot_id.into(),
+            layout: layout.clone(),
             allocations: allocations.to_vec(),
         };
         let envelope = Envelope { checksum: checksum(&contents), contents };
@@ -178,11 +206,16 @@ impl Checkpoint {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         fs::create_dir_all(dir).map_err(io_err)?;
         let tmp = self.path.with_extension("json.tmp");
+        match fs::remove_file(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err(e)),
+            _ => {}
+        }
         {
+            // create_new: O_EXCL, which never follows a symbolic link planted at the path.
             let mut file = OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
+                .mode(0o600)
                 .open(&tmp)
                 .map_err(io_err)?;
             file.write_all(&bytes).map_err(io_err)?;
@@ -218,7 +251,7 @@ mod tests {
         let cp = Checkpoint::in_dir(&dir.path().join("state"));
         assert!(cp.load("n1", "boot-a").expect("no file is fine").is_none());
         let records = vec![record(&["GPU-1::0", "GPU-1::1"]), record(&["GPU-2::5"])];
-        cp.store("n1", "boot-a", &records).expect("store");
+        cp.store("n1", "boot-a", &Layout::default(), &records).expect("store");
         let loaded = cp.load("n1", "boot-a").expect("load").expect("present");
         assert_eq!(loaded.allocations, records);
         assert!(!cp.path().with_extension("json.tmp").exists(), "temporary file renamed away");
@@ -238,6 +271,22 @@ mod tests {
         assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
         fs::write(cp.path(), b"").expect("write");
         assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn the_file_is_private_and_no_link_is_followed() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cp = Checkpoint::in_dir(dir.path());
+        // A link planted where the temporary file goes, pointing at a file of someone else's.
+        let victim = dir.path().join("victim");
+        fs::write(&victim, "precious").expect("write");
+        std::os::unix::fs::symlink(&victim, cp.path().with_extension("json.tmp")).expect("link");
+        cp.store("n1", "boot-a", &Layout::default(), &[record(&["GPU-1::0"])]).expect("store");
+        assert_eq!(fs::read_to_string(&victim).expect("read"), "precious", "not written through");
+        let mode = fs::metadata(cp.path()).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{mode:o}");
+        assert!(cp.load("n1", "boot-a").expect("load").is_some());
     }
 
     proptest::proptest! {

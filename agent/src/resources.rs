@@ -201,7 +201,7 @@ impl NodeResources {
         if trusted && (changed || !inner.trusted) {
             inner
                 .checkpoint
-                .store(&inner.node, &inner.boot_id, &next.records())
+                .store(&inner.node, &inner.boot_id, &next.layout(), &next.records())
                 .map_err(|e| BackendError::Internal { reason: Chain(&e).to_string() })?;
         }
         inner.trusted = trusted;
@@ -228,7 +228,12 @@ impl NodeResources {
         if !inner.trusted {
             return Ok(false);
         }
-        inner.checkpoint.store(&inner.node, &inner.boot_id, &inner.state.records())?;
+        inner.checkpoint.store(
+            &inner.node,
+            &inner.boot_id,
+            &inner.state.layout(),
+            &inner.state.records(),
+        )?;
         Ok(true)
     }
 

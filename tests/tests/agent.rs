@@ -687,3 +687,54 @@ async fn a_second_agent_waits_and_never_steals_the_first_ones_sockets() -> Resul
     assert_eq!(second.resources().records().len(), 1);
     stop(second, second_token).await
 }
+
+/// Issue 11, item 1: a start whose configuration or GPUs would change what held device IDs
+/// mean (another memory unit, a dropped NVLink group size, groups renumbered by a GPU entering
+/// MIG mode) is refused as a configuration error, the checkpoint untouched; the unchanged
+/// configuration starts with every allocation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configuration_that_changes_held_device_ids_is_refused() -> Result<()> {
+    let node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet.admit_to("ns/a", "c", MEM, 8).await?;
+    let group =
+        node.kubelet.admit_to("ns/g", "c", "awesome-ai-company.com/nvlink-group-2", 1).await?;
+    stop(agent, token).await?;
+    let saved = std::fs::read(node.checkpoint())?;
+    let start = |config: AgentConfig, inventory: Arc<dyn GpuInventory>| async move {
+        let token = CancellationToken::new();
+        let started = tokio::time::timeout(
+            WAIT,
+            Agent::start(config, Dependencies { inventory }, token.clone()),
+        )
+        .await?;
+        anyhow::Ok((started, token))
+    };
+    let refused = |started: std::result::Result<Agent, baleen_agent::agent::AgentError>| {
+        let err = started.err().context("refused")?;
+        assert!(err.is_configuration(), "exit 64: {err}");
+        anyhow::Ok(err.to_string())
+    };
+    // Another memory unit.
+    let mut config = node.config.clone();
+    config.views.memory_unit_bytes = 512 << 20;
+    let text = refused(start(config, node.inventory.clone()).await?.0)?;
+    assert!(text.contains("memory unit is now 536870912 bytes"), "{text}");
+    // The held group's size no longer offered.
+    let mut config = node.config.clone();
+    config.views.nvlink_group_sizes = vec![4, 8];
+    let text = refused(start(config, node.inventory.clone()).await?.0)?;
+    assert!(text.contains("does not offer awesome-ai-company.com/nvlink-group-2"), "{text}");
+    // GPU 1 in MIG mode: nvlink2-<GPU 0> would name GPUs 0 and 2.
+    let mut inventory = example("h200-8x-nvswitch.yaml")?;
+    inventory.gpus[1].mig = baleen_agent::inventory::MigState::Enabled { instances: vec![] };
+    let text =
+        refused(start(node.config.clone(), Arc::new(SimulatedInventory::new(inventory))).await?.0)?;
+    assert!(text.contains(&format!("NVLink group {}", group.device_ids[0])), "{text}");
+    assert_eq!(std::fs::read(node.checkpoint())?, saved, "the checkpoint is left as it was");
+    // The configuration it was written with starts, with both allocations.
+    let (agent, token) = node.start().await?;
+    assert_eq!(agent.resources().records().len(), 2);
+    stop(agent, token).await
+}

@@ -103,6 +103,21 @@ pub enum AgentError {
         #[source]
         source: PluginError,
     },
+    /// The allocations of the checkpoint would not read back with the same meaning under this
+    /// configuration and inventory (a configuration error: exit code 64).
+    #[error(
+        "the allocations in {} cannot be read back with this configuration and GPUs:\n  - {}\n\
+         Running containers hold these devices. Restore the previous configuration, or stop the \
+         pods holding them, delete the checkpoint and restart the agent.",
+        checkpoint.display(),
+        problems.join("\n  - ")
+    )]
+    HeldDevicesChanged {
+        /// The checkpoint.
+        checkpoint: PathBuf,
+        /// What would change, one line per allocation.
+        problems: Vec<String>,
+    },
     /// The node's agent lock cannot be taken.
     #[error(transparent)]
     Lock(#[from] lock::LockError),
@@ -122,9 +137,15 @@ pub enum AgentError {
 
 impl AgentError {
     /// Whether the error is a configuration problem (exit code 64): a topology file that cannot
-    /// be read as one.
+    /// be read as one, a memory unit the kubelet cannot take, or a configuration that would change
+    /// what held device IDs mean.
     pub fn is_configuration(&self) -> bool {
-        matches!(self, AgentError::Inventory(InventoryError::Topology(_)))
+        matches!(
+            self,
+            AgentError::Inventory(InventoryError::Topology(_))
+                | AgentError::HeldDevicesChanged { .. }
+                | AgentError::Ledger(BuildError::ZeroUnit | BuildError::TooManyUnits { .. })
+        )
     }
 }
 

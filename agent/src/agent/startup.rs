@@ -42,14 +42,39 @@ pub async fn restore(
     );
     let mut ledger = DeviceLedger::new(&config.node_name, &discovered, config.views.clone())?;
     let checkpoint = Checkpoint::in_dir(&config.state_dir);
-    let trusted = match checkpoint.load(&config.node_name, &boot_id) {
+    let read = checkpoint.read();
+    // Whatever its boot, an intact checkpoint of this node says what the device IDs the kubelet
+    // holds meant: refuse a configuration under which they would mean something else.
+    if let Ok(Some(contents)) = &read
+        && contents.node == config.node_name
+    {
+        let problems = ledger.meaning_changes(&contents.layout, &contents.allocations);
+        if !problems.is_empty() {
+            return Err(AgentError::HeldDevicesChanged {
+                checkpoint: checkpoint.path().to_path_buf(),
+                problems,
+            });
+        }
+    }
+    let verified = read.and_then(|contents| match contents {
+        Some(c) => checkpoint.verify(&c, &config.node_name, &boot_id).map(|()| Some(c)),
+        None => Ok(None),
+    });
+    let trusted = match verified {
         Ok(Some(contents)) => {
             let refused = ledger.restore(&contents.allocations);
-            for (record, why) in &refused {
-                tracing::warn!(resource = record.resource, devices = ?record.device_ids, why, "checkpointed allocation not restored");
+            if !refused.is_empty() {
+                // Dropping them would hand the devices of running containers out again.
+                return Err(AgentError::HeldDevicesChanged {
+                    checkpoint: checkpoint.path().to_path_buf(),
+                    problems: refused
+                        .iter()
+                        .map(|(r, why)| format!("{} {:?}: {why}", r.resource, r.device_ids))
+                        .collect(),
+                });
             }
             tracing::info!(
-                allocations = contents.allocations.len() - refused.len(),
+                allocations = contents.allocations.len(),
                 checkpoint = %checkpoint.path().display(),
                 "ledger restored from the checkpoint"
             );

@@ -87,6 +87,10 @@ impl CliError {
         match self {
             CliError::Inventory(InventoryError::Topology(_)) | CliError::Config(_) => EXIT_CONFIG,
             CliError::Run(e) if e.is_configuration() => EXIT_CONFIG,
+            CliError::Ledger(
+                crate::ledger::BuildError::ZeroUnit
+                | crate::ledger::BuildError::TooManyUnits { .. },
+            ) => EXIT_CONFIG,
             _ => EXIT_FAILURE,
         }
     }

@@ -57,6 +57,20 @@ pub struct AllocationRecord {
     pub listed: bool,
 }
 
+/// What the device IDs of a ledger mean beyond the inventory's GPUs: recorded with the
+/// allocations in the checkpoint, so that a start with another configuration can tell whether
+/// the IDs containers hold would change meaning (a unit of another size, a group of other GPUs).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layout {
+    /// The resource domain.
+    pub domain: String,
+    /// Bytes per gpu-memory unit.
+    pub memory_unit_bytes: u64,
+    /// The NVLink groups offered, by ID: the UUIDs of their GPUs in index order.
+    pub nvlink_groups: BTreeMap<String, Vec<String>>,
+}
+
 /// Why the ledger cannot be built for an inventory.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -332,6 +346,60 @@ impl DeviceLedger {
                 }
             }
         }
+    }
+
+    /// What this ledger's device IDs mean (see [`Layout`]).
+    pub fn layout(&self) -> Layout {
+        Layout {
+            domain: self.config.domain.clone(),
+            memory_unit_bytes: self.config.memory_unit_bytes,
+            nvlink_groups: self
+                .groups
+                .iter()
+                .map(|g| {
+                    let members =
+                        g.members.iter().map(|i| self.slots[i].gpu.uuid.to_string()).collect();
+                    (g.id.clone(), members)
+                })
+                .collect(),
+        }
+    }
+
+    /// Why `records`, granted under `old`, would not mean the same devices in this ledger: one
+    /// line per problem, none if every record reads back exactly. (A record whose IDs no longer
+    /// parse, say units of a GPU now in MIG mode, is refused by [`Self::restore`].)
+    pub fn meaning_changes(&self, old: &Layout, records: &[AllocationRecord]) -> Vec<String> {
+        let now = self.layout();
+        let mut problems = Vec::new();
+        for r in records {
+            let Some(view) = self.view_for(&r.resource) else {
+                problems.push(format!(
+                    "{} holds {:?}, but this configuration does not offer {}",
+                    r.resource, r.device_ids, r.resource
+                ));
+                continue;
+            };
+            match view {
+                View::GpuMemory if old.memory_unit_bytes != now.memory_unit_bytes => {
+                    problems.push(format!(
+                        "{} units {:?} were granted as {} bytes each; the memory unit is now {} bytes",
+                        r.resource, r.device_ids, old.memory_unit_bytes, now.memory_unit_bytes
+                    ));
+                }
+                View::NvlinkGroup(_) => {
+                    for id in &r.device_ids {
+                        let (was, is) = (old.nvlink_groups.get(id), now.nvlink_groups.get(id));
+                        if was != is {
+                            problems.push(format!(
+                                "NVLink group {id} was GPUs {was:?} and would now be {is:?}"
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        problems
     }
 
     /// The view configuration.
