@@ -179,6 +179,44 @@ mod tests {
     }
 
     #[test]
+    fn a_memory_unit_too_small_for_the_kubelet_exits_64() {
+        let file = format!("{EXAMPLES}/h200-8x-nvswitch.yaml");
+        let err = run_args(&[
+            "baleen-agent",
+            "inventory",
+            "--simulated",
+            &file,
+            "--memory-unit",
+            "16MiB",
+        ])
+        .expect_err("72k devices");
+        assert_eq!(err.exit_code(), EXIT_CONFIG, "{err}");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = dir.path().join("boot_id");
+        std::fs::write(&boot, "b").expect("write");
+        let path = |name: &str| dir.path().join(name).display().to_string();
+        let err = run_args(&[
+            "baleen-agent",
+            "--node-name",
+            "n",
+            "--simulated",
+            &file,
+            "--memory-unit",
+            "16MiB",
+            "--state-dir",
+            &path("state"),
+            "--boot-id-file",
+            &path("boot_id"),
+            "--device-plugin-dir",
+            &path("dp"),
+            "--pod-resources-socket",
+            &path("pr.sock"),
+        ])
+        .expect_err("the run mode refuses it too");
+        assert_eq!(err.exit_code(), EXIT_CONFIG, "{err}");
+    }
+
+    #[test]
     fn simulated_and_nvml_lib_exclude_each_other() {
         let parsed = Cli::try_parse_from([
             "baleen-agent",
