@@ -43,7 +43,7 @@ impl RunError {
 
 /// Runs the agent until SIGTERM or SIGINT.
 pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
-    let settings = crate::config::resolve(args, std::env::var("NODE_NAME").ok())?;
+    let settings = crate::config::resolve(args, &crate::config::Environment::of_process())?;
     init_logging(settings.log_format, &settings.log_level);
     let inventory: Arc<dyn GpuInventory> = Arc::from(settings.inventory.open()?);
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -738,3 +738,27 @@ async fn a_configuration_that_changes_held_device_ids_is_refused() -> Result<()>
     assert_eq!(agent.resources().records().len(), 2);
     stop(agent, token).await
 }
+
+/// Issue 11, also found: a device-plugin directory too long for a Unix socket address is a
+/// configuration error naming the paths, found before anything is bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn socket_paths_too_long_are_a_configuration_error() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let mut config = node.config.clone();
+    config.device_plugin_dir = node.config.device_plugin_dir.join("d".repeat(80));
+    let err = tokio::time::timeout(
+        WAIT,
+        Agent::start(
+            config,
+            Dependencies { inventory: node.inventory.clone() },
+            CancellationToken::new(),
+        ),
+    )
+    .await?
+    .err()
+    .context("refused")?;
+    assert!(err.is_configuration(), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("longer than 107 bytes") && text.contains("gpu-memory.sock"), "{text}");
+    Ok(())
+}

@@ -118,6 +118,16 @@ pub enum AgentError {
         /// What would change, one line per allocation.
         problems: Vec<String>,
     },
+    /// Socket paths longer than a Unix socket address holds.
+    #[error(
+        "socket paths longer than {} bytes, which a Unix socket address cannot hold: {}; use a shorter device-plugin directory or pod-resources socket path",
+        startup::MAX_SOCKET_PATH,
+        paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    SocketPathsTooLong {
+        /// The paths.
+        paths: Vec<PathBuf>,
+    },
     /// The node's agent lock cannot be taken.
     #[error(transparent)]
     Lock(#[from] lock::LockError),
@@ -144,6 +154,7 @@ impl AgentError {
             self,
             AgentError::Inventory(InventoryError::Topology(_))
                 | AgentError::HeldDevicesChanged { .. }
+                | AgentError::SocketPathsTooLong { .. }
                 | AgentError::Ledger(BuildError::ZeroUnit | BuildError::TooManyUnits { .. })
         )
     }

@@ -3,6 +3,7 @@
 //! kubelet's pod-resources API before anything is served. Without a trusted checkpoint that
 //! reconciliation is waited for: the kubelet is then the only record of running containers.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +20,27 @@ use crate::resources::NodeResources;
 const FIRST_LIST_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time between tries while waiting for pod-resources.
 const RETRY: Duration = Duration::from_secs(1);
+
+/// Longest path a Unix socket address holds (`sun_path` is 108 bytes with its final NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Every socket the agent binds or dials fits in a socket address; otherwise a configuration
+/// error naming each path, before anything is bound (binding would fail later, and vaguely).
+fn check_socket_paths(config: &AgentConfig, ledger: &DeviceLedger) -> Result<(), AgentError> {
+    let domain = &ledger.config().domain;
+    let mut paths = vec![
+        config.pod_resources_socket.clone(),
+        config.device_plugin_dir.join(baleen_proto::deviceplugin::v1beta1::KUBELET_SOCKET),
+    ];
+    paths.extend(ledger.views().iter().map(|v| {
+        config
+            .device_plugin_dir
+            .join(baleen_device_plugin::plugin::socket_name(&v.resource_name(domain)))
+    }));
+    let long: Vec<PathBuf> =
+        paths.into_iter().filter(|p| p.as_os_str().len() > MAX_SOCKET_PATH).collect();
+    if long.is_empty() { Ok(()) } else { Err(AgentError::SocketPathsTooLong { paths: long }) }
+}
 
 /// The node's resources, restored and reconciled, with the checkpoint written.
 pub async fn restore(
@@ -41,6 +63,7 @@ pub async fn restore(
         "GPUs discovered"
     );
     let mut ledger = DeviceLedger::new(&config.node_name, &discovered, config.views.clone())?;
+    check_socket_paths(config, &ledger)?;
     let checkpoint = Checkpoint::in_dir(&config.state_dir);
     let read = checkpoint.read();
     // Whatever its boot, an intact checkpoint of this node says what the device IDs the kubelet

@@ -100,12 +100,40 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let (digits, unit) = text.split_at(split);
     let n: u64 =
         digits.parse().map_err(|_| format!("{text:?} is not a duration like 30s, 500ms, 5m"))?;
+    let seconds = |per: u64| {
+        n.checked_mul(per).map(Duration::from_secs).ok_or_else(|| format!("{text:?} is too long"))
+    };
     match unit.trim() {
         "ms" => Ok(Duration::from_millis(n)),
         "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        "h" => Ok(Duration::from_secs(n * 3600)),
+        "m" => seconds(60),
+        "h" => seconds(3600),
         other => Err(format!("{text:?}: unknown unit {other:?} (use ms, s, m or h)")),
+    }
+}
+
+/// What the process environment contributes to the configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Environment {
+    /// `$NODE_NAME` (set from the downward API in the DaemonSet).
+    pub node_name: Option<String>,
+    /// Whether the agent runs in a Kubernetes pod (`$KUBERNETES_SERVICE_HOST` is set): there the
+    /// host name is the pod's name, never a fallback for the node name.
+    pub in_pod: bool,
+}
+
+impl Environment {
+    /// The environment of this process.
+    pub fn of_process() -> Self {
+        Self {
+            node_name: std::env::var("NODE_NAME").ok(),
+            in_pod: std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
+        }
+    }
+
+    /// Only `$NODE_NAME`, outside a pod (tests).
+    pub fn with_node_name(node_name: Option<&str>) -> Self {
+        Self { node_name: node_name.map(str::to_owned), in_pod: false }
     }
 }
 
@@ -127,8 +155,8 @@ pub fn parse_memory_unit(text: &str) -> Result<u64, String> {
     }
 }
 
-/// Resolves defaults < file < environment (`node_name_env`, normally `$NODE_NAME`) < flags.
-pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings, ConfigError> {
+/// Resolves defaults < file < environment (`env`) < flags.
+pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigError> {
     let mut problems = Vec::new();
     let file = match &args.config {
         None => FileConfig::default(),
@@ -138,12 +166,27 @@ pub fn resolve(args: &RunArgs, node_name_env: Option<String>) -> Result<Settings
         },
     };
 
-    let node_name =
-        args.node_name.clone().or(node_name_env).or(file.node_name.clone()).or_else(host_name);
-    let node_name = node_name.unwrap_or_else(|| {
-        problems.push("no node name: set --node-name, NODE_NAME or nodeName".into());
-        String::new()
-    });
+    let node_name = args.node_name.clone().or(env.node_name.clone()).or(file.node_name.clone());
+    // Inside a pod the host name is the pod's: every new pod would distrust the checkpoint.
+    let node_name = if env.in_pod { node_name } else { node_name.or_else(host_name) };
+    let node_name = match node_name {
+        Some(name) if !name.trim().is_empty() => name,
+        Some(_) => {
+            problems.push("the node name is empty: set --node-name, NODE_NAME or nodeName".into());
+            String::new()
+        }
+        None if env.in_pod => {
+            problems.push(
+                "no node name: in a pod, set NODE_NAME from the downward API (spec.nodeName)"
+                    .into(),
+            );
+            String::new()
+        }
+        None => {
+            problems.push("no node name: set --node-name, NODE_NAME or nodeName".into());
+            String::new()
+        }
+    };
 
     let domain =
         args.domain.clone().or(file.domain.clone()).unwrap_or_else(|| defaults::DOMAIN.into());
@@ -311,7 +354,7 @@ mod tests {
         )
         .expect("write");
         let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
-        let s = resolve(&args, None).expect("valid");
+        let s = resolve(&args, &Environment::default()).expect("valid");
         assert_eq!(s.agent.node_name, "from-file");
         assert_eq!(s.agent.views.memory_unit_bytes, 512 << 20);
         assert_eq!(s.agent.views.domain, "example.com");
@@ -321,14 +364,14 @@ mod tests {
         assert_eq!(s.agent.reconcile_grace, Duration::from_secs(600));
         assert_eq!(s.agent.state_dir, PathBuf::from("/tmp/state"));
         assert_eq!(s.agent.device_plugin_dir, PathBuf::from(defaults::DEVICE_PLUGIN_DIR));
-        let s = resolve(&args, Some("from-env".into())).expect("valid");
+        let s = resolve(&args, &Environment::with_node_name(Some("from-env"))).expect("valid");
         assert_eq!(s.agent.node_name, "from-env");
         let args = RunArgs {
             node_name: Some("from-flag".into()),
             memory_unit: Some("2GiB".into()),
             ..args
         };
-        let s = resolve(&args, Some("from-env".into())).expect("valid");
+        let s = resolve(&args, &Environment::with_node_name(Some("from-env"))).expect("valid");
         assert_eq!(s.agent.node_name, "from-flag");
         assert_eq!(s.agent.views.memory_unit_bytes, 2 << 30);
     }
@@ -348,7 +391,7 @@ mod tests {
             simulated: Some("/nonexistent.yaml".into()),
             ..RunArgs::default()
         };
-        let err = resolve(&args, None).expect_err("invalid");
+        let err = resolve(&args, &Environment::default()).expect_err("invalid");
         let text = err.to_string();
         for expected in
             ["domain", "memory unit", "group size 1", "interval", "log format", "/nonexistent.yaml"]
@@ -363,10 +406,23 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("agent.yaml");
         std::fs::write(&file, "nodeName: n\npaths:\n  devicePluginDirectory: /x\n").expect("write");
-        let err = resolve(&RunArgs { config: Some(file), ..RunArgs::default() }, None)
-            .expect_err("unknown field");
+        let err =
+            resolve(&RunArgs { config: Some(file), ..RunArgs::default() }, &Environment::default())
+                .expect_err("unknown field");
         let text = err.to_string();
         assert!(text.contains("agent.yaml:3") && text.contains("devicePluginDirectory"), "{text}");
+    }
+
+    #[test]
+    fn the_node_name_is_never_empty_nor_a_pods_host_name() {
+        let args = RunArgs::default();
+        let err = resolve(&args, &Environment::with_node_name(Some(""))).expect_err("empty");
+        assert!(err.to_string().contains("node name is empty"), "{err}");
+        let in_pod = Environment { node_name: None, in_pod: true };
+        let err = resolve(&args, &in_pod).expect_err("no fallback in a pod");
+        assert!(err.to_string().contains("downward API"), "{err}");
+        let in_pod = Environment { node_name: Some("node-7".into()), in_pod: true };
+        assert_eq!(resolve(&args, &in_pod).expect("valid").agent.node_name, "node-7");
     }
 
     #[test]
@@ -375,5 +431,6 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("2 fortnights").is_err());
         assert!(parse_duration("s").is_err());
+        assert!(parse_duration("99999999999999999h").is_err(), "overflow is an error, not a wrap");
     }
 }
