@@ -320,47 +320,65 @@ impl DeviceBackend for ViewBackend {
         )?)
     }
 
-    async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError> {
+    async fn allocate(
+        &self,
+        containers: Vec<Vec<String>>,
+    ) -> Result<Vec<ContainerAllocation>, BackendError> {
         // Devices of this resource that an older allocation holds, exactly or in part: the
         // kubelet repeats an Allocate only for an init container's devices (which pod-resources
         // does not list) and reassigns only devices whose container ended, but a kubelet that
         // lost its books could hand out devices still in use. Ask its pod-resources list first;
         // if it cannot answer, refuse rather than risk a GPU handed out twice.
-        let held = self.resources.lock().state.sharing_devices(&self.view, &device_ids);
-        if !held.is_empty()
-            && let Some(socket) = &self.resources.pod_resources
-        {
+        let held: Vec<(usize, Vec<AllocationRecord>)> = {
+            let inner = self.resources.lock();
+            containers
+                .iter()
+                .enumerate()
+                .map(|(i, ids)| (i, inner.state.sharing_devices(&self.view, ids)))
+                .filter(|(_, held)| !held.is_empty())
+                .collect()
+        };
+        if let (Some((first, _)), Some(socket)) = (held.first(), &self.resources.pod_resources) {
             let listed = reconcile::fetch(socket, Duration::from_secs(2)).await.map_err(|e| {
                 BackendError::Unavailable {
                     reason: format!(
-                        "devices {device_ids:?} are held by an earlier allocation and the kubelet's pod-resources API, which says whether its container still runs, cannot be asked ({}); refused rather than risk handing them out twice",
+                        "devices {:?} are held by an earlier allocation and the kubelet's pod-resources API, which says whether its container still runs, cannot be asked ({}); refused rather than risk handing them out twice",
+                        containers[*first],
                         Chain(&e)
                     ),
                 }
             })?;
-            let running = listed.iter().find(|k| {
-                held.iter().any(|r| r.resource == k.resource && r.device_ids == k.device_ids)
-            });
-            if let Some(k) = running {
-                return Err(BackendError::Conflict {
-                    ids: device_ids,
-                    reason: format!(
-                        "the kubelet still lists devices {:?} for running container {}/{}/{}",
-                        k.device_ids, k.namespace, k.pod, k.container
-                    ),
+            for (i, held) in &held {
+                let running = listed.iter().find(|k| {
+                    held.iter().any(|r| r.resource == k.resource && r.device_ids == k.device_ids)
                 });
+                if let Some(k) = running {
+                    return Err(BackendError::Conflict {
+                        ids: containers[*i].clone(),
+                        reason: format!(
+                            "the kubelet still lists devices {:?} for running container {}/{}/{}",
+                            k.device_ids, k.namespace, k.pod, k.container
+                        ),
+                    });
+                }
             }
         }
-        // The checkpoint write blocks (fsync): off the async worker threads.
+        // All containers in one change: a refusal of any leaves the ledger as it was. The
+        // checkpoint write blocks (fsync): off the async worker threads.
         let resources = self.resources.clone();
         let view = self.view.clone();
-        let granted = tokio::task::spawn_blocking(move || {
+        let grants = tokio::task::spawn_blocking(move || {
             resources.change(|state, _| {
-                Ok((state.allocate(&view, &device_ids, unix_now())?, Trust::Unchanged))
+                let now = unix_now();
+                let grants = containers
+                    .iter()
+                    .map(|ids| state.allocate(&view, ids, now))
+                    .collect::<Result<Vec<Grant>, Refusal>>()?;
+                Ok((grants, Trust::Unchanged))
             })
         })
         .await
         .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;
-        Ok(container_response(&granted, &self.resources.responses))
+        Ok(grants.iter().map(|g| container_response(g, &self.resources.responses)).collect())
     }
 }

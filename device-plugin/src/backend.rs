@@ -125,8 +125,13 @@ pub trait DeviceBackend: Send + Sync + 'static {
         request: PreferredAllocationRequest,
     ) -> Result<Vec<String>, BackendError>;
 
-    /// Grants one container these devices (IDs already checked to be advertised and distinct),
-    /// or refuses. A repeated Allocate of IDs already granted in this resource must succeed
-    /// (the kubelet reuses an init container's devices).
-    async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError>;
+    /// Grants every container of one Allocate request its devices (each container's IDs
+    /// already checked to be advertised and distinct), answers in the same order, or refuses the
+    /// whole request with nothing granted: a request that fails at its second container keeps no
+    /// grant of its first. A repeated Allocate of IDs already granted in this resource must
+    /// succeed (the kubelet reuses an init container's devices).
+    async fn allocate(
+        &self,
+        containers: Vec<Vec<String>>,
+    ) -> Result<Vec<ContainerAllocation>, BackendError>;
 }

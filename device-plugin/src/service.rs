@@ -227,7 +227,7 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
             ));
         }
         let list = self.backend.devices().borrow().clone();
-        let mut container_responses = Vec::with_capacity(request.container_requests.len());
+        let mut containers = Vec::with_capacity(request.container_requests.len());
         for container in request.container_requests {
             if container.devices_ids.is_empty() {
                 return Err(self.fail(
@@ -239,12 +239,15 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
                 ));
             }
             check_ids(&list, &container.devices_ids).map_err(|e| self.fail(OP, &e))?;
-            let ids = container.devices_ids;
-            let granted =
-                self.backend.allocate(ids.clone()).await.map_err(|e| self.fail(OP, &e))?;
-            tracing::info!(resource = self.resource(), devices = ?ids, "allocated");
-            container_responses.push(to_container_response(granted));
+            containers.push(container.devices_ids);
         }
+        // One call for the whole request: the backend grants every container or none.
+        let granted =
+            self.backend.allocate(containers.clone()).await.map_err(|e| self.fail(OP, &e))?;
+        for ids in &containers {
+            tracing::info!(resource = self.resource(), devices = ?ids, "allocated");
+        }
+        let container_responses = granted.into_iter().map(to_container_response).collect();
         Ok(Response::new(api::AllocateResponse { container_responses }))
     }
 

@@ -76,10 +76,13 @@ impl DeviceBackend for MemoryBackend {
         Ok(chosen)
     }
 
-    async fn allocate(&self, device_ids: Vec<String>) -> Result<ContainerAllocation, BackendError> {
+    async fn allocate(
+        &self,
+        containers: Vec<Vec<String>>,
+    ) -> Result<Vec<ContainerAllocation>, BackendError> {
         let blocked: Vec<String> = {
             let blocked = lock(&self.blocked);
-            device_ids.iter().filter(|id| blocked.contains(*id)).cloned().collect()
+            containers.iter().flatten().filter(|id| blocked.contains(*id)).cloned().collect()
         };
         if !blocked.is_empty() {
             return Err(BackendError::Conflict {
@@ -87,9 +90,15 @@ impl DeviceBackend for MemoryBackend {
                 reason: "taken through another resource".into(),
             });
         }
-        lock(&self.granted).push(device_ids.clone());
-        let mut allocation = ContainerAllocation::default();
-        allocation.envs.insert("WIDGETS".into(), device_ids.join(","));
-        Ok(allocation)
+        let mut granted = lock(&self.granted);
+        Ok(containers
+            .into_iter()
+            .map(|device_ids| {
+                granted.push(device_ids.clone());
+                let mut allocation = ContainerAllocation::default();
+                allocation.envs.insert("WIDGETS".into(), device_ids.join(","));
+                allocation
+            })
+            .collect())
     }
 }

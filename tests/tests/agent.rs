@@ -762,3 +762,40 @@ async fn socket_paths_too_long_are_a_configuration_error() -> Result<()> {
     assert!(text.contains("longer than 107 bytes") && text.contains("gpu-memory.sock"), "{text}");
     Ok(())
 }
+
+/// Issue 11, also found: an Allocate of several containers that fails at one of them grants
+/// none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_container_allocate_is_all_or_nothing() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let whole = node.kubelet.admit_to("ns/x", "c", GPU, 1).await?;
+    let taken = whole.device_ids[0].clone();
+    let free =
+        node.kubelet.view().healthy(GPU).into_iter().find(|g| *g != taken).context("free")?;
+    let err = node
+        .kubelet
+        .allocate_raw(MEM, vec![vec![format!("{free}::0")], vec![format!("{taken}::0")]])
+        .await
+        .expect_err("the second container's GPU is held whole");
+    let AdmitError::Rpc(status) = err else { panic!("expected a gRPC error, got {err}") };
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(agent.resources().records().len(), 1, "the first container got nothing either");
+    // Both containers on free GPUs: both granted, answers in order.
+    let other = node
+        .kubelet
+        .view()
+        .healthy(GPU)
+        .into_iter()
+        .find(|g| *g != taken && *g != free)
+        .context("x")?;
+    let answer = node
+        .kubelet
+        .allocate_raw(MEM, vec![vec![format!("{free}::0")], vec![format!("{other}::0")]])
+        .await?;
+    assert_eq!(answer.container_responses.len(), 2);
+    assert_eq!(answer.container_responses[1].envs["NVIDIA_VISIBLE_DEVICES"], other);
+    assert_eq!(agent.resources().records().len(), 3);
+    stop(agent, token).await
+}
