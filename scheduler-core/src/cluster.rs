@@ -5,6 +5,7 @@
 //! carry a prefix from a seeded permutation). The random policy picks a feasible node
 //! uniformly instead.
 
+use crate::fit;
 use crate::ledger::{Allocation, AllocationId, LedgerError, NodeLedger};
 use crate::model::{GpuModel, GpuSet, Request};
 use crate::policy::{Policy, PolicyKind, Scored};
@@ -35,7 +36,7 @@ pub fn select_node(
     debug_assert_eq!(nodes.len(), ranks.len());
     if !policy.kind().is_deterministic() {
         let feasible: Vec<usize> =
-            (0..nodes.len()).filter(|&i| crate::fit::node_fits(&nodes[i], request)).collect();
+            (0..nodes.len()).filter(|&i| fit::node_fits(&nodes[i], request)).collect();
         let pick = match feasible.len() {
             0 => return None,
             // As kube-scheduler: a single feasible node is taken without scoring.
@@ -187,24 +188,30 @@ impl ClusterScheduler {
             }
         };
         let memoise = memoised(self.policy.kind());
-        let slots = &mut self.cache[shape];
+        let Self { policy, nodes, ranks, generations, cache, kinds, memo, key, .. } = self;
+        // One pass over nodes, slots, generations and ranks together: no bounds checks and no
+        // reloads through `self` in the loop every decision runs over every node.
+        let slots = cache[shape].iter_mut().zip(generations.iter()).zip(ranks.iter());
         let mut best: Option<(usize, Scored)> = None;
-        for (i, node) in self.nodes.iter().enumerate() {
-            let slot = &mut slots[i];
-            if slot.0 != self.generations[i] {
-                let scored = if memoise {
-                    state_key(&mut self.key, shape, self.kinds[i], node);
-                    let policy = &self.policy;
-                    self.memo
-                        .get_or_insert_with(&self.key, || policy.score(node, request, &mut *rng))
+        let mut best_rank = 0;
+        for (i, (node, ((slot, &generation), &rank))) in nodes.iter().zip(slots).enumerate() {
+            if slot.0 != generation {
+                let scored = if !memoise {
+                    policy.score(node, request, rng)
+                } else if !fit::node_fits(node, request) {
+                    // Scoring starts by this test, and failing it gives no score: cheaper
+                    // than a memo look-up, and on a loaded cluster most nodes fail it.
+                    None
                 } else {
-                    self.policy.score(node, request, rng)
+                    state_key(key, shape, kinds[i], node);
+                    memo.get_or_insert_with(key, || policy.score(node, request, &mut *rng))
                 };
-                *slot = (self.generations[i], scored);
+                *slot = (generation, scored);
             }
             if let Some(s) = slot.1 {
-                if beats(s.score, self.ranks[i], best.map(|(b, bs)| (bs.score, self.ranks[b]))) {
+                if beats(s.score, rank, best.map(|(_, b)| (b.score, best_rank))) {
                     best = Some((i, s));
+                    best_rank = rank;
                 }
             }
         }
