@@ -69,7 +69,7 @@ pub fn select_node(
 /// identical states share one score: a memo keyed by the request shape, the node's kind (its
 /// description less names and IDs) and what is free on it and on each GPU, so a fresh scheduler
 /// over many alike nodes scores each state once. The memo keeps the recently met states, at
-/// most twice [`MEMO_LIMIT`] (see [`memo`]).
+/// most twice [`MEMO_LIMIT`] (the private module `cluster::memo` says how).
 #[derive(Debug)]
 pub struct ClusterScheduler {
     policy: Policy,
@@ -88,8 +88,8 @@ pub struct ClusterScheduler {
 /// The most node states one generation of [`ClusterScheduler`]'s memo holds; the memo keeps
 /// two. A replay of the Alibaba trace meets about 230,000 states in a seed, but nearly all the
 /// states that recur do so within a few thousand decisions: this limit keeps most of the
-/// memo's hits (`docs/benchmarks.md`, "Replay speed") in a few hundred KiB, where keeping every
-/// state took 50 MiB.
+/// memo's hits (`docs/benchmarks.md`, "Replay speed (issue 10)") in about a MiB, where keeping
+/// every state took 50 MiB.
 pub const MEMO_LIMIT: usize = 1 << 12;
 
 /// The most distinct request shapes [`ClusterScheduler`] caches scores for before it forgets

@@ -6,8 +6,8 @@
 //! after they were first seen. So the memo keeps only recent states, in two generations of at
 //! most `limit` entries each: a look-up searches the current generation, then the previous one,
 //! moving what it finds there into the current one; when the current one is full it becomes the
-//! previous one and the oldest is dropped. Memory stays bounded and small (a few hundred KiB)
-//! while frequently met states survive every turnover.
+//! previous one and the oldest is dropped. Memory stays bounded and small (about a MiB at the
+//! scheduler's limit of 4,096 states) while frequently met states survive every turnover.
 //!
 //! Each generation stores its keys back to back in one vector and finds them through an
 //! open-addressing table of entry numbers, so an insertion allocates nothing once the vectors
