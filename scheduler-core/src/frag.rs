@@ -287,7 +287,8 @@ pub fn ledger_fragment(target: &TargetWorkload, node: &NodeLedger) -> f64 {
 /// of its GPUs; only the GPUs differ.
 #[derive(Clone, Copy, Debug)]
 pub struct Candidates<'a> {
-    /// What is free before the placement (one entry in `gpus` per GPU of the node).
+    /// What is free before the placement: one entry in `gpus` per GPU of the node, so at most
+    /// [`MAX_GPUS_PER_NODE`](crate::model::MAX_GPUS_PER_NODE), as in every ledger.
     pub before: NodeFree<'a>,
     /// Free CPU after the placement.
     pub cpu_after: MilliCpu,
