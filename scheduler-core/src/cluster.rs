@@ -5,12 +5,16 @@
 //! carry a prefix from a seeded permutation). The random policy picks a feasible node
 //! uniformly instead.
 
+use crate::fit;
 use crate::ledger::{Allocation, AllocationId, LedgerError, NodeLedger};
 use crate::model::{GpuModel, GpuSet, Request};
 use crate::policy::{Policy, PolicyKind, Scored};
 use crate::units::{MemMib, MemUnits, MilliCpu};
+use memo::StateMemo;
 use rand::{Rng, RngCore};
 use std::collections::HashMap;
+
+mod memo;
 
 /// Whether a node with `score` and priority `rank` beats the best so far.
 pub fn beats(score: i64, rank: u32, best: Option<(i64, u32)>) -> bool {
@@ -32,7 +36,7 @@ pub fn select_node(
     debug_assert_eq!(nodes.len(), ranks.len());
     if !policy.kind().is_deterministic() {
         let feasible: Vec<usize> =
-            (0..nodes.len()).filter(|&i| crate::fit::node_fits(&nodes[i], request)).collect();
+            (0..nodes.len()).filter(|&i| fit::node_fits(&nodes[i], request)).collect();
         let pick = match feasible.len() {
             0 => return None,
             // As kube-scheduler: a single feasible node is taken without scoring.
@@ -61,10 +65,11 @@ pub fn select_node(
 /// that changed since the last decision with that request shape. Each node carries a
 /// generation number, bumped on every change, so invalidation is O(1).
 ///
-/// Behind that cache, nodes in identical states share one score: a memo keyed by the node's
-/// kind (its description less names and IDs), what is free on it and on each GPU, and the
-/// classes of the tasks it runs, so a fresh scheduler over many alike nodes scores each state
-/// once. The memo is cleared when it reaches [`MEMO_LIMIT`] entries.
+/// Behind that cache, for the policies whose scoring is costly (`fgd` and `baleen`), nodes in
+/// identical states share one score: a memo keyed by the request shape, the node's kind (its
+/// description less names and IDs) and what is free on it and on each GPU, so a fresh scheduler
+/// over many alike nodes scores each state once. The memo keeps the recently met states, at
+/// most twice [`MEMO_LIMIT`] (the private module `cluster::memo` says how).
 #[derive(Debug)]
 pub struct ClusterScheduler {
     policy: Policy,
@@ -75,13 +80,17 @@ pub struct ClusterScheduler {
     /// `cache[shape][node]`: the node's generation when scored, and its score.
     cache: Vec<Vec<(u32, Option<Scored>)>>,
     /// Each node's kind: equal for nodes with equal descriptions but for names and IDs.
-    kinds: Vec<u64>,
-    memo: HashMap<Box<[u64]>, Option<Scored>>,
+    kinds: Vec<u32>,
+    memo: StateMemo,
     key: Vec<u64>,
 }
 
-/// The most node states [`ClusterScheduler`] remembers before it forgets them all.
-pub const MEMO_LIMIT: usize = 1 << 18;
+/// The most node states one generation of [`ClusterScheduler`]'s memo holds; the memo keeps
+/// two. A replay of the Alibaba trace meets about 230,000 states in a seed, but nearly all the
+/// states that recur do so within a few thousand decisions: this limit keeps most of the
+/// memo's hits (`docs/benchmarks.md`, "Replay speed (issue 10)") in about a MiB, where keeping
+/// every state took 50 MiB.
+pub const MEMO_LIMIT: usize = 1 << 12;
 
 /// The most distinct request shapes [`ClusterScheduler`] caches scores for before it forgets
 /// them all.
@@ -101,7 +110,8 @@ impl ClusterScheduler {
         // A node's kind: its description less the node name and the GPU IDs.
         type Kind<'a> =
             (MilliCpu, MemMib, Vec<(&'a GpuModel, MemUnits, Option<u32>, &'a [usize], usize)>);
-        let mut kind_ids: HashMap<Kind<'_>, u64> = HashMap::new();
+        // Ranks are u32, so there are fewer than 2^32 nodes, and kinds.
+        let mut kind_ids: HashMap<Kind<'_>, u32> = HashMap::new();
         let kinds = nodes
             .iter()
             .map(|n| {
@@ -119,7 +129,7 @@ impl ClusterScheduler {
                         )
                     })
                     .collect();
-                let next = kind_ids.len() as u64;
+                let next = kind_ids.len() as u32;
                 *kind_ids.entry((s.cpu, s.memory, gpus)).or_insert(next)
             })
             .collect();
@@ -131,7 +141,7 @@ impl ClusterScheduler {
             shapes: HashMap::new(),
             cache: Vec::new(),
             kinds,
-            memo: HashMap::new(),
+            memo: StateMemo::new(MEMO_LIMIT),
             key: Vec::new(),
         }
     }
@@ -177,36 +187,32 @@ impl ClusterScheduler {
                 s
             }
         };
-        // The memo pays where scoring is costly (fragmentation over a target workload); for
-        // the simple formulas building the key costs more than scoring.
-        let memoise = matches!(self.policy.kind(), PolicyKind::Fgd | PolicyKind::Baleen);
-        let slots = &mut self.cache[shape];
+        let memoise = memoised(self.policy.kind());
+        let Self { policy, nodes, ranks, generations, cache, kinds, memo, key, .. } = self;
+        // One pass over nodes, slots, generations and ranks together: no bounds checks and no
+        // reloads through `self` in the loop every decision runs over every node.
+        let slots = cache[shape].iter_mut().zip(generations.iter()).zip(ranks.iter());
         let mut best: Option<(usize, Scored)> = None;
-        for (i, node) in self.nodes.iter().enumerate() {
-            let slot = &mut slots[i];
-            if slot.0 != self.generations[i] {
-                let scored = if memoise {
-                    state_key(&mut self.key, shape, self.kinds[i], node);
-                    match self.memo.get(self.key.as_slice()) {
-                        Some(&s) => s,
-                        None => {
-                            let s = self.policy.score(node, request, rng);
-                            if self.memo.len() >= MEMO_LIMIT {
-                                self.memo.clear();
-                            }
-                            self.memo.insert(self.key.clone().into_boxed_slice(), s);
-                            s
-                        }
-                    }
+        let mut best_rank = 0;
+        for (i, (node, ((slot, &generation), &rank))) in nodes.iter().zip(slots).enumerate() {
+            if slot.0 != generation {
+                let scored = if !memoise {
+                    policy.score(node, request, rng)
+                } else if !fit::node_fits(node, request) {
+                    // Scoring starts by this test, and failing it gives no score: cheaper
+                    // than a memo look-up, and on a loaded cluster most nodes fail it.
+                    None
                 } else {
-                    self.policy.score(node, request, rng)
+                    state_key(key, shape, kinds[i], node);
+                    memo.get_or_insert_with(key, || policy.score(node, request, &mut *rng))
                 };
-                *slot = (self.generations[i], scored);
+                *slot = (generation, scored);
             }
             if let Some(s) = slot.1
-                && beats(s.score, self.ranks[i], best.map(|(b, bs)| (bs.score, self.ranks[b])))
+                && beats(s.score, rank, best.map(|(_, b)| (b.score, best_rank)))
             {
                 best = Some((i, s));
+                best_rank = rank;
             }
         }
         best
@@ -239,21 +245,22 @@ impl ClusterScheduler {
     }
 }
 
-/// Writes into `key` everything a deterministic policy's score depends on: the request shape,
-/// the node's kind, its free CPU and memory, each GPU's free compute and memory, and the set of
-/// task classes on the node (GPU clustering looks at them).
-fn state_key(key: &mut Vec<u64>, shape: usize, kind: u64, node: &NodeLedger) {
+/// Whether the scheduler memoises the scores of `kind` by node state ([`state_key`]): where
+/// scoring is costly (fragmentation over a target workload). For the simple formulas building
+/// the key costs more than scoring.
+fn memoised(kind: PolicyKind) -> bool {
+    matches!(kind, PolicyKind::Fgd | PolicyKind::Baleen)
+}
+
+/// Writes into `key` everything a [`memoised`] policy's score depends on: the request shape,
+/// the node's kind, its free CPU and memory, and each GPU's free compute and memory. (`fgd` and
+/// `baleen` read nothing else of a node; a policy that looks at the tasks a node runs, as GPU
+/// clustering does, must not be memoised with this key.) Shapes are below [`SHAPE_LIMIT`], so
+/// the shape and the kind share a word.
+fn state_key(key: &mut Vec<u64>, shape: usize, kind: u32, node: &NodeLedger) {
     key.clear();
-    key.extend([shape as u64, kind, node.free_cpu().0, node.free_memory().0]);
+    key.extend([(shape as u64) << 32 | u64::from(kind), node.free_cpu().0, node.free_memory().0]);
     key.extend(node.gpus().iter().map(|g| u64::from(g.milli.0) << 32 | u64::from(g.memory.0)));
-    let mut classes = 0u64;
-    for (_, a) in node.allocations() {
-        classes |= match a.request.gpu.class() {
-            None => 1,
-            Some(c) => 1u64 << (c + 1).min(63),
-        };
-    }
-    key.push(classes);
 }
 
 #[cfg(test)]

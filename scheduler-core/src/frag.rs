@@ -18,7 +18,7 @@
 //! and memory cannot feed.
 
 use crate::ledger::NodeLedger;
-use crate::model::{GpuModel, NodeSpec, Request};
+use crate::model::{GpuModel, GpuSet, NodeSpec, Request};
 use crate::units::{MemMib, MilliCpu, MilliGpu};
 use std::collections::HashMap;
 
@@ -54,6 +54,34 @@ impl TaskShape {
     fn allows(&self, model: &GpuModel) -> bool {
         self.models.is_empty() || self.models.contains(model)
     }
+
+    /// Whether free CPU and memory cover one task of this shape.
+    fn host_fits(&self, cpu: MilliCpu, memory: MemMib) -> bool {
+        cpu >= self.cpu && self.memory.is_none_or(|m| memory >= m)
+    }
+
+    /// GPU compute that free CPU and memory can feed with tasks of this shape: the tasks they
+    /// can feed (unbounded when the shape needs neither) times the shape's GPU demand.
+    fn fed(&self, cpu: MilliCpu, memory: MemMib) -> f64 {
+        let per = f64::from(self.milli_per_gpu.0) * f64::from(self.gpu_count);
+        let mut copies = f64::INFINITY;
+        if self.cpu.0 > 0 {
+            copies = copies.min(cpu.0 as f64 / self.cpu.0 as f64);
+        }
+        if let Some(m) = self.memory.filter(|m| m.0 > 0) {
+            copies = copies.min(memory.0 as f64 / m.0 as f64);
+        }
+        copies * per
+    }
+}
+
+/// The GPU side of a task shape: what [`shape_fragment`] reads once host resources fit.
+/// Shapes that differ only in CPU or memory share one (the Alibaba trace's 151 shapes have 25).
+#[derive(Clone, Debug, PartialEq)]
+struct GpuPart {
+    milli_per_gpu: u32,
+    gpu_count: u32,
+    models: Vec<GpuModel>,
 }
 
 /// The task shapes a cluster expects, with their probabilities.
@@ -62,6 +90,10 @@ pub struct TargetWorkload {
     shapes: Vec<(TaskShape, f64)>,
     distinct: usize,
     needs: (f64, f64),
+    /// The distinct GPU parts of the shapes.
+    gpu_parts: Vec<GpuPart>,
+    /// For each shape, its index in `gpu_parts`; `None` for CPU-only shapes.
+    part_of: Vec<Option<usize>>,
 }
 
 impl TargetWorkload {
@@ -105,7 +137,25 @@ impl TargetWorkload {
     }
 
     fn from_parts(shapes: Vec<(TaskShape, f64)>, distinct: usize) -> Self {
-        let mut t = Self { shapes, distinct, needs: (0.0, 0.0) };
+        let mut gpu_parts: Vec<GpuPart> = Vec::new();
+        let part_of = shapes
+            .iter()
+            .map(|(shape, _)| {
+                if shape.gpu_count == 0 {
+                    return None;
+                }
+                let part = GpuPart {
+                    milli_per_gpu: shape.milli_per_gpu.0,
+                    gpu_count: shape.gpu_count,
+                    models: shape.models.clone(),
+                };
+                Some(gpu_parts.iter().position(|p| *p == part).unwrap_or_else(|| {
+                    gpu_parts.push(part);
+                    gpu_parts.len() - 1
+                }))
+            })
+            .collect();
+        let mut t = Self { shapes, distinct, needs: (0.0, 0.0), gpu_parts, part_of };
         t.needs = per_gpu_needs(&t);
         t
     }
@@ -147,8 +197,7 @@ pub struct NodeFree<'a> {
 /// Free compute of a node that `shape` cannot use, in milli-GPU.
 pub fn shape_fragment(shape: &TaskShape, spec: &NodeSpec, free: &NodeFree<'_>) -> u64 {
     let total: u64 = free.gpus.iter().map(|&r| u64::from(r)).sum();
-    if shape.gpu_count == 0 || free.cpu < shape.cpu || shape.memory.is_some_and(|m| free.memory < m)
-    {
+    if shape.gpu_count == 0 || !shape.host_fits(free.cpu, free.memory) {
         return total;
     }
     let g = shape.milli_per_gpu.0;
@@ -210,15 +259,7 @@ pub fn node_fragment_with_host(
         let mut v = f as f64;
         if shape.gpu_count > 0 && f < total {
             let usable = (total - f) as f64;
-            let per = f64::from(shape.milli_per_gpu.0) * f64::from(shape.gpu_count);
-            let mut copies = f64::INFINITY;
-            if shape.cpu.0 > 0 {
-                copies = copies.min(free.cpu.0 as f64 / shape.cpu.0 as f64);
-            }
-            if let Some(m) = shape.memory.filter(|m| m.0 > 0) {
-                copies = copies.min(free.memory.0 as f64 / m.0 as f64);
-            }
-            let fed = copies * per;
+            let fed = shape.fed(free.cpu, free.memory);
             if fed < usable {
                 v += weight * (usable - fed);
             }
@@ -241,6 +282,191 @@ pub fn ledger_fragment(target: &TargetWorkload, node: &NodeLedger) -> f64 {
     node_fragment(target, node.spec(), &free)
 }
 
+/// A node's state before a placement and after each of its candidate placements: what a
+/// fragmentation descent compares. Every candidate takes the same CPU, memory and share of each
+/// of its GPUs; only the GPUs differ.
+#[derive(Clone, Copy, Debug)]
+pub struct Candidates<'a> {
+    /// What is free before the placement: one entry in `gpus` per GPU of the node, so at most
+    /// [`MAX_GPUS_PER_NODE`](crate::model::MAX_GPUS_PER_NODE), as in every ledger.
+    pub before: NodeFree<'a>,
+    /// Free CPU after the placement.
+    pub cpu_after: MilliCpu,
+    /// Free host memory after the placement.
+    pub memory_after: MemMib,
+    /// The compute the placement takes of each of its GPUs, in milli-GPU.
+    pub share: u32,
+    /// The candidate GPU sets; each GPU in them has at least `share` free.
+    pub sets: &'a [GpuSet],
+}
+
+impl Candidates<'_> {
+    /// The number of states: the one before, and one after each candidate.
+    pub fn states(&self) -> usize {
+        self.sets.len() + 1
+    }
+}
+
+thread_local! {
+    /// Scratch words of [`TargetWorkload::candidate_fragments`], kept between calls: a fresh
+    /// buffer each call (a heap allocation, or zeroing a large stack array) cost more than the
+    /// arithmetic it holds. Taken out while in use, so a nested call would only allocate anew.
+    static SCRATCH: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl TargetWorkload {
+    /// [`node_fragment`] of the state before the placement into `out[0]`, and of the state
+    /// after candidate `j` into `out[1 + j]`: bit for bit what calling it on each state gives.
+    ///
+    /// # Panics
+    /// If `out` has fewer than [`Candidates::states`] entries.
+    pub fn candidate_fragments(
+        &self,
+        spec: &NodeSpec,
+        candidates: &Candidates<'_>,
+        out: &mut [f64],
+    ) {
+        self.candidate_measures(spec, candidates, None, out);
+    }
+
+    /// [`node_fragment_with_host`] of each state, as [`TargetWorkload::candidate_fragments`].
+    ///
+    /// # Panics
+    /// If `out` has fewer than [`Candidates::states`] entries.
+    pub fn candidate_fragments_with_host(
+        &self,
+        spec: &NodeSpec,
+        candidates: &Candidates<'_>,
+        weight: f64,
+        out: &mut [f64],
+    ) {
+        self.candidate_measures(spec, candidates, Some(weight), out);
+    }
+
+    /// The measure of every state in one pass over the shapes, where calling the per-state
+    /// functions costs a pass over every shape and GPU for each state. Two facts make it cheap
+    /// and exact:
+    /// - the GPU side of [`shape_fragment`] (how many GPUs serve a shape, and the compute of the
+    ///   rest) depends only on the shape's [`GpuPart`], so it is counted once per part and
+    ///   state; after a candidate, only the GPUs of its set change, so each state's counts are
+    ///   the state before's, corrected for those GPUs. These are integers: exact.
+    /// - the host side (whether CPU and memory fit a task, and the GPU they can feed) is the
+    ///   same for all states after a placement, so it is computed twice per shape, not once per
+    ///   state.
+    ///
+    /// Each state's sum then adds the very terms the per-state functions add, in the same
+    /// (shape) order, from the same starting value, so the floating-point results are equal.
+    fn candidate_measures(
+        &self,
+        spec: &NodeSpec,
+        candidates: &Candidates<'_>,
+        host_weight: Option<f64>,
+        out: &mut [f64],
+    ) {
+        let states = candidates.states();
+        let out = &mut out[..states];
+        let gpus = candidates.before.gpus;
+        let share = candidates.share;
+        // shape_fragment pairs free compute with the GPUs of the spec: GPUs past the shorter
+        // of the two count in the total only.
+        let paired = gpus.len().min(spec.gpus.len());
+        // Scratch: the free compute of each state, then the GPU-side fragment of each part
+        // in each state (row `1 + part`).
+        let mut scratch = SCRATCH.take();
+        scratch.clear();
+        scratch.resize(states * (self.gpu_parts.len() + 1), 0);
+        let (totals, parts) = scratch.split_at_mut(states);
+        totals[0] = gpus.iter().map(|&r| u64::from(r)).sum();
+        for (j, set) in candidates.sets.iter().enumerate() {
+            let taken: u64 = set
+                .iter()
+                .filter(|&i| i < gpus.len())
+                .map(|i| u64::from(gpus[i] - gpus[i].saturating_sub(share)))
+                .sum();
+            totals[1 + j] = totals[0] - taken;
+        }
+        for (part, row) in self.gpu_parts.iter().zip(parts.chunks_exact_mut(states)) {
+            let mut allowed = GpuSet::EMPTY;
+            for (i, gpu) in spec.gpus[..paired].iter().enumerate() {
+                if part.models.is_empty() || part.models.contains(&gpu.model) {
+                    allowed.insert(i);
+                }
+            }
+            let serves = |i: usize, free: u32| allowed.contains(i) && free >= part.milli_per_gpu;
+            let (mut usable, mut unusable) = (0u32, 0u64);
+            for (i, &r) in gpus[..paired].iter().enumerate() {
+                if serves(i, r) {
+                    usable += 1;
+                } else {
+                    unusable += u64::from(r);
+                }
+            }
+            let fragment = |usable: u32, unusable: u64, total: u64| {
+                if usable < part.gpu_count { total } else { unusable }
+            };
+            row[0] = fragment(usable, unusable, totals[0]);
+            for (j, set) in candidates.sets.iter().enumerate() {
+                let (mut u, mut un) = (usable, unusable);
+                for i in set.iter().filter(|&i| i < paired) {
+                    let (was, now) = (gpus[i], gpus[i].saturating_sub(share));
+                    if serves(i, was) {
+                        u -= 1;
+                    } else {
+                        un -= u64::from(was);
+                    }
+                    if serves(i, now) {
+                        u += 1;
+                    } else {
+                        un += u64::from(now);
+                    }
+                }
+                row[1 + j] = fragment(u, un, totals[1 + j]);
+            }
+        }
+        // node_fragment sums with Iterator::sum (whose starting value is -0.0 in recent Rust
+        // releases), node_fragment_with_host from 0.0: start where each starts.
+        out.fill(if host_weight.is_some() { 0.0 } else { std::iter::empty::<f64>().sum() });
+        let before = &candidates.before;
+        for ((shape, p), part) in self.shapes.iter().zip(&self.part_of) {
+            let fits = [
+                shape.host_fits(before.cpu, before.memory),
+                shape.host_fits(candidates.cpu_after, candidates.memory_after),
+            ];
+            // shape_fragment of state `s`.
+            let fragment = |s: usize| match part {
+                Some(k) if fits[usize::from(s > 0)] => parts[k * states + s],
+                _ => totals[s],
+            };
+            match host_weight {
+                None => {
+                    for (s, sum) in out.iter_mut().enumerate() {
+                        *sum += p * fragment(s) as f64;
+                    }
+                }
+                Some(weight) => {
+                    let fed = [
+                        shape.fed(before.cpu, before.memory),
+                        shape.fed(candidates.cpu_after, candidates.memory_after),
+                    ];
+                    for (s, sum) in out.iter_mut().enumerate() {
+                        let (f, total) = (fragment(s), totals[s]);
+                        let mut v = f as f64;
+                        if shape.gpu_count > 0 && f < total {
+                            let usable = (total - f) as f64;
+                            let fed = fed[usize::from(s > 0)];
+                            if fed < usable {
+                                v += weight * (usable - fed);
+                            }
+                        }
+                        *sum += p * v;
+                    }
+                }
+            }
+        }
+        SCRATCH.set(scratch);
+    }
+}
+
 /// Copies the free compute of each GPU of `node` into `out` and returns how many there are.
 pub(crate) fn fill_free(
     node: &NodeLedger,
@@ -256,6 +482,7 @@ pub(crate) fn fill_free(
 mod tests {
     use super::*;
     use crate::model::{GpuDemand, GpuSpec};
+    use proptest::prelude::*;
 
     fn spec(gpus: usize) -> NodeSpec {
         let model = GpuModel::new("G2");
@@ -273,6 +500,86 @@ mod tests {
             memory: MemMib(memory),
             gpu: GpuDemand::Whole { count: 1 },
             allowed_models: vec![],
+        }
+    }
+
+    /// Requests of a few shapes: CPU-only, shared, whole; any model or one of two; with memory.
+    fn request() -> impl Strategy<Value = Request> {
+        (0u64..=8, 0u64..=4, 0u32..=3, prop_oneof![Just(1000u32), 100u32..=999], 0usize..3)
+            .prop_map(|(cpu, memory, count, milli, models)| Request {
+                cpu: MilliCpu(cpu * 4000),
+                memory: MemMib(memory * 32_000),
+                gpu: match (count, milli) {
+                    (0, _) => GpuDemand::None,
+                    (n, 1000) => GpuDemand::Whole { count: n },
+                    (_, m) => GpuDemand::Shared { milli: MilliGpu(m), memory: Default::default() },
+                },
+                allowed_models: [vec![], vec![GpuModel::new("A")], vec![GpuModel::new("B")]]
+                    [models]
+                    .clone(),
+            })
+    }
+
+    proptest! {
+        /// The measures of a node before a placement and after each candidate, computed
+        /// together, are bit for bit those of each state computed on its own.
+        #[test]
+        fn candidate_fragments_equal_the_per_state_measures(
+            requests in proptest::collection::vec(request(), 1..30),
+            with_memory in any::<bool>(),
+            models in proptest::collection::vec(0usize..3, 0..=8),
+            free in proptest::collection::vec(prop_oneof![Just(1000u32), 0u32..=1000], 8),
+            host in (0u64..=40, 0u64..=8, 0u64..=40, 0u64..=8),
+            share in prop_oneof![Just(1000u32), 1u32..=1000],
+            weight in 0.0f64..4.0,
+        ) {
+            let target = TargetWorkload::from_requests(&requests, 0.9, with_memory);
+            let names = ["A", "B", "C"];
+            let spec = NodeSpec {
+                name: "n".into(),
+                cpu: MilliCpu(160_000),
+                memory: MemMib(1 << 20),
+                gpus: models
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &m)| GpuSpec::plain(format!("g{i}"), GpuModel::new(names[m])))
+                    .collect(),
+            };
+            let gpus = &free[..models.len()];
+            let before = NodeFree {
+                cpu: MilliCpu(host.0 * 4000),
+                memory: MemMib(host.2 * 32_000),
+                gpus,
+            };
+            let (cpu_after, memory_after) = (
+                MilliCpu(before.cpu.0.saturating_sub(host.1 * 4000)),
+                MemMib(before.memory.0.saturating_sub(host.3 * 32_000)),
+            );
+            // Every GPU with the share free on its own, and the GPUs with it free together.
+            let fitting: Vec<usize> = (0..gpus.len()).filter(|&i| gpus[i] >= share).collect();
+            let mut sets: Vec<GpuSet> = fitting.iter().map(|&i| GpuSet::single(i)).collect();
+            sets.push(GpuSet::from_indices(fitting.iter().copied()).expect("small"));
+            let candidates = Candidates { before, cpu_after, memory_after, share, sets: &sets };
+            let mut states = vec![before];
+            let mut after = Vec::new();
+            for set in &sets {
+                let mut g = gpus.to_vec();
+                for i in set.iter() {
+                    g[i] -= share;
+                }
+                after.push(g);
+            }
+            states.extend(after.iter().map(|g| NodeFree { cpu: cpu_after, memory: memory_after, gpus: g }));
+            let mut fast = vec![f64::NAN; states.len()];
+            target.candidate_fragments(&spec, &candidates, &mut fast);
+            let mut fast_host = vec![f64::NAN; states.len()];
+            target.candidate_fragments_with_host(&spec, &candidates, weight, &mut fast_host);
+            for (s, free) in states.iter().enumerate() {
+                let slow = node_fragment(&target, &spec, free);
+                prop_assert_eq!(fast[s].to_bits(), slow.to_bits(), "state {}: {} != {}", s, fast[s], slow);
+                let slow = node_fragment_with_host(&target, &spec, free, weight);
+                prop_assert_eq!(fast_host[s].to_bits(), slow.to_bits(), "state {}: {} != {}", s, fast_host[s], slow);
+            }
         }
     }
 

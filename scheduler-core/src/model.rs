@@ -221,7 +221,16 @@ impl GpuSet {
 
     /// The indices, ascending.
     pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
-        let bits = self.0;
-        (0..MAX_GPUS_PER_NODE).filter(move |i| bits & (1 << i) != 0)
+        // Visits the set bits only (lowest first), not all 64 positions: scoring iterates
+        // sets in its innermost loops.
+        let mut bits = self.0;
+        std::iter::from_fn(move || {
+            if bits == 0 {
+                return None;
+            }
+            let i = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            Some(i)
+        })
     }
 }

@@ -307,21 +307,23 @@ impl Policy {
 
     fn baleen(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
         let p = &self.baleen;
-        let target = &*self.target;
-        let needs = target.host_needs();
         let prices = (p.pattern_weight != 0.0).then_some((&*self.prices, p.pattern_weight));
-        frag_descent(node, request, p.score_levels, prices, |spec, free| {
-            frag::node_fragment_with_host(target, spec, free, p.shape_host_weight)
-                + p.host_weight * frag::host_stranded(needs, free)
-        })
+        frag_descent(node, request, p.score_levels, prices, Measure::Baleen(&self.target, p))
     }
 
     fn fgd(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
-        let target = &*self.target;
-        frag_descent(node, request, 100.0, None, |spec, free| {
-            frag::node_fragment(target, spec, free)
-        })
+        frag_descent(node, request, 100.0, None, Measure::Fgd(&self.target))
     }
+}
+
+/// What a fragmentation descent measures a node state by.
+#[derive(Clone, Copy)]
+enum Measure<'a> {
+    /// FGD's: [`frag::node_fragment`] over the target workload.
+    Fgd(&'a TargetWorkload),
+    /// baleen's: [`frag::node_fragment_with_host`] at the shape host weight, plus the host
+    /// weight times [`frag::host_stranded`].
+    Baleen(&'a TargetWorkload, &'a BaleenParams),
 }
 
 /// The share prices a policy uses: solved for `baleen`, none for the others.
@@ -334,56 +336,101 @@ fn share_prices(kind: PolicyKind, target: &TargetWorkload) -> SharePrices {
 
 /// Scores each way of placing `request` on `node` by the drop in `measure` it causes,
 /// `floor(levels * sigmoid((F_before - F_after) / 1000))`, and keeps the best: a shared request
-/// tries every fitting GPU (the lowest index wins ties), other requests use the lowest-index
-/// GPUs. With `prices` `(p, w)`, a shared placement's drop is lowered by `w` times its
+/// tries every fitting GPU (the lowest index wins ties; of alike GPUs only the lowest is
+/// measured), other requests use the lowest-index GPUs. With `prices` `(p, w)`, a shared placement's drop is lowered by `w` times its
 /// [`SharePrices::regret`] on that GPU.
+///
+/// The measure of the state before and of every candidate's state after are computed together
+/// ([`TargetWorkload::candidate_fragments`]), which gives the same values as measuring each
+/// state on its own at a fraction of the cost.
 fn frag_descent(
     node: &NodeLedger,
     request: &Request,
     levels: f64,
     prices: Option<(&SharePrices, f64)>,
-    measure: impl Fn(&crate::model::NodeSpec, &frag::NodeFree<'_>) -> f64,
+    measure: Measure<'_>,
 ) -> Option<Scored> {
     let score_of = |delta: f64| (levels / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
+    let shared = matches!(request.gpu, GpuDemand::Shared { .. });
+    let mut sets = [GpuSet::EMPTY; MAX_GPUS_PER_NODE];
+    let count = if shared {
+        // Two GPUs of one model with the same free compute are interchangeable: the measures
+        // only count GPUs and add their free compute (exactly: integers), and the regret reads
+        // the free compute alone. So both give the same score, the lower index wins the tie,
+        // and the other need not be measured.
+        let spec = node.spec();
+        let alike = |a: usize, b: usize| {
+            node.gpus()[a].milli == node.gpus()[b].milli && spec.gpus[a].model == spec.gpus[b].model
+        };
+        let mut count = 0;
+        for i in fit::fitting_gpus(node, request).iter() {
+            if !sets[..count].iter().flat_map(|s| s.iter()).any(|j| alike(i, j)) {
+                sets[count] = GpuSet::single(i);
+                count += 1;
+            }
+        }
+        count
+    } else {
+        sets[0] = fit::lowest_index_gpus(node, request)?;
+        1
+    };
+    let sets = &sets[..count];
     let mut gpus = [0u32; MAX_GPUS_PER_NODE];
     let n = frag::fill_free(node, &mut gpus);
     let spec = node.spec();
-    let before = measure(
-        spec,
-        &frag::NodeFree { cpu: node.free_cpu(), memory: node.free_memory(), gpus: &gpus[..n] },
-    );
-    let cpu = MilliCpu(node.free_cpu().0 - request.cpu.0);
-    let memory = MemMib(node.free_memory().0 - request.memory.0);
     let share = request.gpu.milli_per_gpu().0;
-    let mut delta = |set: GpuSet| {
-        for i in set.iter() {
-            gpus[i] -= share;
-        }
-        let after = measure(spec, &frag::NodeFree { cpu, memory, gpus: &gpus[..n] });
-        for i in set.iter() {
-            gpus[i] += share;
-        }
-        before - after
+    let candidates = frag::Candidates {
+        before: frag::NodeFree {
+            cpu: node.free_cpu(),
+            memory: node.free_memory(),
+            gpus: &gpus[..n],
+        },
+        cpu_after: MilliCpu(node.free_cpu().0 - request.cpu.0),
+        memory_after: MemMib(node.free_memory().0 - request.memory.0),
+        share,
+        sets,
     };
-    match request.gpu {
-        GpuDemand::Shared { .. } => {
-            let mut best: Option<Scored> = None;
-            for i in fit::fitting_gpus(node, request).iter() {
-                let set = GpuSet::single(i);
-                let free = node.gpus()[i].milli.0;
-                let regret = prices.map_or(0.0, |(p, w)| w * p.regret(free, share));
-                let score = score_of(delta(set) - regret);
-                if best.is_none_or(|b| score > b.score) {
-                    best = Some(Scored { score, gpus: set });
+    let mut values = [0.0f64; MAX_GPUS_PER_NODE + 1];
+    let values = &mut values[..candidates.states()];
+    match measure {
+        Measure::Fgd(target) => target.candidate_fragments(spec, &candidates, values),
+        Measure::Baleen(target, p) => {
+            target.candidate_fragments_with_host(spec, &candidates, p.shape_host_weight, values);
+            let needs = target.host_needs();
+            values[0] += p.host_weight * frag::host_stranded(needs, &candidates.before);
+            let mut after = gpus;
+            for (value, set) in values[1..].iter_mut().zip(sets) {
+                for i in set.iter() {
+                    after[i] -= share;
+                }
+                let free = frag::NodeFree {
+                    cpu: candidates.cpu_after,
+                    memory: candidates.memory_after,
+                    gpus: &after[..n],
+                };
+                *value += p.host_weight * frag::host_stranded(needs, &free);
+                for i in set.iter() {
+                    after[i] += share;
                 }
             }
-            best
-        }
-        GpuDemand::None | GpuDemand::Whole { .. } => {
-            let set = fit::lowest_index_gpus(node, request)?;
-            Some(Scored { score: score_of(delta(set)), gpus: set })
         }
     }
+    let before = values[0];
+    let mut best: Option<Scored> = None;
+    for (&after, &set) in values[1..].iter().zip(sets) {
+        let delta = before - after;
+        let score = if shared {
+            let free = set.iter().next().map_or(0, |i| node.gpus()[i].milli.0);
+            let regret = prices.map_or(0.0, |(p, w)| w * p.regret(free, share));
+            score_of(delta - regret)
+        } else {
+            score_of(delta)
+        };
+        if best.is_none_or(|b| score > b.score) {
+            best = Some(Scored { score, gpus: set });
+        }
+    }
+    best
 }
 
 fn random_gpus(node: &NodeLedger, request: &Request, rng: &mut dyn RngCore) -> Option<GpuSet> {
@@ -447,7 +494,7 @@ mod tests {
     use crate::frag::TaskShape;
     use crate::ledger::AllocationId;
     use crate::model::{GpuModel, GpuSpec, NodeSpec};
-    use crate::units::{MemMib, MemUnits, MilliGpu};
+    use crate::units::{MemUnits, MilliGpu};
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
 
@@ -724,6 +771,113 @@ mod tests {
         assert_eq!(fgd.target().shapes().len(), 1, "the paper drops the rare 8-GPU shape");
         assert_eq!(baleen.target().shapes().len(), 2);
         assert!(baleen.target().shapes().iter().all(|(s, _)| s.memory.is_some()));
+    }
+
+    /// The descent as first written: every fitting GPU, each state measured on its own.
+    fn reference_descent(
+        node: &NodeLedger,
+        request: &Request,
+        levels: f64,
+        prices: Option<(&SharePrices, f64)>,
+        measure: impl Fn(&NodeSpec, &frag::NodeFree<'_>) -> f64,
+    ) -> Option<Scored> {
+        let score_of = |delta: f64| (levels / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
+        let mut gpus = [0u32; MAX_GPUS_PER_NODE];
+        let n = frag::fill_free(node, &mut gpus);
+        let spec = node.spec();
+        let (cpu, memory) = (node.free_cpu(), node.free_memory());
+        let before = measure(spec, &frag::NodeFree { cpu, memory, gpus: &gpus[..n] });
+        let cpu = MilliCpu(cpu.0 - request.cpu.0);
+        let memory = MemMib(memory.0 - request.memory.0);
+        let share = request.gpu.milli_per_gpu().0;
+        let mut delta = |set: GpuSet| {
+            for i in set.iter() {
+                gpus[i] -= share;
+            }
+            let after = measure(spec, &frag::NodeFree { cpu, memory, gpus: &gpus[..n] });
+            for i in set.iter() {
+                gpus[i] += share;
+            }
+            before - after
+        };
+        if let GpuDemand::Shared { .. } = request.gpu {
+            let mut best: Option<Scored> = None;
+            for i in fit::fitting_gpus(node, request).iter() {
+                let free = node.gpus()[i].milli.0;
+                let regret = prices.map_or(0.0, |(p, w)| w * p.regret(free, share));
+                let score = score_of(delta(GpuSet::single(i)) - regret);
+                if best.is_none_or(|b| score > b.score) {
+                    best = Some(Scored { score, gpus: GpuSet::single(i) });
+                }
+            }
+            return best;
+        }
+        let set = fit::lowest_index_gpus(node, request)?;
+        Some(Scored { score: score_of(delta(set)), gpus: set })
+    }
+
+    proptest::proptest! {
+        /// fgd and baleen score every node and request exactly as the descent that measures
+        /// each fitting GPU's state on its own.
+        #[test]
+        fn descent_equals_the_per_state_reference(
+            placed in proptest::collection::vec((0u32..8, 1u32..=1000, 0u64..16), 0..12),
+            gpus in 1usize..=8,
+            t4 in proptest::collection::vec(proptest::prelude::any::<bool>(), 8),
+            asks in proptest::collection::vec((0u32..3, 1u32..=1000, 0u64..40, 0u64..3, proptest::prelude::any::<bool>()), 1..8),
+        ) {
+            let request = |&(count, milli, cpu, models, big): &(u32, u32, u64, u64, bool)| Request {
+                cpu: MilliCpu(cpu * 1000),
+                memory: MemMib(if big { 96_000 } else { 8_000 }),
+                gpu: match (count, milli) {
+                    (0, _) => GpuDemand::None,
+                    (n, 1000) => GpuDemand::Whole { count: n },
+                    (_, m) => GpuDemand::Shared { milli: MilliGpu(m), memory: MemUnits::ZERO },
+                },
+                allowed_models: match models {
+                    0 => vec![],
+                    1 => vec![GpuModel::new("T4")],
+                    _ => vec![GpuModel::new("G2")],
+                },
+            };
+            let requests: Vec<Request> = asks.iter().map(request).collect();
+            let mut n = NodeLedger::new(NodeSpec {
+                name: "n".into(),
+                cpu: MilliCpu(64_000),
+                memory: MemMib(393_216),
+                gpus: (0..gpus)
+                    .map(|i| GpuSpec::plain(format!("g{i}"), GpuModel::new(if t4[i] { "T4" } else { "G2" })))
+                    .collect(),
+            })
+            .expect("valid node");
+            // Shares of 1000 stand for whole GPUs; what does not fit is skipped.
+            for (k, &(gpu, milli, cpu)) in placed.iter().enumerate() {
+                let gpu = gpu as usize % gpus;
+                let r = if milli == 1000 { whole(cpu * 1000, 1) } else { shared(cpu * 1000, milli) };
+                let _ = n.allocate(AllocationId(k as u64), &r, GpuSet::single(gpu));
+            }
+            let mut rng = ChaCha8Rng::seed_from_u64(1);
+            for kind in [PolicyKind::Fgd, PolicyKind::Baleen] {
+                let policy = Policy::for_requests(kind, &requests, 0.9, Normalisers::default());
+                for r in &requests {
+                    let got = policy.score(&n, r, &mut rng);
+                    let target = policy.target();
+                    let p = &policy.baleen;
+                    let want = if !fit::node_fits(&n, r) {
+                        None
+                    } else if kind == PolicyKind::Fgd {
+                        reference_descent(&n, r, 100.0, None, |spec, free| frag::node_fragment(target, spec, free))
+                    } else {
+                        let prices = Some((&*policy.prices, p.pattern_weight));
+                        reference_descent(&n, r, p.score_levels, prices, |spec, free| {
+                            frag::node_fragment_with_host(target, spec, free, p.shape_host_weight)
+                                + p.host_weight * frag::host_stranded(target.host_needs(), free)
+                        })
+                    };
+                    proptest::prop_assert_eq!(got, want, "{} {:?}", kind, r);
+                }
+            }
+        }
     }
 
     #[test]

@@ -264,8 +264,8 @@ pub fn replay_seed(
     let capacity = workload.gpu_capacity_milli();
     let SeedRun { order, mut cluster, mut decision_rng } =
         SeedRun::start(workload, policy, seed, options)?;
-    let mut node_frag: Vec<f64> =
-        cluster.nodes().iter().map(|n| frag::ledger_fragment(metric, n)).collect();
+    let mut fragment =
+        RunningSum::new(cluster.nodes().iter().map(|n| frag::ledger_fragment(metric, n)).collect());
     let mut arrived: u64 = 0;
     let mut allocated: u64 = 0;
     let mut placed = 0;
@@ -288,7 +288,7 @@ pub fn replay_seed(
             cluster.place(n, AllocationId(seq as u64), request, scored.gpus).map_err(|source| {
                 ReplayError::Refused { workload: workload.name.clone(), policy: kind, seed, source }
             })?;
-            node_frag[n] = frag::ledger_fragment(metric, &cluster.nodes()[n]);
+            fragment.set(n, frag::ledger_fragment(metric, &cluster.nodes()[n]));
             allocated += request.gpu.total_milli();
             placed += 1;
         } else if (100.0 * arrived as f64 / capacity as f64).round_ties_even()
@@ -303,7 +303,7 @@ pub fn replay_seed(
             failed[i].tasks += 1;
             failed[i].gpu_milli += request.gpu.total_milli();
         }
-        let fragment: f64 = node_frag.iter().sum();
+        let fragment = fragment.total();
         let idle = (capacity - allocated) as f64;
         rows.push(Row {
             arrived_pct: 100.0 * arrived as f64 / capacity as f64,
@@ -328,6 +328,48 @@ pub fn replay_seed(
         },
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// The sum of a list of values, in list order, as `Iterator::sum` adds them, kept up to date as
+/// values change: the cluster's fragmentation is the sum of its nodes', read after every task.
+///
+/// Floating-point addition is not associative, so the total cannot be corrected by the change
+/// of one value without changing its last bits. Instead the partial sums are kept: changing
+/// value `i` re-adds only the values from `i` on (half the list on average, where summing
+/// afresh after every task re-added all of it, whether a node had changed or not).
+struct RunningSum {
+    values: Vec<f64>,
+    /// `partial[k]`: the sum of `values[..k]`.
+    partial: Vec<f64>,
+}
+
+impl RunningSum {
+    fn new(values: Vec<f64>) -> Self {
+        // Iterator::sum's starting value (-0.0 in recent Rust releases).
+        let partial = vec![std::iter::empty::<f64>().sum(); values.len() + 1];
+        let mut sum = Self { values, partial };
+        sum.readd_from(0);
+        sum
+    }
+
+    fn set(&mut self, i: usize, value: f64) {
+        self.values[i] = value;
+        self.readd_from(i);
+    }
+
+    fn readd_from(&mut self, i: usize) {
+        // The running sum stays in a register: reading it back from `partial` would put a
+        // store-to-load round trip on the chain of additions.
+        let mut sum = self.partial[i];
+        for (value, partial) in self.values[i..].iter().zip(&mut self.partial[i + 1..]) {
+            sum += value;
+            *partial = sum;
+        }
+    }
+
+    fn total(&self) -> f64 {
+        self.partial[self.values.len()]
+    }
 }
 
 /// One record: arrived % and the values measured after a task.
@@ -557,4 +599,30 @@ pub fn replay(
             ))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever values change, the running total is bit for bit the sum of the current
+        /// values in order, as `Iterator::sum` gives it.
+        #[test]
+        fn running_sum_is_the_sum_in_order(
+            values in proptest::collection::vec(-1e6f64..1e6, 0..40),
+            changes in proptest::collection::vec((0usize..40, -1e6f64..1e6), 0..40),
+        ) {
+            let mut values = values;
+            let mut sum = RunningSum::new(values.clone());
+            prop_assert_eq!(sum.total().to_bits(), values.iter().sum::<f64>().to_bits());
+            let n = values.len();
+            for (i, v) in changes.into_iter().filter(|&(i, _)| i < n) {
+                values[i] = v;
+                sum.set(i, v);
+                prop_assert_eq!(sum.total().to_bits(), values.iter().sum::<f64>().to_bits());
+            }
+        }
+    }
 }
