@@ -129,7 +129,8 @@ impl ClusterScheduler {
                         )
                     })
                     .collect();
-                let next = kind_ids.len() as u32;
+                // Task kinds are few (a trace has dozens); past 2^32 they would share an ID.
+                let next = u32::try_from(kind_ids.len()).unwrap_or(u32::MAX);
                 *kind_ids.entry((s.cpu, s.memory, gpus)).or_insert(next)
             })
             .collect();
@@ -331,7 +332,7 @@ mod tests {
         let p = policy(kind, requests);
         let mut nodes: Vec<NodeLedger> =
             specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
-        let ranks: Vec<u32> = (0..nodes.len() as u32).rev().collect();
+        let ranks: Vec<u32> = (0..u32::try_from(nodes.len()).expect("a few nodes")).rev().collect();
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         requests
             .iter()
@@ -402,7 +403,7 @@ mod tests {
             for kind in PolicyKind::ALL.into_iter().filter(|k| k.is_deterministic()) {
                 let p = policy(kind, &requests);
                 let nodes: Vec<NodeLedger> = specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
-                let ranks: Vec<u32> = (0..nodes.len() as u32).collect();
+                let ranks: Vec<u32> = (0..u32::try_from(nodes.len()).expect("a few nodes")).collect();
                 let mut cached = ClusterScheduler::new(p.clone(), nodes, ranks.clone());
                 let mut rng = ChaCha8Rng::seed_from_u64(0);
                 let mut placed = Vec::new();

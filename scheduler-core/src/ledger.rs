@@ -236,6 +236,7 @@ impl NodeLedger {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation, reason = "test data: a few GPUs")]
 mod tests {
     use super::*;
     use crate::model::{GpuModel, GpuSpec};

@@ -146,7 +146,7 @@ fn solve_dual(items: &[(u32, f64)]) -> BTreeMap<u32, f64> {
             .iter()
             .map(|(s, n)| {
                 let i = items.iter().position(|&(t, _)| t == *s).expect("pattern of known shares");
-                (vars[i], *n as f64)
+                (vars[i], f64::from(*n))
             })
             .collect();
         match solution.add_constraint(cut, ComparisonOp::Le, 1.0) {

@@ -295,13 +295,13 @@ impl Policy {
 
     fn dot_prod(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
         let (cn, c, un, g) = self.fractions(node, request);
-        let score = (100.0 * (1.0 - (cn * c + un * g) / 2.0)).floor() as i64;
+        let score = floor_score(100.0 * (1.0 - (cn * c + un * g) / 2.0));
         Some(Scored { score, gpus: fit::best_fit_gpus(node, request)? })
     }
 
     fn best_fit(&self, node: &NodeLedger, request: &Request) -> Option<Scored> {
         let (cn, c, un, g) = self.fractions(node, request);
-        let score = (100.0 * (1.0 - (0.5 * (cn - c) + 0.5 * (un - g)))).floor() as i64;
+        let score = floor_score(100.0 * (1.0 - (0.5 * (cn - c) + 0.5 * (un - g))));
         Some(Scored { score, gpus: fit::best_fit_gpus(node, request)? })
     }
 
@@ -350,7 +350,7 @@ fn frag_descent(
     prices: Option<(&SharePrices, f64)>,
     measure: Measure<'_>,
 ) -> Option<Scored> {
-    let score_of = |delta: f64| (levels / (1.0 + (-delta / 1000.0).exp())).floor() as i64;
+    let score_of = |delta: f64| floor_score(levels / (1.0 + (-delta / 1000.0).exp()));
     let shared = matches!(request.gpu, GpuDemand::Shared { .. });
     let mut sets = [GpuSet::EMPTY; MAX_GPUS_PER_NODE];
     let count = if shared {
@@ -465,7 +465,8 @@ fn gpu_clustering(node: &NodeLedger, request: &Request, n: &Normalisers) -> Opti
         (false, true) => 0,
     };
     let used = n.gpu_milli.saturating_sub(node.free_milli_total());
-    let fullness = (25 * used / n.gpu_milli) as i64;
+    // At most 25: used never exceeds the node's milli-GPU.
+    let fullness = i64::try_from(25 * used / n.gpu_milli).unwrap_or(25);
     Some(Scored { score: tier + fullness, gpus })
 }
 
@@ -474,7 +475,7 @@ fn gpu_packing(node: &NodeLedger, request: &Request) -> Option<Scored> {
     if request.gpu.gpu_count() == 0 {
         return Some(Scored { score: 0, gpus });
     }
-    let gpu_count = node.gpus().len() as i64;
+    let gpu_count = i64::from(count(node.gpus().len()));
     if node.gpus_idle() {
         return Some(Scored { score: (33 - gpu_count).max(gpu_count), gpus });
     }
@@ -483,12 +484,25 @@ fn gpu_packing(node: &NodeLedger, request: &Request) -> Option<Scored> {
         let free_pct: i64 = gpus.iter().map(|i| i64::from(node.gpus()[i].milli.0) / 10).sum();
         (100 - free_pct / 10).max(50)
     } else {
-        (50 - gpus.len() as i64).max(33)
+        (50 - i64::from(count(gpus.len()))).max(33)
     };
     Some(Scored { score, gpus })
 }
 
+/// A score from a real-valued measure: rounded down; `as` saturates at the ends of `i64` and
+/// maps NaN to 0, which is what a score wants (scores are compared, never summed).
+#[allow(clippy::cast_possible_truncation, reason = "saturating float-to-int is the intent")]
+fn floor_score(x: f64) -> i64 {
+    x.floor() as i64
+}
+
+/// A count of GPUs (at most 64 on a node) as a score term.
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation, reason = "test scores are small")]
 mod tests {
     use super::*;
     use crate::frag::TaskShape;

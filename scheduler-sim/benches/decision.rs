@@ -76,7 +76,7 @@ fn load(w: &Workload, kind: PolicyKind, load_pct: f64) -> Loaded {
 /// The loaded trace nodes repeated up to `count` nodes, with a fresh random priority.
 fn scale(l: &Loaded, count: usize) -> Loaded {
     let nodes: Vec<NodeLedger> = (0..count).map(|i| l.nodes[i % l.nodes.len()].clone()).collect();
-    let mut ranks: Vec<u32> = (0..count as u32).collect();
+    let mut ranks: Vec<u32> = (0..u32::try_from(count).expect("10,000 nodes")).collect();
     ranks.shuffle(&mut ChaCha8Rng::seed_from_u64(7));
     Loaded { nodes, ranks, stream: l.stream.clone() }
 }

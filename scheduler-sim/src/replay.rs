@@ -32,6 +32,19 @@ use thiserror::Error;
 
 /// Buckets of arrived %: 0..=130.
 pub const BUCKETS: usize = 131;
+/// [`BUCKETS`] as the curves' `u32` bucket labels.
+const BUCKET_COUNT: u32 = 131;
+const _: () = assert!(BUCKET_COUNT as usize == BUCKETS);
+
+/// The bucket of an arrived percentage already rounded to a whole number, if in range.
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "a whole number between 0 and 130, checked first"
+)]
+fn bucket_index(rounded_pct: f64) -> Option<usize> {
+    (0.0..f64::from(BUCKET_COUNT)).contains(&rounded_pct).then_some(rounded_pct as usize)
+}
 
 /// The arrived-% bucket the headline figure is read at.
 pub const HEADLINE_BUCKET: usize = 100;
@@ -196,7 +209,8 @@ pub fn submission_order(
 pub fn node_ranks(nodes: &[NodeSpec], rng: &mut impl Rng) -> Vec<u32> {
     let mut by_name: Vec<usize> = (0..nodes.len()).collect();
     by_name.sort_by(|&a, &b| nodes[a].name.cmp(&nodes[b].name));
-    let mut perm: Vec<u32> = (0..nodes.len() as u32).collect();
+    // A node list has thousands of nodes; past 2^32 the last ones would share a rank.
+    let mut perm: Vec<u32> = (0..u32::try_from(nodes.len()).unwrap_or(u32::MAX)).collect();
     perm.shuffle(rng);
     let mut ranks = vec![0; nodes.len()];
     for (k, &node) in by_name.iter().enumerate() {
@@ -385,8 +399,7 @@ fn bucket(rows: &[Row]) -> [Vec<f64>; 3] {
     let mut counts = vec![0u32; BUCKETS];
     for row in rows {
         let b = row.arrived_pct.round_ties_even();
-        if (0.0..BUCKETS as f64).contains(&b) {
-            let b = b as usize;
+        if let Some(b) = bucket_index(b) {
             counts[b] += 1;
             for (sum, value) in sums[b].iter_mut().zip(row.values) {
                 *sum += value;
@@ -502,7 +515,7 @@ impl PolicySummary {
             submitted: outcomes.iter().map(|o| o.submitted).collect(),
             seconds: outcomes.iter().map(|o| o.seconds).collect(),
             curves: Curves {
-                arrived_pct: (0..BUCKETS as u32).collect(),
+                arrived_pct: (0..BUCKET_COUNT).collect(),
                 unallocated_pct: mean_curve(&|o| &o.unallocated_pct),
                 frag_amount_pct: mean_curve(&|o| &o.frag_amount_pct),
                 frag_ratio_pct: mean_curve(&|o| &o.frag_ratio_pct),

@@ -251,7 +251,11 @@ pub fn parse_tasks(input: impl Read, path: &Path) -> Result<Vec<TraceTask>, Trac
                 count: u32::try_from(n).map_err(|_| f.error(3, &n.to_string(), "too many GPUs"))?,
             },
             (1, m) if m < 1000 => {
-                GpuDemand::Shared { milli: MilliGpu(m as u32), memory: Default::default() }
+                // m < 1000 here.
+                GpuDemand::Shared {
+                    milli: MilliGpu(u32::try_from(m).unwrap_or(999)),
+                    memory: Default::default(),
+                }
             }
             (_, m) if m < 1000 => {
                 return Err(f.error(4, &m.to_string(), "a GPU share below 1000 needs num_gpu 1"));

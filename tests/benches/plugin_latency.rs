@@ -21,6 +21,11 @@ const RESOURCE: &str = "example.com/widget";
 
 fn percentiles(label: &str, mut samples: Vec<Duration>) {
     samples.sort_unstable();
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a rounded index between 0 and the sample count"
+    )]
     let at = |q: f64| {
         let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
         samples[i].as_secs_f64() * 1e6

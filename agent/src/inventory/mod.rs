@@ -283,7 +283,18 @@ fn mig_memory_gb(gpu_memory_bytes: u64, mig_memory_mib: u64) -> u64 {
     let fraction = (mig_memory_mib as f64 * MIB as f64) / gpu_memory_bytes as f64;
     let fraction = (fraction * EIGHTHS).ceil() / EIGHTHS;
     let total_gb = gpu_memory_bytes.div_ceil(GIB) as f64;
-    (fraction * total_gb).round() as u64
+    round_gb(fraction * total_gb)
+}
+
+/// A non-negative size in GB from its real value: rounded, and `as` saturates (a negative or NaN
+/// value, impossible here, would give 0).
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "a rounded, non-negative size far below 2^64"
+)]
+fn round_gb(gb: f64) -> u64 {
+    gb.round() as u64
 }
 
 impl fmt::Display for MigProfile {

@@ -104,6 +104,10 @@ impl Generation {
     }
 
     /// `Some(score)` if `key` is stored.
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "a slot packs a 32-bit hash tag over a 32-bit entry number, and a hash picks the table index: truncation is the encoding"
+    )]
     fn get(&self, hash: u64, key: &[u64]) -> Option<Option<Scored>> {
         if self.slots.is_empty() {
             return None;
@@ -126,6 +130,10 @@ impl Generation {
     }
 
     /// Stores `key` (not yet stored); the generation holds fewer than `limit` entries.
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "a slot packs a 32-bit hash tag over a 32-bit entry number, and a hash picks the table index: truncation is the encoding"
+    )]
     fn insert(&mut self, hash: u64, key: &[u64], value: Option<Scored>, limit: usize) {
         if self.slots.is_empty() {
             // Limits are small (a few thousand), so this fits u32 entry numbers easily.
@@ -158,6 +166,12 @@ fn hash(key: &[u64]) -> u64 {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    reason = "test data: small numbers"
+)]
 mod tests {
     use super::*;
     use crate::model::GpuSet;

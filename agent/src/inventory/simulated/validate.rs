@@ -305,7 +305,9 @@ fn build_mig(
 
     for (i, inst) in mig.instances.iter().enumerate() {
         let at = mig_instance_at(position, i);
-        let gpu_instance_id = inst.gpu_instance_id.unwrap_or(i as u32);
+        // Positions are few (a GPU has at most 7 MIG slices); the file is refused well before 2^32.
+        let gpu_instance_id =
+            inst.gpu_instance_id.unwrap_or_else(|| u32::try_from(i).unwrap_or(u32::MAX));
         let compute_instance_id = inst.compute_instance_id.unwrap_or(0);
         if let Some(first) = ids.insert((gpu_instance_id, compute_instance_id), i) {
             problems.add(
