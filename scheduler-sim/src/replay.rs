@@ -110,7 +110,7 @@ pub enum ReplayError {
     #[error("workload {0}: the task list is empty")]
     NoTasks(String),
     /// A node of the list is unusable.
-    #[error("workload {workload}: {source}")]
+    #[error("workload {workload}")]
     Node {
         /// The workload.
         workload: String,
@@ -118,7 +118,7 @@ pub enum ReplayError {
         source: LedgerError,
     },
     /// A policy chose a placement the ledger refused: a bug in the policy.
-    #[error("workload {workload}, policy {policy}, seed {seed}: placement refused: {source}")]
+    #[error("workload {workload}, policy {policy}, seed {seed}: placement refused")]
     Refused {
         /// The workload.
         workload: String,

@@ -14,8 +14,9 @@ use thiserror::Error;
 /// A problem with a trace file.
 #[derive(Debug, Error)]
 pub enum TraceError {
-    /// The file could not be opened or read.
-    #[error("{path}: {source}")]
+    /// The file could not be opened or read (the message is the path; the I/O error is the
+    /// source, printed after it by the caller's error chain).
+    #[error("{path}")]
     Io {
         /// The file.
         path: PathBuf,

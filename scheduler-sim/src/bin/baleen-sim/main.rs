@@ -141,7 +141,7 @@ fn main() -> ExitCode {
     let workload = match Workload::load(&args.nodes, &args.pods) {
         Ok(w) => w,
         Err(e) => {
-            eprintln!("baleen-sim: {e}");
+            eprintln!("baleen-sim: {}", chain(&e));
             return ExitCode::from(2);
         }
     };
@@ -155,11 +155,11 @@ fn main() -> ExitCode {
     let summaries = match replay::replay(&workload, &kinds, &seeds, &options, threads) {
         Ok(s) => s,
         Err(e @ (replay::ReplayError::NoGpus(_) | replay::ReplayError::NoTasks(_))) => {
-            eprintln!("baleen-sim: {e}");
+            eprintln!("baleen-sim: {}", chain(&e));
             return ExitCode::from(2);
         }
         Err(e) => {
-            eprintln!("baleen-sim: {e}");
+            eprintln!("baleen-sim: {}", chain(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -183,4 +183,16 @@ fn main() -> ExitCode {
         print!("{}", table(&workload, &summaries));
     }
     ExitCode::SUCCESS
+}
+
+/// An error and its causes on one line, separated by `: ` (errors never repeat their cause).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
