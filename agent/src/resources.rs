@@ -9,7 +9,6 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use baleen_device_plugin::device::DeviceSnapshot;
 use baleen_device_plugin::{
@@ -24,11 +23,14 @@ use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{AllocationRecord, DeviceLedger, DeviceState, Grant, Refusal, View};
 use crate::reconcile::{self, KubeletAllocation, Report};
 
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+/// Seconds on the boot-time clock (`CLOCK_BOOTTIME`: monotonic, counting suspend, reset at a
+/// reboot), the clock of every grant's `allocated_at`: an NTP step of the wall clock cannot
+/// shorten the grace of an allocation the kubelet has not listed yet. A checkpoint of another boot
+/// is never trusted, so its times are never compared with this boot's.
+pub fn boot_seconds() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+        .map_or(0, |t| u64::try_from(t.tv_sec()).unwrap_or(0))
 }
-
 /// How Allocate answers are written beyond what the ledger grants.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResponseConfig {
@@ -257,7 +259,7 @@ impl NodeResources {
             if generation != asked_at {
                 return Ok((None, Trust::Unchanged));
             }
-            let report = reconcile::reconcile(state, allocations, unix_now(), grace_secs);
+            let report = reconcile::reconcile(state, allocations, boot_seconds(), grace_secs);
             Ok((Some(report), Trust::Reconciled))
         })
     }
@@ -369,7 +371,7 @@ impl DeviceBackend for ViewBackend {
         let view = self.view.clone();
         let grants = tokio::task::spawn_blocking(move || {
             resources.change(|state, _| {
-                let now = unix_now();
+                let now = boot_seconds();
                 let grants = containers
                     .iter()
                     .map(|ids| state.allocate(&view, ids, now))
@@ -380,5 +382,28 @@ impl DeviceBackend for ViewBackend {
         .await
         .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;
         Ok(grants.iter().map(|g| container_response(g, &self.resources.responses)).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grants_are_timed_on_the_boot_clock_not_the_wall_clock() {
+        // /proc/uptime counts the same clock (seconds since boot, suspend included).
+        let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+            .expect("/proc/uptime")
+            .split_whitespace()
+            .next()
+            .and_then(|s| s.parse().ok())
+            .expect("seconds");
+        let now = boot_seconds() as f64;
+        assert!((now - uptime).abs() <= 2.0, "boot clock {now} s, uptime {uptime} s");
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs() as f64;
+        assert!(now < wall / 2.0, "not the wall clock");
     }
 }

@@ -46,11 +46,11 @@ pub struct AllocationRecord {
     pub resource: String,
     /// The device IDs, sorted.
     pub device_ids: Vec<String>,
-    /// When it was granted (seconds since the Unix epoch); reconciliation leaves allocations the
-    /// kubelet has never listed alone for a grace period.
+    /// When it was granted, in seconds of the boot-time clock (`crate::resources::boot_seconds`);
+    /// reconciliation leaves allocations the kubelet has never listed alone for a grace period.
     pub allocated_at: u64,
     /// Whether the kubelet's pod-resources `List` has shown this allocation. Once listed, an
-    /// allocation that disappears from the list is released at once; one never listed (an
+    /// allocation is released when two lists in a row miss it; one never listed (an
     /// ordinary init container's, which `List` omits, or one the kubelet has not recorded yet)
     /// only after the grace period.
     #[serde(default)]
