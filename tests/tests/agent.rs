@@ -799,3 +799,22 @@ async fn a_multi_container_allocate_is_all_or_nothing() -> Result<()> {
     assert_eq!(agent.resources().records().len(), 3);
     stop(agent, token).await
 }
+
+/// Issue 11, also found: when the health watch cannot even start, every GPU is advertised
+/// Unhealthy (nothing would report a failed GPU) rather than Healthy for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_health_watch_that_cannot_start_leaves_no_gpu_healthy() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    let fake = FakeNvml::with_directives(&expected, &["fail nvmlEventSetCreate * 999"])?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    node._nvml = Some(fake);
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet
+        .wait_for("every GPU unhealthy", WAIT, |v| {
+            v.devices_of(GPU).len() == 4 && v.healthy(GPU).is_empty() && v.healthy(MEM).is_empty()
+        })
+        .await?;
+    stop(agent, token).await
+}
