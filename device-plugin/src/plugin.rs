@@ -262,15 +262,20 @@ impl Plugin {
         let registered_with = loop {
             let kubelet = FileIdentity::of(kubelet_socket);
             if kubelet.is_some() {
-                match register(
+                let attempt = register(
                     kubelet_socket,
                     resource,
                     &self.config.socket_name,
                     self.backend.has_preferred_allocation(),
                     self.config.register_timeout,
-                )
-                .await
-                {
+                );
+                // A kubelet that hangs in Register must not hold up a shutdown for the whole
+                // register timeout.
+                let outcome = tokio::select! {
+                    () = shutdown.cancelled() => return Wake::Shutdown,
+                    outcome = attempt => outcome,
+                };
+                match outcome {
                     Ok(()) => break kubelet,
                     Err(e @ RegisterError::Refused { .. }) => {
                         failures += 1;

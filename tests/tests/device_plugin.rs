@@ -290,3 +290,20 @@ async fn the_fake_kubelet_refuses_an_unsupported_version_like_the_kubelet() -> a
     assert!(kubelet.view().registrations.is_empty());
     Ok(())
 }
+
+/// Issue 11, also found: shutdown is not held up by a kubelet that accepts the connection but
+/// never answers Register (it used to wait for the whole register timeout).
+#[tokio::test]
+async fn shutdown_does_not_wait_for_a_kubelet_stuck_in_register() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let listener = tokio::net::UnixListener::bind(dir.path().join("kubelet.sock"))?;
+    let backend = TestBackend::new(RESOURCE, 2);
+    let running = start_plugin(dir.path(), backend);
+    // The plugin dials; the "kubelet" takes the connection and says nothing.
+    let (stuck, _) = tokio::time::timeout(WAIT, listener.accept()).await??;
+    let started = Instant::now();
+    running.stop().await;
+    assert!(started.elapsed() < Duration::from_secs(5), "stopped in {:?}", started.elapsed());
+    drop(stuck);
+    Ok(())
+}
