@@ -255,11 +255,22 @@ impl NodeResources {
         grace_secs: u64,
         asked_at: u64,
     ) -> Result<Option<Report>, BackendError> {
+        self.reconcile_at(allocations, grace_secs, asked_at, boot_seconds())
+    }
+
+    /// [`Self::reconcile`] at `now` (seconds on the boot-time clock).
+    fn reconcile_at(
+        &self,
+        allocations: &[KubeletAllocation],
+        grace_secs: u64,
+        asked_at: u64,
+        now: u64,
+    ) -> Result<Option<Report>, BackendError> {
         self.change(|state, generation| {
             if generation != asked_at {
                 return Ok((None, Trust::Unchanged));
             }
-            let report = reconcile::reconcile(state, allocations, boot_seconds(), grace_secs);
+            let report = reconcile::reconcile(state, allocations, now, grace_secs);
             Ok((Some(report), Trust::Reconciled))
         })
     }
@@ -405,5 +416,316 @@ mod tests {
             .expect("after 1970")
             .as_secs() as f64;
         assert!(now < wall / 2.0, "not the wall clock");
+    }
+
+    mod properties {
+        //! Issue 11's promise as a property: under any sequence of admissions, pod ends,
+        //! reconciliations with fresh, stale and partial lists, restarts and configuration
+        //! changes, no device is held twice, no GPU promised beyond its memory, and nothing a
+        //! running container holds is released.
+
+        use std::collections::BTreeSet;
+
+        use proptest::prelude::*;
+
+        use super::super::*;
+        use crate::inventory::GpuInventory as _;
+        use crate::inventory::simulated::SimulatedInventory;
+        use crate::ledger::{ViewConfig, device_id};
+
+        const GRACE: u64 = 600;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            /// The kubelet admits a container: `count` units on GPU `gpu`, or (count 0) the GPU whole.
+            Admit { gpu: usize, count: u32 },
+            /// A running container ends.
+            End { pick: usize },
+            /// A list as of now.
+            Fresh,
+            /// A list asked `back` steps ago, answered now.
+            Stale { back: usize },
+            /// A list as of now that misses one running container which the last list applied
+            /// showed: a kubelet answering before it has synced its pods. (A container missing
+            /// from two lists in a row has ended, as far as the protocol can tell.)
+            Partial { pick: usize },
+            /// The agent restarts, with the memory unit halved or not.
+            Restart { halve_unit: bool },
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                5 => (0..4usize, 0..6u32).prop_map(|(gpu, count)| Op::Admit { gpu, count }),
+                3 => any::<usize>().prop_map(|pick| Op::End { pick }),
+                2 => Just(Op::Fresh),
+                2 => (1..5usize).prop_map(|back| Op::Stale { back }),
+                2 => any::<usize>().prop_map(|pick| Op::Partial { pick }),
+                1 => any::<bool>().prop_map(|halve_unit| Op::Restart { halve_unit }),
+            ]
+        }
+
+        struct Node {
+            dir: tempfile::TempDir,
+            inventory: crate::inventory::Inventory,
+            unit: u64,
+            resources: Arc<NodeResources>,
+            /// The kubelet's running containers: resource and device IDs.
+            running: Vec<(String, Vec<String>)>,
+            /// Per running container, the bytes of GPU memory it was promised (units times the unit
+            /// at its grant; what its MPS limit says), on which GPU.
+            promised: Vec<Option<(String, u64)>>,
+            /// Per running container, how many applied lists in a row have missed it (a
+            /// partial list omits a running container; two in a row may release it).
+            missed: Vec<u32>,
+            /// Past lists, with the generation each was asked at.
+            asked: Vec<(u64, Vec<KubeletAllocation>)>,
+            clock: u64,
+        }
+
+        fn views(unit: u64) -> ViewConfig {
+            ViewConfig { memory_unit_bytes: unit, ..ViewConfig::default() }
+        }
+
+        impl Node {
+            fn new() -> Self {
+                let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../packaging/examples/l4-4x-pcie.yaml");
+                let inventory = SimulatedInventory::from_file(&path)
+                    .expect("example")
+                    .discover()
+                    .expect("discover");
+                let dir = tempfile::tempdir().expect("tempdir");
+                let unit = 1 << 30;
+                let ledger = DeviceLedger::new("n", &inventory, views(unit)).expect("ledger");
+                let resources = NodeResources::new(
+                    ledger,
+                    Checkpoint::in_dir(dir.path()),
+                    "n".into(),
+                    "b".into(),
+                    None,
+                    ResponseConfig::default(),
+                    true,
+                );
+                resources.persist().expect("written at start, as the agent does");
+                Self {
+                    dir,
+                    inventory,
+                    unit,
+                    resources,
+                    running: vec![],
+                    promised: vec![],
+                    missed: vec![],
+                    asked: vec![],
+                    clock: 1000,
+                }
+            }
+
+            fn list(&self) -> Vec<KubeletAllocation> {
+                self.running
+                    .iter()
+                    .map(|(resource, ids)| KubeletAllocation {
+                        namespace: "ns".into(),
+                        pod: "p".into(),
+                        container: "c".into(),
+                        resource: resource.clone(),
+                        device_ids: ids.clone(),
+                    })
+                    .collect()
+            }
+
+            /// Applies `list`, asked at generation `asked_at`, through
+            /// `NodeResources::reconcile`; the model counts the misses of running containers.
+            fn reconcile(&mut self, list: &[KubeletAllocation], asked_at: u64) {
+                let applied = self.resources.reconcile_at(list, GRACE, asked_at, self.clock);
+                if matches!(applied, Ok(Some(_))) {
+                    for (running, missed) in self.running.iter().zip(&mut self.missed) {
+                        let shown = list
+                            .iter()
+                            .any(|k| k.resource == running.0 && k.device_ids == running.1);
+                        *missed = if shown { 0 } else { *missed + 1 };
+                    }
+                }
+            }
+
+            fn admit(&mut self, gpu: usize, count: u32) {
+                let inner = self.resources.lock();
+                let state = &inner.state;
+                let uuid = state.gpus().nth(gpu).expect("gpu").uuid.to_string();
+                let domain = state.config().domain.clone();
+                // Like the kubelet: only devices advertised Healthy and not in its own books.
+                let taken: BTreeSet<&String> =
+                    self.running.iter().flat_map(|(_, ids)| ids).collect();
+                let (view, ids) = if count == 0 {
+                    let free = state
+                        .devices(&View::Gpu)
+                        .into_iter()
+                        .any(|d| d.id == uuid && d.healthy && !taken.contains(&d.id));
+                    (View::Gpu, if free { vec![uuid.clone()] } else { vec![] })
+                } else {
+                    let ids: Vec<String> = state
+                        .devices(&View::GpuMemory)
+                        .into_iter()
+                        .filter(|d| d.healthy && !taken.contains(&d.id))
+                        .filter(|d| device_id::parse_unit_id(&d.id).is_some_and(|(g, _)| g == uuid))
+                        .map(|d| d.id)
+                        .take(count as usize)
+                        .collect();
+                    (View::GpuMemory, if ids.len() == count as usize { ids } else { vec![] })
+                };
+                drop(inner);
+                if ids.is_empty() {
+                    return;
+                }
+                let now = self.clock;
+                let granted = self
+                    .resources
+                    .change(|state, _| Ok((state.allocate(&view, &ids, now)?, Trust::Unchanged)));
+                if granted.is_ok() {
+                    let mut ids = ids;
+                    ids.sort();
+                    let promised = (view == View::GpuMemory)
+                        .then(|| (uuid.clone(), u64::from(count) * self.unit));
+                    self.running.push((view.resource_name(&domain), ids));
+                    self.promised.push(promised);
+                    self.missed.push(0);
+                }
+            }
+
+            /// Restarts from the checkpoint as the agent's start-up does: refused (and the old
+            /// agent kept) when a held ID would change meaning.
+            fn restart(&mut self, halve_unit: bool) {
+                let unit = if halve_unit { self.unit / 2 } else { self.unit };
+                let mut ledger =
+                    DeviceLedger::new("n", &self.inventory, views(unit)).expect("ledger");
+                let checkpoint = Checkpoint::in_dir(self.dir.path());
+                let contents =
+                    checkpoint.load("n", "b").expect("trusted").expect("written since start");
+                if !ledger.meaning_changes(&contents.layout, &contents.allocations).is_empty() {
+                    return;
+                }
+                assert!(
+                    ledger.restore(&contents.allocations).is_empty(),
+                    "a trusted checkpoint restores"
+                );
+                self.unit = unit;
+                self.resources = NodeResources::new(
+                    ledger,
+                    checkpoint,
+                    "n".into(),
+                    "b".into(),
+                    None,
+                    ResponseConfig::default(),
+                    true,
+                );
+                self.resources.persist().expect("written at start, as the agent does");
+                self.asked.clear();
+            }
+
+            fn check(&self) -> Result<(), TestCaseError> {
+                let records = self.resources.records();
+                let mut whole: BTreeSet<String> = BTreeSet::new();
+                let mut units: BTreeSet<String> = BTreeSet::new();
+                let mut units_per_gpu: std::collections::BTreeMap<String, u64> = Default::default();
+                for r in &records {
+                    for id in &r.device_ids {
+                        if r.resource.ends_with("/gpu") {
+                            prop_assert!(whole.insert(id.clone()), "GPU {} held whole twice", id);
+                        } else if let Some((gpu, _)) = device_id::parse_unit_id(id) {
+                            prop_assert!(units.insert(id.clone()), "unit {} held twice", id);
+                            *units_per_gpu.entry(gpu.to_owned()).or_default() += 1;
+                        }
+                    }
+                }
+                for (gpu, n) in &units_per_gpu {
+                    prop_assert!(!whole.contains(gpu), "GPU {} whole and shared", gpu);
+                    let memory = self
+                        .inventory
+                        .gpus
+                        .iter()
+                        .find(|g| g.uuid.as_str() == gpu)
+                        .map(|g| g.memory_bytes)
+                        .unwrap_or(0);
+                    prop_assert!(n * self.unit <= memory, "GPU {} promised beyond its memory", gpu);
+                }
+                let held: BTreeSet<(String, Vec<String>)> =
+                    records.iter().map(|r| (r.resource.clone(), r.device_ids.clone())).collect();
+                for (running, promised) in self.running.iter().zip(&self.promised) {
+                    prop_assert!(held.contains(running), "running {:?} released", running);
+                    // The ledger reads its units as the bytes its MPS limit says.
+                    if let Some((_, bytes)) = promised {
+                        let read_as = running.1.len() as u64 * self.unit;
+                        prop_assert_eq!(read_as, *bytes, "{:?} changed meaning", running);
+                    }
+                }
+                // What the running containers were promised (their MPS limits) fits each GPU,
+                // whatever unit the ledger reads their IDs with now.
+                let mut promised: std::collections::BTreeMap<&str, u64> = Default::default();
+                for (gpu, bytes) in self.promised.iter().flatten() {
+                    *promised.entry(gpu.as_str()).or_default() += bytes;
+                }
+                for (gpu, bytes) in promised {
+                    let memory = self
+                        .inventory
+                        .gpus
+                        .iter()
+                        .find(|g| g.uuid.as_str() == gpu)
+                        .map_or(0, |g| g.memory_bytes);
+                    prop_assert!(
+                        bytes <= memory,
+                        "GPU {} promised {} of {} bytes",
+                        gpu,
+                        bytes,
+                        memory
+                    );
+                }
+                Ok(())
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+            #[test]
+            fn no_device_twice_no_bytes_beyond_memory_no_running_container_released(
+                ops in proptest::collection::vec(op(), 1..60)
+            ) {
+                let mut node = Node::new();
+                for op in ops {
+                    node.clock += 1;
+                    let generation = node.resources.generation();
+                    node.asked.push((generation, node.list()));
+                    match op {
+                        Op::Admit { gpu, count } => node.admit(gpu, count),
+                        Op::End { pick } => {
+                            if !node.running.is_empty() {
+                                let i = pick % node.running.len();
+                                node.running.remove(i);
+                                node.promised.remove(i);
+                                node.missed.remove(i);
+                            }
+                        }
+                        Op::Fresh => {
+                            let list = node.list();
+                            node.reconcile(&list, generation);
+                        }
+                        Op::Stale { back } => {
+                            let at = node.asked.len().saturating_sub(back + 1);
+                            let (asked_at, list) = node.asked[at].clone();
+                            node.reconcile(&list, asked_at);
+                        }
+                        Op::Partial { pick } => {
+                            let mut list = node.list();
+                            let shown: Vec<usize> =
+                                (0..list.len()).filter(|&i| node.missed[i] == 0).collect();
+                            if !shown.is_empty() {
+                                list.remove(shown[pick % shown.len()]);
+                            }
+                            node.reconcile(&list, generation);
+                        }
+                        Op::Restart { halve_unit } => node.restart(halve_unit),
+                    }
+                    node.check()?;
+                }
+            }
+        }
     }
 }
