@@ -28,6 +28,14 @@ pub const MPS_ROOT: &str = "/run/baleen/mps";
 /// Where a gpu-memory container finds its GPU's MPS pipe directory (a fixed path inside the
 /// container, not a host path: it is mounted from `<mps root>/<GPU UUID>/pipe`).
 pub const MPS_PIPE_IN_CONTAINER: &str = "/run/baleen/mps";
+/// The MPS control binary, looked up on `PATH`.
+pub const MPS_CONTROL_BINARY: &str = "nvidia-cuda-mps-control";
+/// Time between two probes of a GPU's MPS daemon.
+pub const MPS_PROBE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long one probe (`get_server_list`) may take; the real daemon answered in 3-5 ms.
+pub const MPS_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest wait between two starts of a daemon that will not start.
+pub const MPS_RESTART_BACKOFF_MAX: Duration = Duration::from_secs(60);
 /// Where the kernel publishes the boot ID.
 pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 /// Where the kernel publishes the host name (the node name's last fallback).
@@ -90,6 +98,7 @@ mod tests {
             format!("{BOOT_ID_FILE:?}"),
             format!("{HOST_NAME_FILE:?}"),
             format!("{NVML_LIBRARY:?}"),
+            format!("{MPS_CONTROL_BINARY:?}"),
             format!("{SYSFS_ROOT:?}"),
             format!("{DEVICE_PLUGIN_DIR:?}"),
             format!("{POD_RESOURCES_SOCKET:?}"),

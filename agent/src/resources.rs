@@ -288,6 +288,21 @@ impl NodeResources {
         }
     }
 
+    /// Marks whether a GPU's shares are enforced (its MPS daemon answers) and republishes.
+    pub fn set_shares_enforced(&self, uuid: &str, enforced: bool) -> bool {
+        let mut inner = self.lock();
+        let changed = inner.state.set_shares_enforced(uuid, enforced);
+        if changed {
+            self.publish(&inner.state);
+        }
+        changed
+    }
+
+    /// The GPUs whose memory units are offered, by UUID.
+    pub fn shared_gpus(&self) -> Vec<String> {
+        self.lock().state.shared_gpus()
+    }
+
     /// Marks a GPU healthy or not and republishes.
     pub fn set_health(&self, uuid: &str, healthy: bool) -> bool {
         let mut inner = self.lock();
@@ -296,6 +311,12 @@ impl NodeResources {
             self.publish(&inner.state);
         }
         changed
+    }
+}
+
+impl mps::supervisor::Enforcement for NodeResources {
+    fn set_enforced(&self, gpu_uuid: &str, enforced: bool) {
+        self.set_shares_enforced(gpu_uuid, enforced);
     }
 }
 
@@ -344,6 +365,19 @@ impl DeviceBackend for ViewBackend {
         // if it cannot answer, refuse rather than risk a GPU handed out twice.
         let held: Vec<(usize, Vec<AllocationRecord>)> = {
             let inner = self.resources.lock();
+            // A share nothing enforces is not handed out (the daemon died after the kubelet
+            // chose the units).
+            for ids in &containers {
+                let unenforced = inner.state.unenforced(&self.view, ids);
+                if !unenforced.is_empty() {
+                    return Err(BackendError::Unavailable {
+                        reason: format!(
+                            "the MPS daemon of GPU {} does not answer, so no memory limit on it can be enforced now",
+                            unenforced.join(", ")
+                        ),
+                    });
+                }
+            }
             containers
                 .iter()
                 .enumerate()

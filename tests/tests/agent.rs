@@ -66,7 +66,15 @@ impl Node {
             state_dir: root.join("state"),
             boot_id_file: root.join("boot_id"),
             views: ViewConfig::default(),
-            responses: ResponseConfig { cdi_kind: None, mps: MpsConfig { root: root.join("mps") } },
+            responses: ResponseConfig {
+                cdi_kind: None,
+                mps: MpsConfig {
+                    root: root.join("mps"),
+                    control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
+                    probe_interval: Duration::from_millis(100),
+                    ..MpsConfig::default()
+                },
+            },
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),

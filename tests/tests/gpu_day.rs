@@ -11,6 +11,7 @@ use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
 use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
+use baleen_agent::isolation::mps::MpsConfig;
 use baleen_agent::ledger::ViewConfig;
 use baleen_agent::resources::ResponseConfig;
 use baleen_tests::fake_kubelet::FakeKubelet;
@@ -65,9 +66,17 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         pod_resources_socket: root.join("pr.sock"),
         state_dir: root.join("state"),
         boot_id_file: root.join("boot_id"),
-        // The defaults the agent ran with there (MPS pipes under /run/baleen/mps).
+        // The defaults the agent ran with there, but the MPS root in the temp dir, served by
+        // the fake control daemon (the answers are compared with the root put back).
         views: ViewConfig::default(),
-        responses: ResponseConfig::default(),
+        responses: ResponseConfig {
+            cdi_kind: None,
+            mps: MpsConfig {
+                root: root.join("mps"),
+                control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
+                ..MpsConfig::default()
+            },
+        },
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -97,8 +106,12 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
     assert_eq!(serde_json::to_value(&admitted.device_ids)?, first["devices"]);
     assert_eq!(serde_json::to_value(&admitted.preferred)?, first["preferred"]);
     assert_eq!(serde_json::to_value(&admitted.response.envs)?, first["envs"]);
+    let there = baleen_agent::defaults::MPS_ROOT;
+    let here = root.join("mps").display().to_string();
+    let hosts: Vec<String> =
+        admitted.response.mounts.iter().map(|m| m.host_path.replacen(&here, there, 1)).collect();
     let mounts: Vec<(&String, &String)> =
-        admitted.response.mounts.iter().map(|m| (&m.host_path, &m.container_path)).collect();
+        hosts.iter().zip(&admitted.response.mounts).map(|(h, m)| (h, &m.container_path)).collect();
     assert_eq!(serde_json::to_value(mounts)?, first["mounts"]);
     // The only GPU is shared now: the whole GPU is refused, as it was there.
     kubelet

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | one agent per node: the state directory's lock | [`lock`] | before everything |
 //! | start-up: boot ID, discovery, checkpoint, first reconciliation | [`startup`] | before the others |
+//! | MPS: one supervised daemon per shared GPU, units offered while it answers | [`mps`] | one |
 //! | one device plugin per resource view | [`plugins`] | one each |
 //! | reconciliation with pod-resources | [`reconciler`] | one |
 //! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
@@ -18,6 +19,7 @@
 
 pub mod health;
 pub mod lock;
+pub mod mps;
 pub mod plugins;
 pub mod reconciler;
 pub mod startup;
@@ -218,6 +220,7 @@ impl Agent {
         };
         let resources = startup::restore(&config, &deps, &shutdown).await?;
         let mut tasks = Tasks::default();
+        mps::start(&mut tasks, &config, &resources, &shutdown).await;
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
         let reconcile = reconciler::Settings::of(&config);
         tasks.spawn(

@@ -64,6 +64,14 @@ pub async fn restore(
     );
     let mut ledger = DeviceLedger::new(&config.node_name, &discovered, config.views.clone())?;
     check_socket_paths(config, &ledger)?;
+    if config.responses.mps.enabled {
+        // Units are offered once their GPU's MPS daemon answers (the MPS subsystem).
+        ledger.require_enforced_shares();
+    } else {
+        tracing::warn!(
+            "MPS is off (mps.enabled: false): gpu-memory units are accounting only, no limit is enforced; every Allocate answer says so (BALEEN_GPU_SHARING=accounting-only)"
+        );
+    }
     let checkpoint = Checkpoint::in_dir(&config.state_dir);
     let read = checkpoint.read();
     // Whatever its boot, an intact checkpoint of this node says what the device IDs the kubelet

@@ -30,6 +30,9 @@ pub struct FileConfig {
     /// Reconciliation with pod-resources.
     #[serde(default)]
     pub reconcile: ReconcileFile,
+    /// MPS daemons and the limits of gpu-memory grants.
+    #[serde(default)]
+    pub mps: MpsFile,
     /// Logging.
     #[serde(default)]
     pub log: LogFile,
@@ -96,6 +99,26 @@ pub struct ReconcileFile {
     /// How long an allocation the kubelet has never listed is kept, e.g. `10m` (default; at
     /// least `10s`).
     pub grace: Option<String>,
+}
+
+/// `mps:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MpsFile {
+    /// Enforce gpu-memory grants with MPS (default true); false: accounting only.
+    pub enabled: Option<bool>,
+    /// The control binary (default: `nvidia-cuda-mps-control` on `PATH`).
+    pub control_binary: Option<PathBuf>,
+    /// Time between probes of each daemon, e.g. `5s` (default).
+    pub probe_interval: Option<String>,
+    /// How long a probe may take, e.g. `2s` (default).
+    pub probe_timeout: Option<String>,
+    /// Tell the daemons to quit when the agent stops (default false).
+    pub stop_on_exit: Option<bool>,
+    /// `proportional` (default), `none`, or a percentage 1..100.
+    pub thread_percentage: Option<serde_yaml_ng::Value>,
+    /// Who owns the daemons: `agent` (default) or `external`.
+    pub daemons: Option<String>,
 }
 
 /// `log:` in the file.

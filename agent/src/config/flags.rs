@@ -29,6 +29,9 @@ pub struct RunArgs {
     /// Host directory of the per-GPU MPS pipe directories.
     #[arg(long, value_name = "DIR", help = format!("Host directory of the per-GPU MPS pipe directories [default: {}]", defaults::MPS_ROOT))]
     pub mps_root: Option<PathBuf>,
+    /// The MPS control binary.
+    #[arg(long, value_name = "PATH", help = format!("The MPS control binary, a path or a name on PATH [default: {}]", defaults::MPS_CONTROL_BINARY))]
+    pub mps_control_binary: Option<PathBuf>,
     /// The kernel boot ID file.
     #[arg(long, value_name = "FILE", help = format!("The kernel boot ID file [default: {}]", defaults::BOOT_ID_FILE))]
     pub boot_id_file: Option<PathBuf>,

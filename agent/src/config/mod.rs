@@ -16,7 +16,7 @@ use crate::defaults;
 use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
 use crate::inventory::simulated::SimulatedInventory;
 use crate::inventory::{GpuInventory, InventoryError};
-use crate::isolation::mps::MpsConfig;
+use crate::isolation::mps::{DaemonPlacement, MpsConfig, ThreadPercentage};
 use crate::ledger::ViewConfig;
 use crate::quantity::parse_quantity;
 use crate::resources::ResponseConfig;
@@ -229,25 +229,66 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         Some(t) => match parse_duration(t) {
             Ok(d) if !d.is_zero() => d,
             Ok(_) => {
-                problems.push(format!("reconcile {what} must be above zero"));
+                problems.push(format!("{what} must be above zero"));
                 default
             }
             Err(e) => {
-                problems.push(format!("reconcile {what}: {e}"));
+                problems.push(format!("{what}: {e}"));
                 default
             }
         },
     };
-    let reconcile_interval =
-        duration("interval", file.reconcile.interval.as_ref(), defaults::RECONCILE_INTERVAL);
+    let reconcile_interval = duration(
+        "reconcile interval",
+        file.reconcile.interval.as_ref(),
+        defaults::RECONCILE_INTERVAL,
+    );
     let reconcile_grace =
-        duration("grace", file.reconcile.grace.as_ref(), defaults::RECONCILE_GRACE);
+        duration("reconcile grace", file.reconcile.grace.as_ref(), defaults::RECONCILE_GRACE);
+    let mps_probe_interval = duration(
+        "mps probeInterval",
+        file.mps.probe_interval.as_ref(),
+        defaults::MPS_PROBE_INTERVAL,
+    );
+    let mps_probe_timeout =
+        duration("mps probeTimeout", file.mps.probe_timeout.as_ref(), defaults::MPS_PROBE_TIMEOUT);
     if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
         problems.push(format!(
             "reconcile grace {reconcile_grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
             defaults::RECONCILE_GRACE_MIN
         ));
     }
+
+    let thread_percentage = match &file.mps.thread_percentage {
+        None => ThreadPercentage::Proportional,
+        Some(serde_yaml_ng::Value::String(s)) if s == "proportional" => {
+            ThreadPercentage::Proportional
+        }
+        Some(serde_yaml_ng::Value::String(s)) if s == "none" => ThreadPercentage::None,
+        Some(serde_yaml_ng::Value::Number(n)) => {
+            match n.as_u64().and_then(|n| u8::try_from(n).ok()) {
+                Some(p @ 1..=100) => ThreadPercentage::Fixed(p),
+                _ => {
+                    problems.push(format!("mps threadPercentage {n} is not between 1 and 100"));
+                    ThreadPercentage::Proportional
+                }
+            }
+        }
+        Some(other) => {
+            problems.push(format!(
+                "mps threadPercentage {other:?} is not proportional, none or a percentage"
+            ));
+            ThreadPercentage::Proportional
+        }
+    };
+    let daemons = match file.mps.daemons.as_deref().unwrap_or("agent") {
+        "agent" => DaemonPlacement::Agent,
+        "external" => DaemonPlacement::External,
+        other => {
+            problems.push(format!("mps daemons {other:?} is not agent or external"));
+            DaemonPlacement::Agent
+        }
+    };
 
     let log_format = match args
         .log_format
@@ -310,7 +351,20 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         },
         responses: ResponseConfig {
             cdi_kind,
-            mps: MpsConfig { root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT) },
+            mps: MpsConfig {
+                enabled: file.mps.enabled.unwrap_or(true),
+                root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
+                control_binary: pick(
+                    &args.mps_control_binary,
+                    &file.mps.control_binary,
+                    defaults::MPS_CONTROL_BINARY,
+                ),
+                probe_interval: mps_probe_interval,
+                probe_timeout: mps_probe_timeout,
+                stop_on_exit: file.mps.stop_on_exit.unwrap_or(false),
+                thread_percentage,
+                daemons,
+            },
         },
         reconcile_interval,
         reconcile_grace,

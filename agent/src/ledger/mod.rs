@@ -177,6 +177,9 @@ struct Slot {
     gpu: Gpu,
     units: u32,
     healthy: bool,
+    /// Whether a share of this GPU is enforced (its MPS daemon answers), where that is
+    /// required: its memory units are offered only then.
+    shares_enforced: bool,
     /// Per unit, the allocation holding it.
     unit_holder: Vec<Option<u64>>,
 }
@@ -261,6 +264,7 @@ impl DeviceLedger {
                 gpu: gpu.clone(),
                 units,
                 healthy: true,
+                shares_enforced: true,
                 unit_holder: vec![None; units as usize],
             });
         }
@@ -442,6 +446,52 @@ impl DeviceLedger {
         if index < self.slots.len() { count(self.units_held(index, &BTreeSet::new())) } else { 0 }
     }
 
+    /// From now on, a GPU's memory units are offered only while its shares are enforced (see
+    /// [`Self::set_shares_enforced`]); until then, none is.
+    pub fn require_enforced_shares(&mut self) {
+        for slot in &mut self.slots {
+            slot.shares_enforced = false;
+        }
+    }
+
+    /// Marks whether a GPU's shares are enforced (its MPS daemon answers); returns whether
+    /// anything changed.
+    pub fn set_shares_enforced(&mut self, uuid: &str, enforced: bool) -> bool {
+        match self.by_uuid.get(uuid) {
+            Some(&i) if self.slots[i].shares_enforced != enforced => {
+                self.slots[i].shares_enforced = enforced;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The GPUs of a gpu-memory request whose shares are not enforced now (an Allocate of them
+    /// would hand out a limit nothing enforces).
+    pub fn unenforced(&self, view: &View, ids: &[String]) -> Vec<String> {
+        if *view != View::GpuMemory {
+            return Vec::new();
+        }
+        match self.parse(view, ids) {
+            Ok(parsed) => parsed
+                .gpus
+                .iter()
+                .filter(|&i| !self.slots[i].shares_enforced)
+                .map(|i| self.slots[i].gpu.uuid.to_string())
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// The GPUs whose memory units are offered (not in MIG mode), by UUID.
+    pub fn shared_gpus(&self) -> Vec<String> {
+        self.slots
+            .iter()
+            .filter(|s| s.units > 0 && self.config.gpu_memory)
+            .map(|s| s.gpu.uuid.to_string())
+            .collect()
+    }
+
     /// Marks a GPU healthy or not; returns whether anything changed.
     pub fn set_health(&mut self, uuid: &str, healthy: bool) -> bool {
         match self.by_uuid.get(uuid) {
@@ -495,7 +545,8 @@ impl DeviceLedger {
             View::GpuMemory => {
                 for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| !s.gpu.mig.is_enabled())
                 {
-                    let ok = s.healthy && self.whole_holder(i, &none).is_none();
+                    let ok =
+                        s.healthy && s.shares_enforced && self.whole_holder(i, &none).is_none();
                     for unit in 0..s.units {
                         out.push(DeviceState {
                             id: unit_id(s.gpu.uuid.as_str(), unit),

@@ -132,7 +132,8 @@ fn serve(pipe: &Path, log_dir: Option<&Path>) -> ExitCode {
     let Ok(listener) = UnixListener::bind(pipe.join("control")) else {
         return ExitCode::from(1);
     };
-    let _ = std::fs::write(pipe.join("nvidia-cuda-mps-control.pid"), std::process::id().to_string());
+    let _ =
+        std::fs::write(pipe.join("nvidia-cuda-mps-control.pid"), std::process::id().to_string());
     log(log_dir, "started");
     let _ = listener.set_nonblocking(true);
     loop {

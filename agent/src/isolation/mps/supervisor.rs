@@ -1,0 +1,180 @@
+//! The MPS supervisor: one control daemon per shared GPU. A GPU's memory units are offered only
+//! while its daemon answers a probe (`get_server_list`) within the probe timeout; every
+//! `probe_interval` each daemon is probed; one that died or hangs makes its GPU's units
+//! unoffered at once (the other GPUs untouched) and, when the agent owns the daemons, is started
+//! again with backoff (1 s doubling to a minute). A daemon that already answers at start is
+//! adopted, never started twice or stopped. Every transition is logged once, with its reason.
+//! At shutdown the daemons are left serving unless `stop_on_exit`. The agent runs it as one of
+//! its subsystems; what it decides reaches the ledger through [`Enforcement`].
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::control::{MpsControl, MpsError, Started};
+use super::{DaemonPlacement, MpsConfig, MpsDirs};
+use crate::defaults;
+
+/// Where the supervisor reports whether a GPU's shares are enforced.
+pub trait Enforcement: Send + Sync {
+    /// The GPU `gpu_uuid`'s daemon answers (`true`) or not.
+    fn set_enforced(&self, gpu_uuid: &str, enforced: bool);
+}
+
+/// One GPU's daemon as the supervisor sees it.
+#[derive(Debug)]
+struct Daemon {
+    gpu: String,
+    dirs: MpsDirs,
+    ready: bool,
+    /// Consecutive failed starts, for the backoff.
+    failures: u32,
+    next_start: Instant,
+    /// The last failure logged, so that a repeated one is not logged again.
+    last_problem: Option<String>,
+}
+
+/// The daemons of the node's shared GPUs.
+pub struct Supervisor {
+    control: Arc<dyn MpsControl>,
+    config: MpsConfig,
+    enforcement: Arc<dyn Enforcement>,
+    daemons: Vec<Daemon>,
+}
+
+impl Supervisor {
+    /// Supervises the daemons of `gpus` (UUIDs of the GPUs whose memory units are offered).
+    pub fn new(
+        control: Arc<dyn MpsControl>,
+        config: MpsConfig,
+        enforcement: Arc<dyn Enforcement>,
+        gpus: &[String],
+    ) -> Self {
+        let now = Instant::now();
+        let daemons = gpus
+            .iter()
+            .map(|gpu| Daemon {
+                gpu: gpu.clone(),
+                dirs: config.dirs(gpu),
+                ready: false,
+                failures: 0,
+                next_start: now,
+                last_problem: None,
+            })
+            .collect();
+        Self { control, config, enforcement, daemons }
+    }
+
+    /// Whether each GPU's daemon answered at the last probe, by UUID.
+    pub fn ready(&self) -> Vec<(String, bool)> {
+        self.daemons.iter().map(|d| (d.gpu.clone(), d.ready)).collect()
+    }
+
+    /// Probes every daemon once; starts (or adopts) the ones that do not answer and may be
+    /// started now. The agent runs one round before it serves, so that the first device lists
+    /// already offer the units of every GPU whose daemon answers.
+    pub async fn round(&mut self) {
+        for i in 0..self.daemons.len() {
+            self.check(i).await;
+        }
+    }
+
+    async fn check(&mut self, i: usize) {
+        let timeout = self.config.probe_timeout;
+        let probe = self.control.probe(&self.daemons[i].dirs, timeout).await;
+        let problem = match probe {
+            Ok(()) => {
+                self.set_ready(i, "answers");
+                return;
+            }
+            Err(e) => e,
+        };
+        self.set_not_ready(i, &problem);
+        if self.config.daemons == DaemonPlacement::External
+            || Instant::now() < self.daemons[i].next_start
+        {
+            return;
+        }
+        let (gpu, dirs) = (self.daemons[i].gpu.clone(), self.daemons[i].dirs.clone());
+        match self.control.start(&gpu, &dirs).await {
+            Ok(started) => match self.control.probe(&dirs, timeout).await {
+                Ok(()) => {
+                    self.daemons[i].failures = 0;
+                    let how = match started {
+                        Started::New => "started",
+                        Started::AlreadyRunning => "already running; adopted",
+                    };
+                    self.set_ready(i, how);
+                }
+                Err(e) => self.start_failed(i, &e),
+            },
+            Err(e) => self.start_failed(i, &e),
+        }
+    }
+
+    fn set_ready(&mut self, i: usize, how: &str) {
+        let d = &mut self.daemons[i];
+        d.last_problem = None;
+        if !d.ready {
+            d.ready = true;
+            tracing::info!(gpu.uuid = d.gpu, pipe = %d.dirs.pipe.display(), how, "MPS daemon ready; the GPU's memory units are offered");
+            self.enforcement.set_enforced(&d.gpu, true);
+        }
+    }
+
+    fn set_not_ready(&mut self, i: usize, problem: &MpsError) {
+        let d = &mut self.daemons[i];
+        if d.ready {
+            d.ready = false;
+            tracing::warn!(gpu.uuid = d.gpu, reason = %problem, "MPS daemon stopped answering; the GPU's memory units are withdrawn");
+            self.enforcement.set_enforced(&d.gpu, false);
+        } else if d.last_problem.as_deref() != Some(&problem.to_string())
+            && self.config.daemons == DaemonPlacement::External
+        {
+            tracing::warn!(gpu.uuid = d.gpu, reason = %problem, "waiting for the MPS daemon (owned by another process); the GPU's memory units are not offered");
+            d.last_problem = Some(problem.to_string());
+        }
+    }
+
+    fn start_failed(&mut self, i: usize, problem: &MpsError) {
+        let d = &mut self.daemons[i];
+        d.failures = d.failures.saturating_add(1);
+        let backoff = Duration::from_secs(1u64 << d.failures.min(7).saturating_sub(1))
+            .min(defaults::MPS_RESTART_BACKOFF_MAX);
+        d.next_start = Instant::now() + backoff;
+        let text = problem.to_string();
+        if d.last_problem.as_deref() != Some(&text) {
+            tracing::error!(gpu.uuid = d.gpu, reason = %problem, retry_in = ?backoff, "MPS daemon cannot be started; the GPU's memory units are not offered");
+            d.last_problem = Some(text);
+        }
+    }
+
+    /// Probes every `probe_interval` until `shutdown`; then leaves the daemons serving, or
+    /// with `stop_on_exit` (and daemons of its own) tells them to quit.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = tokio::time::sleep(self.config.probe_interval) => self.round().await,
+            }
+        }
+        if !self.config.stop_on_exit || self.config.daemons == DaemonPlacement::External {
+            if !self.daemons.is_empty() {
+                tracing::info!(
+                    daemons = self.daemons.len(),
+                    "leaving the MPS daemons serving their clients (mps.stopOnExit is false)"
+                );
+            }
+            return;
+        }
+        for d in &self.daemons {
+            match self.control.quit(&d.dirs, self.config.probe_timeout).await {
+                Ok(()) => tracing::info!(gpu.uuid = d.gpu, "MPS daemon told to quit"),
+                Err(e) => {
+                    tracing::warn!(gpu.uuid = d.gpu, reason = %e, "MPS daemon did not take quit")
+                }
+            }
+        }
+    }
+}
