@@ -826,3 +826,131 @@ async fn a_health_watch_that_cannot_start_leaves_no_gpu_healthy() -> Result<()> 
         .await?;
     stop(agent, token).await
 }
+
+// ---- Issue 12: the MPS supervisor, against the fake control binary ----
+
+/// The MPS directory of a GPU (`<mps root>/<UUID>`): `pipe/`, `log/control.log`, and the fake's
+/// `fake-directives`.
+fn mps_dir(node: &Node, gpu: &str) -> PathBuf {
+    node.config.responses.mps.root.join(gpu)
+}
+
+fn directive(node: &Node, gpu: &str, word: &str) -> Result<()> {
+    std::fs::create_dir_all(mps_dir(node, gpu))?;
+    Ok(std::fs::write(mps_dir(node, gpu).join("fake-directives"), word)?)
+}
+
+fn control_log(node: &Node, gpu: &str) -> String {
+    std::fs::read_to_string(mps_dir(node, gpu).join("log/control.log")).unwrap_or_default()
+}
+
+fn daemon_pid(node: &Node, gpu: &str) -> Result<i32> {
+    let text =
+        std::fs::read_to_string(mps_dir(node, gpu).join("pipe/nvidia-cuda-mps-control.pid"))?;
+    Ok(text.trim().parse()?)
+}
+
+async fn units_are(node: &Node, gpu: &str, healthy: bool, what: &str) -> Result<KubeletView> {
+    let gpu = gpu.to_owned();
+    node.kubelet
+        .wait_for(what, WAIT, move |v| {
+            let units = unit_health(v, &gpu);
+            !units.is_empty() && units.iter().all(|h| (*h == HEALTHY) == healthy)
+        })
+        .await
+}
+
+fn gpus(node: &Node) -> Vec<String> {
+    let mut gpus: Vec<String> =
+        node.kubelet.view().devices_of(GPU).iter().map(|d| d.id.clone()).collect();
+    gpus.sort();
+    gpus
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn units_wait_for_their_daemon_and_a_killed_daemon_withdraws_only_its_gpu() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let expected = example("l4-4x-pcie.yaml")?;
+    let refused = expected.gpus[1].uuid.to_string();
+    // GPU 1's daemon will not start at first.
+    directive(&node, &refused, "refuse")?;
+    node.config.responses.mps.probe_timeout = Duration::from_millis(500);
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    units_are(&node, &refused, false, "GPU 1's units withheld while its daemon cannot start")
+        .await?;
+    for g in expected.gpus.iter().map(|g| g.uuid.to_string()).filter(|g| *g != refused) {
+        units_are(&node, &g, true, "the other GPUs' units offered").await?;
+        assert!(control_log(&node, &g).contains("started"), "a daemon per GPU");
+    }
+    // GPU 1's daemon can start now: after its backoff it does, and its units come.
+    directive(&node, &refused, "")?;
+    units_are(&node, &refused, true, "GPU 1's units offered once its daemon answers").await?;
+    // A daemon killed: only its GPU's units go, then it is restarted and they return.
+    let victim = expected.gpus[2].uuid.to_string();
+    let pid = daemon_pid(&node, &victim)?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+    units_are(&node, &victim, false, "the killed daemon's GPU withdrawn").await?;
+    units_are(&node, &refused, true, "the others untouched").await?;
+    units_are(&node, &victim, true, "restarted, offered again").await?;
+    assert_ne!(daemon_pid(&node, &victim)?, pid, "a new daemon");
+    // A hung daemon times out the same way.
+    directive(&node, &victim, "hang")?;
+    units_are(&node, &victim, false, "the hung daemon's GPU withdrawn").await?;
+    directive(&node, &victim, "")?;
+    units_are(&node, &victim, true, "answering again").await?;
+    stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_adopts_the_daemons_and_quits_them_only_when_told() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let gpu = gpus(&node)[0].clone();
+    units_are(&node, &gpu, true, "offered").await?;
+    let pid = daemon_pid(&node, &gpu)?;
+    stop(agent, token).await?;
+    // Left serving (mps.stopOnExit false): no quit, same daemon.
+    assert!(!control_log(&node, &gpu).contains("Cmd:quit"), "{}", control_log(&node, &gpu));
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 2).await?;
+    units_are(&node, &gpu, true, "offered at once by the adopted daemon").await?;
+    assert_eq!(daemon_pid(&node, &gpu)?, pid, "adopted, not started again");
+    assert_eq!(control_log(&node, &gpu).matches("started").count(), 1, "one daemon ever");
+    stop(agent, token).await?;
+    // With stopOnExit, the agent tells its daemons to quit.
+    node.config.responses.mps.stop_on_exit = true;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 3).await?;
+    stop(agent, token).await?;
+    let log = control_log(&node, &gpu);
+    assert!(log.contains("Cmd:quit") && log.contains("exit"), "{log}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_control_binary_no_unit_is_offered_and_with_mps_off_they_are_accounting_only()
+-> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.config.responses.mps.control_binary = "/nonexistent/nvidia-cuda-mps-control".into();
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let view = node.kubelet.view();
+    assert!(!view.devices_of(MEM).is_empty() && view.healthy(MEM).is_empty(), "{}", view.summary());
+    assert_eq!(view.healthy(GPU).len(), 4, "whole GPUs need no MPS");
+    stop(agent, token).await?;
+    // MPS off: offered, and every answer says the limit is not enforced.
+    node.config.responses.mps.enabled = false;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 2).await?;
+    node.kubelet
+        .wait_for("units offered without MPS", WAIT, |v| !v.healthy(MEM).is_empty())
+        .await?;
+    let a = node.kubelet.admit_to("ns/a", "c", MEM, 2).await?;
+    assert_eq!(a.response.envs["BALEEN_GPU_SHARING"], "accounting-only");
+    assert!(
+        !a.response.envs.contains_key("CUDA_MPS_PIPE_DIRECTORY") && a.response.mounts.is_empty()
+    );
+    stop(agent, token).await
+}

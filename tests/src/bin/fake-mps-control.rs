@@ -11,7 +11,8 @@
 //! - Commands: `get_server_list` (server PIDs, one a line; none here), `quit` (the daemon exits),
 //!   `set_default_active_thread_percentage N` (echoes N), `get_default_active_thread_percentage`.
 //!
-//! Test directives, one word in the file named by `$FAKE_MPS_DIRECTIVES` (read at every use):
+//! Test directives, one word in the file named by `$FAKE_MPS_DIRECTIVES`, or else in
+//! `fake-directives` beside the pipe directory (`<mps root>/<GPU UUID>/`; read at every use):
 //! `refuse` (`-d` fails with exit 1), `hang` (the daemon accepts but never answers), `die` (the
 //! daemon exits at its next command). The daemon appends every command it receives, and its own
 //! start and exit, to `<log dir>/control.log`, and its PID to `<pipe dir>/nvidia-cuda-mps-control.pid`.
@@ -28,8 +29,10 @@ fn env_path(name: &str) -> Option<PathBuf> {
 }
 
 fn directive() -> String {
-    env_path("FAKE_MPS_DIRECTIVES")
-        .and_then(|p| std::fs::read_to_string(p).ok())
+    let file = env_path("FAKE_MPS_DIRECTIVES").or_else(|| {
+        env_path("CUDA_MPS_PIPE_DIRECTORY").and_then(|p| Some(p.parent()?.join("fake-directives")))
+    });
+    file.and_then(|p| std::fs::read_to_string(p).ok())
         .map(|s| s.trim().to_owned())
         .unwrap_or_default()
 }
