@@ -128,3 +128,71 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
     tokio::time::timeout(Duration::from_secs(10), agent.wait()).await??;
     Ok(())
 }
+
+/// The third GPU day: the agent ran the MPS daemon itself and its answers were enforced
+/// (docs/gpu-day.md, "The agent's own MPS"). The agent on the simulated twin of that GPU, with
+/// the fake control binary, answers the same two admissions exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/gpu-day-2026-11-30-agent-mps");
+    let real: Value = serde_json::from_str(&std::fs::read_to_string(data.join("kubelet.json"))?)?;
+    let first_uuid = simulated()?.gpus[0].uuid.to_string();
+    let uuid = "GPU-e84d5dc7-0103-169e-06da-d0ee90288aef";
+    let twin: Inventory =
+        serde_json::from_str(&serde_json::to_string(&simulated()?)?.replace(&first_uuid, uuid))?;
+    let tmp = tempfile::tempdir()?;
+    let root = tmp.path();
+    let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
+    kubelet.serve_pod_resources(&root.join("pr.sock"))?;
+    std::fs::write(root.join("boot_id"), "b")?;
+    let config = AgentConfig {
+        node_name: "gpu-node".into(),
+        device_plugin_dir: root.join("dp"),
+        pod_resources_socket: root.join("pr.sock"),
+        state_dir: root.join("state"),
+        boot_id_file: root.join("boot_id"),
+        views: ViewConfig::default(),
+        responses: ResponseConfig {
+            cdi_kind: None,
+            mps: MpsConfig {
+                root: root.join("mps"),
+                control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
+                ..MpsConfig::default()
+            },
+        },
+        reconcile_interval: Duration::from_secs(30),
+        reconcile_grace: Duration::from_secs(60),
+    };
+    let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::new(twin));
+    let token = CancellationToken::new();
+    let agent = tokio::time::timeout(
+        Duration::from_secs(10),
+        Agent::start(config, Dependencies { inventory }, token.clone()),
+    )
+    .await??;
+    kubelet
+        .wait_for("units offered", Duration::from_secs(10), |v| {
+            !v.healthy("awesome-ai-company.com/gpu-memory").is_empty()
+        })
+        .await?;
+    let there = "/tmp/baleen-gd.bnya/mps";
+    let here = root.join("mps").display().to_string();
+    for (i, count) in [(0, 4), (1, 8)] {
+        let expected = &real["admissions"][i];
+        let pod = format!("demo/pod-{i}");
+        let admitted =
+            kubelet.admit_to(&pod, "main", "awesome-ai-company.com/gpu-memory", count).await?;
+        assert_eq!(serde_json::to_value(&admitted.device_ids)?, expected["devices"]);
+        assert_eq!(serde_json::to_value(&admitted.response.envs)?, expected["envs"]);
+        let mounts: Vec<(String, &String)> = admitted
+            .response
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.replacen(&here, there, 1), &m.container_path))
+            .collect();
+        assert_eq!(serde_json::to_value(mounts)?, expected["mounts"]);
+    }
+    token.cancel();
+    tokio::time::timeout(Duration::from_secs(10), agent.wait()).await??;
+    Ok(())
+}
