@@ -68,6 +68,30 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
     Ok(())
 }
 
+/// Runs only the MPS supervisor of the node's shared GPUs until SIGTERM or SIGINT (see
+/// `baleen-agent mps` and [`crate::agent::mps::run_alone`]).
+pub fn run_mps(args: &RunArgs) -> Result<(), RunError> {
+    let settings = crate::config::resolve(args, &crate::config::Environment::of_process())?;
+    init_logging(settings.log_format, &settings.log_level);
+    if !settings.agent.responses.mps.enabled {
+        return Err(RunError::Config(ConfigError {
+            problems: vec!["mps.enabled is false: there are no MPS daemons to run".into()],
+        }));
+    }
+    let inventory = settings.inventory.open()?.discover()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(RunError::Runtime)?;
+    runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(cancel_on_signal(shutdown.clone()));
+        crate::agent::mps::run_alone(&settings.agent, &inventory, shutdown).await
+    })?;
+    Ok(())
+}
+
 /// Logs to stderr with `filter` (already validated by the configuration).
 fn init_logging(format: LogFormat, filter: &str) {
     let filter = tracing_subscriber::EnvFilter::new(filter);

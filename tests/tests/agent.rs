@@ -954,3 +954,43 @@ async fn without_the_control_binary_no_unit_is_offered_and_with_mps_off_they_are
     );
     stop(agent, token).await
 }
+
+/// Issue 12, item 3: the daemons in a process of their own (`baleen-agent mps`, a DaemonSet an
+/// agent upgrade does not restart); the agent with `mps.daemons: external` only probes: it
+/// offers the units while the daemons answer, withdraws them when one dies (the MPS process
+/// restarts it), and its own restarts never touch them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mps_process_of_its_own_keeps_the_daemons_across_agent_restarts() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let mps_stop = CancellationToken::new();
+    let (config, inventory) = (node.config.clone(), node.inventory.discover()?);
+    let mps_token = mps_stop.clone();
+    let mps = tokio::spawn(async move {
+        baleen_agent::agent::mps::run_alone(&config, &inventory, mps_token).await
+    });
+    node.config.responses.mps.daemons = baleen_agent::isolation::mps::DaemonPlacement::External;
+    node.config.responses.mps.stop_on_exit = true;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let gpu = gpus(&node)[0].clone();
+    units_are(&node, &gpu, true, "offered while the MPS process's daemon answers").await?;
+    let pid = daemon_pid(&node, &gpu)?;
+    // A daemon dies: the agent withdraws its units, the MPS process starts it again.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+    units_are(&node, &gpu, false, "withdrawn").await?;
+    units_are(&node, &gpu, true, "offered again").await?;
+    let pid = daemon_pid(&node, &gpu)?;
+    // The agent stops (even with stopOnExit, daemons it does not own are not told to quit) and
+    // comes back: the same daemon.
+    stop(agent, token).await?;
+    assert!(!control_log(&node, &gpu).contains("Cmd:quit"));
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 2).await?;
+    units_are(&node, &gpu, true, "offered by the same daemon").await?;
+    assert_eq!(daemon_pid(&node, &gpu)?, pid);
+    stop(agent, token).await?;
+    mps_stop.cancel();
+    tokio::time::timeout(WAIT, mps).await???;
+    assert!(!control_log(&node, &gpu).contains("Cmd:quit"), "left serving");
+    Ok(())
+}

@@ -55,6 +55,10 @@ pub enum Command {
     /// Print the node's GPUs (UUID, model, memory, PCI bus, NUMA node, MIG, NVLink) and the
     /// resources the agent would advertise for them, then exit.
     Inventory(InventoryArgs),
+    /// Run only the MPS daemons of the node's shared GPUs (start, probe, restart; left serving at
+    /// exit), for a DaemonSet of their own that an agent upgrade does not restart; the agent then
+    /// runs with `mps.daemons: external`. Takes the agent's flags and configuration file.
+    Mps(crate::config::RunArgs),
 }
 
 /// Why a command failed.
@@ -100,6 +104,7 @@ impl CliError {
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     match cli.command {
         Some(Command::Inventory(args)) => inventory::run(&args, out),
+        Some(Command::Mps(args)) => Ok(crate::bootstrap::run_mps(&args)?),
         None => Ok(crate::bootstrap::run_agent(&cli.run)?),
     }
 }
