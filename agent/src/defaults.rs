@@ -36,6 +36,10 @@ pub const MPS_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 pub const MPS_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest wait between two starts of a daemon that will not start.
 pub const MPS_RESTART_BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// Time between two reads of the memory watchdog.
+pub const WATCHDOG_INTERVAL: Duration = Duration::from_secs(10);
+/// Where the host's `/proc` is (the agent runs in the host's PID namespace).
+pub const PROC_ROOT: &str = "/proc";
 /// Where the kernel publishes the boot ID.
 pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 /// Where the kernel publishes the host name (the node name's last fallback).
@@ -99,6 +103,7 @@ mod tests {
             format!("{HOST_NAME_FILE:?}"),
             format!("{NVML_LIBRARY:?}"),
             format!("{MPS_CONTROL_BINARY:?}"),
+            format!("{PROC_ROOT:?}"),
             format!("{SYSFS_ROOT:?}"),
             format!("{DEVICE_PLUGIN_DIR:?}"),
             format!("{POD_RESOURCES_SOCKET:?}"),

@@ -136,6 +136,14 @@ struct nvmlEventSet_st {
 };
 typedef struct nvmlEventSet_st *nvmlEventSet_t;
 
+/* nvmlProcessInfo_v2_t (nvml.h), what nvmlDeviceGetComputeRunningProcesses_v3 fills. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
 /* ---- state ----------------------------------------------------------------------------------- */
 
 struct fake_mig {
@@ -663,4 +671,43 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         struct timespec pause = {0, (long)((left < 5.0 ? left : 5.0) * 1e6)};
         nanosleep(&pause, NULL);
     }
+}
+
+/* The compute processes of a GPU, read at every call from the processes file
+ * (`process <gpu index> <pid> <bytes>` lines, BALEEN_FAKE_NVML_PROCESSES or
+ * fake-nvml-processes.txt beside the library), as NVML lists them: a count query with a null
+ * buffer answers INSUFFICIENT_SIZE and the count, a buffer too small likewise. */
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_t *infos) {
+    CHECK_DEVICE("nvmlDeviceGetComputeRunningProcesses_v3", device, 0);
+    if (infoCount == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlProcessInfo_t found[64];
+    unsigned int count = 0;
+    char path[PATH_MAX];
+    if (data_file("BALEEN_FAKE_NVML_PROCESSES", "fake-nvml-processes.txt", path, sizeof path) == 0) {
+        FILE *file = fopen(path, "r");
+        if (file != NULL) {
+            char line[256];
+            while (count < 64 && fgets(line, sizeof line, file) != NULL) {
+                long gpu;
+                unsigned int pid;
+                unsigned long long bytes;
+                if (sscanf(line, " process %ld %u %llu", &gpu, &pid, &bytes) != 3) continue;
+                if (gpu != device->gpu) continue;
+                found[count].pid = pid;
+                found[count].usedGpuMemory = bytes;
+                found[count].gpuInstanceId = 0xFFFFFFFFu;
+                found[count].computeInstanceId = 0xFFFFFFFFu;
+                count++;
+            }
+            fclose(file);
+        }
+    }
+    if (infos == NULL || *infoCount < count) {
+        *infoCount = count;
+        return count == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    memcpy(infos, found, count * sizeof *infos);
+    *infoCount = count;
+    return NVML_SUCCESS;
 }

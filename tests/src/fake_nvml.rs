@@ -27,6 +27,9 @@ pub const TOPOLOGY_FILE: &str = "fake-nvml-topology.txt";
 pub const TOPOLOGY_ENV: &str = "BALEEN_FAKE_NVML_TOPOLOGY";
 /// The file of XID events (`xid <gpu index> <xid>` lines) the library reads from its directory...
 pub const EVENTS_FILE: &str = "fake-nvml-events.txt";
+/// The file of compute processes (`process <gpu index> <pid> <bytes>` lines) the library reads
+/// at every `nvmlDeviceGetComputeRunningProcesses_v3`.
+pub const PROCESSES_FILE: &str = "fake-nvml-processes.txt";
 /// ...unless this environment variable names another one.
 pub const EVENTS_ENV: &str = "BALEEN_FAKE_NVML_EVENTS";
 
@@ -176,6 +179,16 @@ impl FakeNvml {
     /// The NVML backend's configuration for this fake.
     pub fn nvml_config(&self) -> NvmlConfig {
         NvmlConfig { library: Some(self.library()), sysfs_root: self.sysfs_root() }
+    }
+
+    /// Replaces the GPUs' compute processes the library lists: `(gpu index, pid, bytes used)`.
+    pub fn set_processes(&self, processes: &[(u32, u32, u64)]) -> anyhow::Result<()> {
+        let text: String =
+            processes.iter().map(|(g, p, b)| format!("process {g} {p} {b}\n")).collect();
+        let path = self.dir().join(PROCESSES_FILE);
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text)?;
+        Ok(std::fs::rename(tmp, path)?)
     }
 
     /// Makes the GPU with this index report `xid` to every event set registered for XIDs.

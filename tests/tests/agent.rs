@@ -75,6 +75,7 @@ impl Node {
                     ..MpsConfig::default()
                 },
             },
+            watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),
@@ -889,9 +890,13 @@ async fn units_wait_for_their_daemon_and_a_killed_daemon_withdraws_only_its_gpu(
     // A daemon killed: only its GPU's units go, then it is restarted and they return.
     let victim = expected.gpus[2].uuid.to_string();
     let pid = daemon_pid(&node, &victim)?;
+    // (Its restart is held back until the withdrawal has been seen: a restart within a
+    // millisecond could replace the Unhealthy list before the kubelet reads it.)
+    directive(&node, &victim, "refuse")?;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
     units_are(&node, &victim, false, "the killed daemon's GPU withdrawn").await?;
     units_are(&node, &refused, true, "the others untouched").await?;
+    directive(&node, &victim, "")?;
     units_are(&node, &victim, true, "restarted, offered again").await?;
     assert_ne!(daemon_pid(&node, &victim)?, pid, "a new daemon");
     // A hung daemon times out the same way.
@@ -963,7 +968,10 @@ async fn without_the_control_binary_no_unit_is_offered_and_with_mps_off_they_are
 async fn an_mps_process_of_its_own_keeps_the_daemons_across_agent_restarts() -> Result<()> {
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     let mps_stop = CancellationToken::new();
-    let (config, inventory) = (node.config.clone(), node.inventory.discover()?);
+    let (mut config, inventory) = (node.config.clone(), node.inventory.discover()?);
+    // The MPS process probes less often than the agent, so that the agent sees a killed daemon
+    // before it is replaced.
+    config.responses.mps.probe_interval = Duration::from_secs(1);
     let mps_token = mps_stop.clone();
     let mps = tokio::spawn(async move {
         baleen_agent::agent::mps::run_alone(&config, &inventory, mps_token).await
@@ -993,4 +1001,53 @@ async fn an_mps_process_of_its_own_keeps_the_daemons_across_agent_restarts() -> 
     tokio::time::timeout(WAIT, mps).await???;
     assert!(!control_log(&node, &gpu).contains("Cmd:quit"), "left serving");
     Ok(())
+}
+
+/// Issue 12, item 7: the memory watchdog on the fake NVML: a container whose processes together
+/// use more than its grant is found, one under is not, a process of no container is ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watchdog_finds_a_container_over_its_grant_on_the_fake_nvml() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    let fake = FakeNvml::new(&expected)?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    let proc_root = tempfile::tempdir()?;
+    node.config.watchdog.interval = Duration::from_millis(100);
+    node.config.watchdog.proc_root = proc_root.path().to_path_buf();
+    let container = |id: char| {
+        format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod9f8e_7d6c.slice/cri-containerd-{}.scope\n",
+            id.to_string().repeat(64)
+        )
+    };
+    let process = |pid: u32, cgroup: String, grant: Option<u64>| -> Result<()> {
+        let dir = proc_root.path().join(pid.to_string());
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("cgroup"), cgroup)?;
+        let env = grant.map(|g| format!("HOME=/\0BALEEN_GPU_MEMORY_LIMIT_BYTES={g}\0"));
+        Ok(std::fs::write(dir.join("environ"), env.unwrap_or_default())?)
+    };
+    // Container a: two processes on GPU 0, 3 + 2 GiB of a 4 GiB grant; container b: 1 of 8 GiB
+    // on GPU 1; the MPS server, in no container.
+    process(101, container('a'), Some(4 << 30))?;
+    process(102, container('a'), Some(4 << 30))?;
+    process(201, container('b'), Some(8 << 30))?;
+    process(301, "0::/system.slice/nvidia-mps.service\n".into(), None)?;
+    fake.set_processes(&[
+        (0, 101, 3 << 30),
+        (0, 102, 2 << 30),
+        (1, 201, 1 << 30),
+        (0, 301, 66 << 20),
+    ])?;
+    let (agent, token) = node.start().await?;
+    let mut over = agent.over_grant();
+    let found = tokio::time::timeout(WAIT, over.wait_for(|o| !o.is_empty())).await??.clone();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].container.container_id, "a".repeat(64));
+    assert_eq!(found[0].gpu.to_string(), expected.gpus[0].uuid.to_string());
+    assert_eq!((found[0].used_bytes, found[0].granted_bytes), (5 << 30, 4 << 30));
+    // One of its processes ends: back within the grant.
+    fake.set_processes(&[(0, 101, 3 << 30), (1, 201, 1 << 30)])?;
+    tokio::time::timeout(WAIT, over.wait_for(|o| o.is_empty())).await??;
+    stop(agent, token).await
 }

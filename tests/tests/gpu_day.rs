@@ -77,6 +77,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
                 ..MpsConfig::default()
             },
         },
+        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -160,6 +161,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
                 ..MpsConfig::default()
             },
         },
+        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };

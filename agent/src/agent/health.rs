@@ -139,6 +139,10 @@ mod tests {
             }
             self.inner.health_watcher()
         }
+
+        fn processes(&self) -> Result<Vec<crate::inventory::GpuProcess>, InventoryError> {
+            self.inner.processes()
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! | one device plugin per resource view | [`plugins`] | one each |
 //! | reconciliation with pod-resources | [`reconciler`] | one |
 //! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
+//! | per-container GPU memory against the grant | `crate::isolation::watchdog` | one |
 //!
 //! A new subsystem is a module here and one line in [`Agent::start`].
 //!
@@ -37,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 use crate::checkpoint::CheckpointError;
 use crate::error_chain::Chain;
 use crate::inventory::{GpuInventory, InventoryError};
+use crate::isolation::watchdog::{Over, Watchdog, WatchdogConfig};
 use crate::ledger::{BuildError, ViewConfig};
 use crate::resources::{NodeResources, ResponseConfig};
 
@@ -57,6 +59,8 @@ pub struct AgentConfig {
     pub views: ViewConfig,
     /// How Allocate answers are written (CDI names, MPS directories).
     pub responses: ResponseConfig,
+    /// The per-container GPU memory watchdog.
+    pub watchdog: WatchdogConfig,
     /// Time between reconciliations with pod-resources.
     pub reconcile_interval: Duration,
     /// How long an allocation the kubelet's pod-resources list has never shown is kept (an
@@ -203,6 +207,7 @@ pub struct Agent {
     plugins: Vec<(String, watch::Receiver<PluginState>)>,
     tasks: Tasks,
     health_stop: CancellationToken,
+    episodes: watch::Receiver<Vec<Over>>,
     /// Held for the agent's life; declared last, so released after everything else is dropped.
     _lock: lock::InstanceLock,
 }
@@ -227,14 +232,26 @@ impl Agent {
             "reconciliation",
             reconciler::run(resources.clone(), reconcile, shutdown.clone()),
         );
+        let watchdog = Watchdog::new(config.watchdog.clone());
+        let episodes = watchdog.episodes();
+        let (inventory, token) = (deps.inventory.clone(), shutdown.clone());
+        tasks.spawn("memory watchdog", async move {
+            watchdog.run(inventory, token).await;
+            Ok(())
+        });
         let health_stop = shutdown.child_token();
         health::spawn(deps.inventory.clone(), resources.clone(), health_stop.clone());
-        Ok(Self { shutdown, resources, plugins, tasks, health_stop, _lock: lock })
+        Ok(Self { shutdown, resources, plugins, tasks, health_stop, episodes, _lock: lock })
     }
 
     /// The node's resources: the device ledger behind every view.
     pub fn resources(&self) -> &Arc<NodeResources> {
         &self.resources
+    }
+
+    /// The containers over their GPU memory grant, as of the watchdog's last round.
+    pub fn over_grant(&self) -> watch::Receiver<Vec<Over>> {
+        self.episodes.clone()
     }
 
     /// The resources served, with each plugin's state.

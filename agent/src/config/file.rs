@@ -33,6 +33,9 @@ pub struct FileConfig {
     /// MPS daemons and the limits of gpu-memory grants.
     #[serde(default)]
     pub mps: MpsFile,
+    /// The per-container GPU memory watchdog.
+    #[serde(default)]
+    pub watchdog: WatchdogFile,
     /// Logging.
     #[serde(default)]
     pub log: LogFile,
@@ -88,6 +91,8 @@ pub struct PathsFile {
     pub mps_root: Option<PathBuf>,
     /// The boot ID file.
     pub boot_id_file: Option<PathBuf>,
+    /// The host's `/proc` (default `/proc`).
+    pub proc_root: Option<PathBuf>,
 }
 
 /// `reconcile:` in the file.
@@ -119,6 +124,16 @@ pub struct MpsFile {
     pub thread_percentage: Option<serde_yaml_ng::Value>,
     /// Who owns the daemons: `agent` (default) or `external`.
     pub daemons: Option<String>,
+}
+
+/// `watchdog:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct WatchdogFile {
+    /// Time between reads, e.g. `10s` (default).
+    pub interval: Option<String>,
+    /// `log` (default) or `kill`.
+    pub action: Option<String>,
 }
 
 /// `log:` in the file.

@@ -17,6 +17,7 @@ use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
 use crate::inventory::simulated::SimulatedInventory;
 use crate::inventory::{GpuInventory, InventoryError};
 use crate::isolation::mps::{DaemonPlacement, MpsConfig, ThreadPercentage};
+use crate::isolation::watchdog::{WatchdogAction, WatchdogConfig};
 use crate::ledger::ViewConfig;
 use crate::quantity::parse_quantity;
 use crate::resources::ResponseConfig;
@@ -252,6 +253,8 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
     );
     let mps_probe_timeout =
         duration("mps probeTimeout", file.mps.probe_timeout.as_ref(), defaults::MPS_PROBE_TIMEOUT);
+    let watchdog_interval =
+        duration("watchdog interval", file.watchdog.interval.as_ref(), defaults::WATCHDOG_INTERVAL);
     if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
         problems.push(format!(
             "reconcile grace {reconcile_grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
@@ -259,6 +262,14 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         ));
     }
 
+    let watchdog_action = match file.watchdog.action.as_deref().unwrap_or("log") {
+        "log" => WatchdogAction::Log,
+        "kill" => WatchdogAction::Kill,
+        other => {
+            problems.push(format!("watchdog action {other:?} is not log or kill"));
+            WatchdogAction::Log
+        }
+    };
     let thread_percentage = match &file.mps.thread_percentage {
         None => ThreadPercentage::Proportional,
         Some(serde_yaml_ng::Value::String(s)) if s == "proportional" => {
@@ -365,6 +376,11 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
                 thread_percentage,
                 daemons,
             },
+        },
+        watchdog: WatchdogConfig {
+            interval: watchdog_interval,
+            action: watchdog_action,
+            proc_root: pick(&None, &paths.proc_root, defaults::PROC_ROOT),
         },
         reconcile_interval,
         reconcile_grace,

@@ -419,6 +419,22 @@ pub trait GpuInventory: Send + Sync {
     /// thread of its own and call [`HealthWatcher::next_event`] in a loop, checking for shutdown
     /// between calls.
     fn health_watcher(&self) -> Result<Box<dyn HealthWatcher + '_>, InventoryError>;
+
+    /// The compute processes running on the GPUs now, with the GPU memory each uses (NVML's
+    /// `nvmlDeviceGetComputeRunningProcesses`: under MPS, each client process with its own
+    /// memory, and the MPS server).
+    fn processes(&self) -> Result<Vec<GpuProcess>, InventoryError>;
+}
+
+/// One compute process on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuProcess {
+    /// The GPU.
+    pub gpu: GpuUuid,
+    /// The process ID, in the host's PID namespace.
+    pub pid: u32,
+    /// GPU memory used, in bytes, if the driver says.
+    pub used_bytes: Option<u64>,
 }
 
 /// A live subscription to GPU health events, from [`GpuInventory::health_watcher`].

@@ -46,8 +46,9 @@ use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
-    BoxError, Gpu, GpuInventory, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError,
-    MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id, pci_sysfs_name,
+    BoxError, Gpu, GpuInventory, GpuProcess, GpuUuid, HealthEvent, HealthWatcher, Inventory,
+    InventoryError, MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id,
+    pci_sysfs_name,
 };
 
 /// The library loaded when none is configured: the name the driver installs, found through the
@@ -373,6 +374,27 @@ impl GpuInventory for NvmlInventory {
             gpu.nvlink_peers = peers.into_iter().collect();
         }
         Ok(Inventory { driver_version, gpus })
+    }
+
+    fn processes(&self) -> Result<Vec<GpuProcess>, InventoryError> {
+        let mut out = Vec::new();
+        for (index, device) in (0u32..).zip(&self.devices()?) {
+            let at = Some(index);
+            let uuid = device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", at))?;
+            let gpu = GpuUuid::new(uuid).map_err(|err| bad_value("nvmlDeviceGetUUID", at, err))?;
+            let listed = supported(device.running_compute_processes())
+                .map_err(nvml_error("nvmlDeviceGetComputeRunningProcesses_v3", at))?
+                .unwrap_or_default();
+            out.extend(listed.into_iter().map(|p| GpuProcess {
+                gpu: gpu.clone(),
+                pid: p.pid,
+                used_bytes: match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(bytes) => Some(bytes),
+                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+                },
+            }));
+        }
+        Ok(out)
     }
 
     fn health_watcher(&self) -> Result<Box<dyn HealthWatcher + '_>, InventoryError> {

@@ -1,9 +1,10 @@
 //! Isolation of the containers that share a GPU: what a container needs so that its share is
-//! enforced. Today that is the MPS client setup of a gpu-memory grant ([`mps`]); the MPS daemon
-//! supervisor and the cgroup classes grow here. Called by the device-plugin adapter
+//! enforced: the MPS daemons and the client setup of a gpu-memory grant ([`mps`]), and the
+//! per-container memory [`watchdog`] for what MPS does not enforce; the cgroup classes grow here. Called by the device-plugin adapter
 //! (`crate::resources`) when it answers Allocate.
 
 pub mod mps;
+pub mod watchdog;
 
 use std::path::PathBuf;
 

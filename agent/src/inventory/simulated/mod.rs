@@ -46,7 +46,9 @@ use std::time::Duration;
 pub use self::error::{TopologyError, TopologyProblem, UnknownGpu};
 pub use self::uuid::{generated_gpu_uuid, generated_mig_uuid};
 use self::validate::parse_topology;
-use super::{GpuInventory, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError};
+use super::{
+    GpuInventory, GpuProcess, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError,
+};
 
 /// The node name used to generate UUIDs when neither the file nor the caller gives one.
 pub const DEFAULT_NODE_NAME: &str = "simulated";
@@ -56,6 +58,7 @@ pub const DEFAULT_NODE_NAME: &str = "simulated";
 pub struct SimulatedInventory {
     inventory: Inventory,
     watchers: Mutex<Vec<Sender<HealthEvent>>>,
+    processes: Mutex<Vec<GpuProcess>>,
 }
 
 impl SimulatedInventory {
@@ -81,9 +84,14 @@ impl SimulatedInventory {
         Ok(Self::new(parse_topology(yaml, origin.as_ref(), None)?))
     }
 
+    /// Replaces the compute processes [`GpuInventory::processes`] reports (tests, demos).
+    pub fn set_processes(&self, processes: Vec<GpuProcess>) {
+        *self.processes.lock().unwrap_or_else(PoisonError::into_inner) = processes;
+    }
+
     /// A simulated backend serving a ready-made inventory.
     pub fn new(inventory: Inventory) -> Self {
-        Self { inventory, watchers: Mutex::new(Vec::new()) }
+        Self { inventory, watchers: Mutex::new(Vec::new()), processes: Mutex::new(Vec::new()) }
     }
 
     /// The inventory this backend serves.
@@ -112,6 +120,10 @@ impl GpuInventory for SimulatedInventory {
         let (sender, receiver) = mpsc::channel();
         self.watchers.lock().unwrap_or_else(PoisonError::into_inner).push(sender);
         Ok(Box::new(SimulatedHealthWatcher { receiver }))
+    }
+
+    fn processes(&self) -> Result<Vec<GpuProcess>, InventoryError> {
+        Ok(self.processes.lock().unwrap_or_else(PoisonError::into_inner).clone())
     }
 }
 
