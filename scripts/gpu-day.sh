@@ -4,9 +4,11 @@
 #   2. `baleen-agent inventory` against the real NVML (table and JSON), then the whole agent on
 #      real NVML registered with the fake kubelet, a gpu-memory and a whole-GPU admission, and
 #      the agent's resident memory;
-#   3. MPS: start a control daemon on private pipe/log directories, set and read default limits,
+#   3. MPS by hand: start a control daemon on private pipe/log directories, set and read default limits,
 #      run a PyTorch client with the limit the agent hands out (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT),
-#      quit. Never changes MIG or compute mode.
+#      quit;
+#   4. the agent running MPS itself, with containers given only its answers
+#      (scripts/gpu-day-agent-mps.sh). Never changes MIG or compute mode.
 # Needs the release binaries: BIN=dir holding baleen-agent and fake-kubelet (default .device/bin).
 # Writes everything under $OUT (default ./gpu-day-out).
 set -uo pipefail
@@ -34,6 +36,10 @@ AGENT="$BIN/baleen-agent" KUBELET="$BIN/fake-kubelet" EXPECT=${EXPECT:-2} \
   ADMIT="awesome-ai-company.com/gpu-memory=8 awesome-ai-company.com/gpu=1" OUT="$OUT/agent" \
   timeout 120 bash scripts/agent-rss.sh --log-format text; echo "rc=$?"
 tail -25 "$OUT/agent/agent.log"
+# The agent left its MPS daemon serving (mps.stopOnExit false): stop it before step 3's own.
+for pipe in /run/baleen/mps/*/pipe; do
+  [ -d "$pipe" ] && echo quit | CUDA_MPS_PIPE_DIRECTORY=$pipe timeout 10 nvidia-cuda-mps-control
+done
 
 step "3. MPS"
 if [ -n "$MPS" ]; then
@@ -72,3 +78,6 @@ else
 fi
 step "compute mode after (unchanged)"
 timeout 30 nvidia-smi --query-gpu=compute_mode,mig.mode.current --format=csv
+
+step "4. the agent's own MPS (scripts/gpu-day-agent-mps.sh)"
+BIN="$BIN" OUT="$OUT/agent-mps" bash scripts/gpu-day-agent-mps.sh; echo "rc=$?"

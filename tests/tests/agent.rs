@@ -1051,3 +1051,39 @@ async fn the_watchdog_finds_a_container_over_its_grant_on_the_fake_nvml() -> Res
     tokio::time::timeout(WAIT, over.wait_for(|o| o.is_empty())).await??;
     stop(agent, token).await
 }
+
+/// Issue 12, item 6: `baleen-agent inventory` says, per shared GPU, whether its MPS daemon
+/// answers, and why not.
+#[test]
+fn inventory_says_whether_each_mps_daemon_answers() -> Result<()> {
+    let root = tempfile::tempdir()?;
+    let fake = PathBuf::from(env!("CARGO_BIN_EXE_fake-mps-control"));
+    let gpu = "GPU-11111111-2222-3333-4444-555555555555".to_owned();
+    let status =
+        baleen_agent::cli::inventory::mps_status(std::slice::from_ref(&gpu), root.path(), &fake);
+    assert!(!status[0].answering);
+    assert!(
+        status[0].reason.as_deref().is_some_and(|r| r.contains("Cannot find MPS control daemon"))
+    );
+    let dirs = root.path().join(&gpu);
+    let started = std::process::Command::new(&fake)
+        .arg("-d")
+        .env("CUDA_MPS_PIPE_DIRECTORY", dirs.join("pipe"))
+        .env("CUDA_MPS_LOG_DIRECTORY", dirs.join("log"))
+        .status()?;
+    assert!(started.success());
+    let status = baleen_agent::cli::inventory::mps_status(&[gpu], root.path(), &fake);
+    assert!(status[0].answering, "{status:?}");
+    let missing = baleen_agent::cli::inventory::mps_status(
+        &["GPU-x".to_owned()],
+        root.path(),
+        Path::new("/nonexistent/nvidia-cuda-mps-control"),
+    );
+    assert!(
+        missing[0]
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("cannot run the MPS control binary"))
+    );
+    Ok(())
+}

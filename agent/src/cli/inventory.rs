@@ -24,6 +24,60 @@ pub struct InventoryArgs {
     /// Size of one gpu-memory unit for the resources listed [default: 1GiB].
     #[arg(long, value_name = "SIZE")]
     pub memory_unit: Option<String>,
+    /// Host directory of the per-GPU MPS pipe directories probed.
+    #[arg(long, value_name = "DIR", default_value = crate::defaults::MPS_ROOT)]
+    pub mps_root: std::path::PathBuf,
+    /// The MPS control binary the probes run.
+    #[arg(long, value_name = "PATH", default_value = crate::defaults::MPS_CONTROL_BINARY)]
+    pub mps_control_binary: std::path::PathBuf,
+}
+
+/// Whether the MPS daemon of a shared GPU answers, and if not, why (its units are not offered
+/// while it does not).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MpsStatus {
+    /// The GPU.
+    pub gpu: String,
+    /// Its daemon answered `get_server_list`.
+    pub answering: bool,
+    /// Why not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Probes the MPS daemon of each GPU in `gpus` once.
+pub fn mps_status(
+    gpus: &[String],
+    root: &std::path::Path,
+    binary: &std::path::Path,
+) -> Vec<MpsStatus> {
+    use crate::isolation::mps::MpsConfig;
+    use crate::isolation::mps::control::{CommandControl, MpsControl as _};
+    let config = MpsConfig { root: root.to_path_buf(), ..MpsConfig::default() };
+    let control = CommandControl::new(binary.to_path_buf());
+    let probe_all = async {
+        let mut out = Vec::new();
+        for gpu in gpus {
+            let probe = control.probe(&config.dirs(gpu), config.probe_timeout).await;
+            out.push(MpsStatus {
+                gpu: gpu.clone(),
+                answering: probe.is_ok(),
+                reason: probe.err().map(|e| e.to_string()),
+            });
+        }
+        out
+    };
+    match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime.block_on(probe_all),
+        Err(e) => gpus
+            .iter()
+            .map(|gpu| MpsStatus {
+                gpu: gpu.clone(),
+                answering: false,
+                reason: Some(format!("cannot run the probe: {e}")),
+            })
+            .collect(),
+    }
 }
 
 /// How `inventory` prints.
@@ -74,12 +128,29 @@ pub fn run(args: &InventoryArgs, out: &mut dyn Write) -> Result<(), CliError> {
     let backend = args.source.open()?;
     let inventory = backend.discover()?;
     let resources = resources_of(&inventory, args.domain.as_deref(), args.memory_unit.as_deref())?;
+    let shared = crate::ledger::DeviceLedger::new(
+        "inventory",
+        &inventory,
+        crate::ledger::ViewConfig::default(),
+    )?
+    .shared_gpus();
+    let mps = mps_status(&shared, &args.mps_root, &args.mps_control_binary);
     match args.output {
         OutputFormat::Table => {
             out.write_all(render_table(&inventory).as_bytes())?;
             writeln!(out, "\nRESOURCE{:pad$}  DEVICES", "", pad = 40 - 8)?;
             for r in &resources {
                 writeln!(out, "{:<40}  {}", r.name, r.devices)?;
+            }
+            if !mps.is_empty() {
+                writeln!(out, "\nMPS DAEMON OF GPU{:pad$}  STATUS", "", pad = 40 - 17)?;
+                for m in &mps {
+                    let status = match &m.reason {
+                        None => "answering".to_owned(),
+                        Some(why) => format!("not answering (units not offered): {why}"),
+                    };
+                    writeln!(out, "{:<40}  {status}", m.gpu)?;
+                }
             }
         }
         OutputFormat::Json => {
@@ -88,10 +159,11 @@ pub fn run(args: &InventoryArgs, out: &mut dyn Write) -> Result<(), CliError> {
                 #[serde(flatten)]
                 inventory: &'a Inventory,
                 resources: &'a [ResourceSummary],
+                mps: &'a [MpsStatus],
             }
             serde_json::to_writer_pretty(
                 &mut *out,
-                &Printed { inventory: &inventory, resources: &resources },
+                &Printed { inventory: &inventory, resources: &resources, mps: &mps },
             )?;
             out.write_all(b"\n")?;
         }

@@ -270,16 +270,21 @@ mod tests {
     #[test]
     fn table_output_has_a_row_per_gpu_and_mig_instance() {
         let file = format!("{EXAMPLES}/a100-4x-mig.yaml");
-        let table = run_args(&["baleen-agent", "inventory", "--simulated", &file]).expect("runs");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mps_root = dir.path().display().to_string();
+        let table =
+            run_args(&["baleen-agent", "inventory", "--simulated", &file, "--mps-root", &mps_root])
+                .expect("runs");
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines[0], "driver 550.127.05, 4 GPUs");
         assert!(lines[1].starts_with("INDEX  UUID"), "{table}");
         // 4 GPUs + 4 MIG instances, a blank line, then the resources: gpu, gpu-memory, three
-        // MIG profiles and one NVLink pair (GPUs 0 and 1; 2 and 3 are in MIG mode).
-        assert_eq!(lines.len(), 2 + 4 + 4 + 1 + 1 + 6, "{table}");
+        // MIG profiles and one NVLink pair (GPUs 0 and 1; 2 and 3 are in MIG mode); then the
+        // MPS daemons of the two shared GPUs, none answering here.
+        assert_eq!(lines.len(), 2 + 4 + 4 + 1 + 1 + 6 + 1 + 1 + 2, "{table}");
         assert_eq!(lines[10], "", "{table}");
         assert!(lines[11].starts_with("RESOURCE"), "{table}");
-        let resources: Vec<(&str, &str)> = lines[12..]
+        let resources: Vec<(&str, &str)> = lines[12..18]
             .iter()
             .filter_map(|l| l.split_once(char::is_whitespace))
             .map(|(name, count)| (name, count.trim()))
@@ -304,6 +309,9 @@ mod tests {
         assert!(lines[5].contains("MIG 3g.40gb"), "{table}");
         assert!(lines[5].contains("39.2 GiB"), "{table}");
         assert!(lines[5].ends_with("gi 2 ci 0"), "{table}");
+        assert!(lines[19].starts_with("MPS DAEMON OF GPU"), "{table}");
+        assert!(lines[20].starts_with("GPU-3f1c7a52-8d0e-4b6a-9c21-5e7f0a1b2c30"), "{table}");
+        assert!(lines[20].contains("not answering (units not offered)"), "{table}");
     }
 
     #[test]

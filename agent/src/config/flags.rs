@@ -29,6 +29,11 @@ pub struct RunArgs {
     /// Host directory of the per-GPU MPS pipe directories.
     #[arg(long, value_name = "DIR", help = format!("Host directory of the per-GPU MPS pipe directories [default: {}]", defaults::MPS_ROOT))]
     pub mps_root: Option<PathBuf>,
+    /// Do not enforce gpu-memory grants with MPS: the units are accounting only (for simulated
+    /// nodes, which have no GPU to run MPS on; the agent logs a warning and every Allocate
+    /// answer says so). Same as `mps.enabled: false` in the file.
+    #[arg(long)]
+    pub no_mps: bool,
     /// The MPS control binary.
     #[arg(long, value_name = "PATH", help = format!("The MPS control binary, a path or a name on PATH [default: {}]", defaults::MPS_CONTROL_BINARY))]
     pub mps_control_binary: Option<PathBuf>,

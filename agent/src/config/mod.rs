@@ -363,7 +363,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         responses: ResponseConfig {
             cdi_kind,
             mps: MpsConfig {
-                enabled: file.mps.enabled.unwrap_or(true),
+                enabled: !args.no_mps && file.mps.enabled.unwrap_or(true),
                 root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
                 control_binary: pick(
                     &args.mps_control_binary,
@@ -481,6 +481,35 @@ mod tests {
                 .expect_err("unknown field");
         let text = err.to_string();
         assert!(text.contains("agent.yaml:3") && text.contains("devicePluginDirectory"), "{text}");
+    }
+
+    #[test]
+    fn mps_and_watchdog_settings() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        std::fs::write(
+            &file,
+            "nodeName: n\nmps:\n  probeInterval: 1s\n  stopOnExit: true\n  threadPercentage: 40\n  daemons: external\nwatchdog:\n  action: kill\n  interval: 3s\npaths:\n  procRoot: /host/proc\n",
+        )
+        .expect("write");
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        let s = resolve(&args, &Environment::default()).expect("valid");
+        let mps = &s.agent.responses.mps;
+        assert!(mps.enabled && mps.stop_on_exit);
+        assert_eq!(mps.probe_interval, Duration::from_secs(1));
+        assert_eq!(mps.thread_percentage, ThreadPercentage::Fixed(40));
+        assert_eq!(mps.daemons, DaemonPlacement::External);
+        assert_eq!(s.agent.watchdog.action, WatchdogAction::Kill);
+        assert_eq!(s.agent.watchdog.interval, Duration::from_secs(3));
+        assert_eq!(s.agent.watchdog.proc_root, PathBuf::from("/host/proc"));
+        let s = resolve(&RunArgs { no_mps: true, ..args }, &Environment::default()).expect("valid");
+        assert!(!s.agent.responses.mps.enabled, "--no-mps wins over the file");
+        std::fs::write(&file, "nodeName: n\nmps:\n  threadPercentage: 150\n  daemons: host\nwatchdog:\n  action: shout\n")
+            .expect("write");
+        let err =
+            resolve(&RunArgs { config: Some(file), ..RunArgs::default() }, &Environment::default())
+                .expect_err("three problems");
+        assert_eq!(err.problems.len(), 3, "{err}");
     }
 
     #[test]
