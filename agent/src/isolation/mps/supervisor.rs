@@ -107,6 +107,18 @@ impl Supervisor {
                     };
                     self.set_ready(i, how);
                 }
+                // A daemon holds the pipe directory but does not answer (hung). It is not
+                // killed: its server may still serve running clients, and killing the control
+                // daemon kills that server (GPU day, E7). Its units stay withdrawn.
+                Err(e) if started == Started::AlreadyRunning => self.start_failed(
+                    i,
+                    &MpsError::NotRunning {
+                        pipe: dirs.pipe.display().to_string(),
+                        answer: format!(
+                            "a daemon holds the pipe directory but does not answer ({e}); it is not killed, since its server may serve running clients: restart it by hand if it stays hung"
+                        ),
+                    },
+                ),
                 Err(e) => self.start_failed(i, &e),
             },
             Err(e) => self.start_failed(i, &e),
