@@ -9,6 +9,7 @@
 
 pub mod control;
 pub mod supervisor;
+pub mod users;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

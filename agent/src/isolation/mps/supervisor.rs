@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::control::{MpsControl, MpsError, Started};
+use super::users::LogReader;
 use super::{DaemonPlacement, MpsConfig, MpsDirs};
 use crate::defaults;
 
@@ -33,6 +34,8 @@ struct Daemon {
     next_start: Instant,
     /// The last failure logged, so that a repeated one is not logged again.
     last_problem: Option<String>,
+    /// What has been read of the daemon's control log (clients of another user waiting).
+    log: LogReader,
 }
 
 /// The daemons of the node's shared GPUs.
@@ -61,6 +64,7 @@ impl Supervisor {
                 failures: 0,
                 next_start: now,
                 last_problem: None,
+                log: LogReader::default(),
             })
             .collect();
         Self { control, config, enforcement, daemons }
@@ -77,6 +81,22 @@ impl Supervisor {
     pub async fn round(&mut self) {
         for i in 0..self.daemons.len() {
             self.check(i).await;
+            self.report_waiting_users(i);
+        }
+    }
+
+    /// Reports, once each, the clients that wait for a server of another user (MPS serves one
+    /// user at a time; see [`super::users`]).
+    fn report_waiting_users(&mut self, i: usize) {
+        let d = &mut self.daemons[i];
+        for w in d.log.read(&d.dirs.log.join("control.log")) {
+            tracing::warn!(
+                gpu.uuid = d.gpu,
+                client.pid = w.client_pid,
+                client.user = w.client_user,
+                server.user = w.server_user,
+                "an MPS client waits: the GPU's MPS server serves another user, and MPS serves one user at a time; it starts only when every client of that user has exited (run the GPU workloads of a node as one user)"
+            );
         }
     }
 
