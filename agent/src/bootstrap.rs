@@ -63,7 +63,8 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
             kubelet = %kubelet.display(),
             "starting; each resource registers as soon as a kubelet listens there (waiting if none does)"
         );
-        crate::agent::run(settings.agent, Dependencies { inventory }, shutdown).await
+        let registry = prometheus::Registry::new();
+        crate::agent::run(settings.agent, Dependencies { inventory, registry }, shutdown).await
     })?;
     Ok(())
 }

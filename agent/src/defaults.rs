@@ -40,6 +40,9 @@ pub const MPS_RESTART_BACKOFF_MAX: Duration = Duration::from_secs(60);
 pub const WATCHDOG_INTERVAL: Duration = Duration::from_secs(10);
 /// Where the host's `/proc` is (the agent runs in the host's PID namespace).
 pub const PROC_ROOT: &str = "/proc";
+/// Where the metrics endpoint listens.
+pub const METRICS_ADDRESS: std::net::SocketAddr =
+    std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 9477));
 /// Where the kernel publishes the boot ID.
 pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 /// Where the kernel publishes the host name (the node name's last fallback).

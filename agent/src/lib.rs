@@ -8,6 +8,7 @@
 //! - [`config`] and [`defaults`]: settings from defaults, file, environment and flags;
 //! - [`agent`]: the running agent, one task per subsystem;
 //! - [`resources`]: the device-plugin adapter (views as resources, Allocate answers);
+//! - [`metrics`]: the Prometheus endpoint (`/metrics`, `/healthz`, `/readyz`);
 //! - [`isolation`]: what a container needs for its share to be enforced (MPS client setup);
 //! - [`ledger`]: the device ledger (device IDs, views, grants), pure bookkeeping;
 //! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
@@ -15,8 +16,8 @@
 //! - [`inventory`]: the node's GPUs from NVML or a simulated topology;
 //! - [`quantity`]: sizes like `1GiB` in configuration and topology files.
 //!
-//! Placement decisions live in `baleen-scheduler-core`. Not built yet: the MPS daemon
-//! supervisor, cgroup classes, metrics and node-state publishing.
+//! Placement decisions live in `baleen-scheduler-core`. Not built yet: cgroup classes and
+//! node-state publishing.
 
 pub mod agent;
 pub mod bootstrap;
@@ -28,6 +29,7 @@ pub mod error_chain;
 pub mod inventory;
 pub mod isolation;
 pub mod ledger;
+pub mod metrics;
 pub mod quantity;
 pub mod reconcile;
 pub mod resources;

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use crate::checkpoint::Checkpoint;
 use crate::error_chain::Chain;
 use crate::isolation::{ContainerSetup, mps};
-use crate::ledger::{AllocationRecord, DeviceLedger, DeviceState, Grant, Refusal, View};
+use crate::ledger::{AllocationRecord, DeviceLedger, DeviceState, GpuState, Grant, Refusal, View};
 use crate::reconcile::{self, KubeletAllocation, Report};
 
 /// Seconds on the boot-time clock (`CLOCK_BOOTTIME`: monotonic, counting suspend, reset at a
@@ -166,6 +166,21 @@ impl NodeResources {
                 })
             })
             .collect()
+    }
+
+    /// Every GPU's state, and per resource its devices and healthy devices, now.
+    pub fn snapshot(&self) -> (Vec<GpuState>, Vec<(String, usize, usize)>) {
+        let inner = self.lock();
+        let views = self
+            .views
+            .iter()
+            .map(|(view, (name, _))| {
+                let devices = inner.state.devices(view);
+                let healthy = devices.iter().filter(|d| d.healthy).count();
+                (name.clone(), devices.len(), healthy)
+            })
+            .collect();
+        (inner.state.gpu_states(), views)
     }
 
     /// The current allocations.

@@ -76,6 +76,10 @@ impl Node {
                 },
             },
             watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
+            metrics: baleen_agent::metrics::MetricsConfig {
+                enabled: true,
+                address: "127.0.0.1:0".parse().expect("loopback"),
+            },
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),
@@ -89,7 +93,7 @@ impl Node {
             WAIT,
             Agent::start(
                 self.config.clone(),
-                Dependencies { inventory: self.inventory.clone() },
+                Dependencies { inventory: self.inventory.clone(), registry: Default::default() },
                 token.clone(),
             ),
         )
@@ -277,7 +281,12 @@ async fn crash_and_restart(corrupt: bool) -> Result<()> {
     let agent = tokio::time::timeout(
         WAIT,
         doomed.spawn(async move {
-            Agent::start(config, Dependencies { inventory }, CancellationToken::new()).await
+            Agent::start(
+                config,
+                Dependencies { inventory, registry: Default::default() },
+                CancellationToken::new(),
+            )
+            .await
         }),
     )
     .await???;
@@ -499,7 +508,7 @@ async fn stopped_while_waiting_for_pod_resources_writes_no_checkpoint() -> Resul
         WAIT,
         Agent::start(
             node.config.clone(),
-            Dependencies { inventory: node.inventory.clone() },
+            Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
             token.clone(),
         ),
     )
@@ -661,7 +670,7 @@ async fn a_second_agent_waits_and_never_steals_the_first_ones_sockets() -> Resul
     let second_token = CancellationToken::new();
     let second = tokio::spawn(Agent::start(
         node.config.clone(),
-        Dependencies { inventory: node.inventory.clone() },
+        Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
         second_token.clone(),
     ));
     // It waits (a bounded look for something that must not happen).
@@ -683,7 +692,7 @@ async fn a_second_agent_waits_and_never_steals_the_first_ones_sockets() -> Resul
         WAIT,
         Agent::start(
             stray,
-            Dependencies { inventory: node.inventory.clone() },
+            Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
             CancellationToken::new(),
         ),
     )
@@ -715,7 +724,11 @@ async fn a_configuration_that_changes_held_device_ids_is_refused() -> Result<()>
         let token = CancellationToken::new();
         let started = tokio::time::timeout(
             WAIT,
-            Agent::start(config, Dependencies { inventory }, token.clone()),
+            Agent::start(
+                config,
+                Dependencies { inventory, registry: Default::default() },
+                token.clone(),
+            ),
         )
         .await?;
         anyhow::Ok((started, token))
@@ -759,7 +772,7 @@ async fn socket_paths_too_long_are_a_configuration_error() -> Result<()> {
         WAIT,
         Agent::start(
             config,
-            Dependencies { inventory: node.inventory.clone() },
+            Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
             CancellationToken::new(),
         ),
     )
@@ -1086,4 +1099,110 @@ fn inventory_says_whether_each_mps_daemon_answers() -> Result<()> {
             .is_some_and(|r| r.contains("cannot run the MPS control binary"))
     );
     Ok(())
+}
+
+// ---- Issue 13 (first part): the metrics endpoint ----
+
+/// A plain HTTP/1.1 GET on loopback: the status code and the body.
+async fn http_get(address: std::net::SocketAddr, path: &str) -> Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::time::timeout(WAIT, tokio::net::TcpStream::connect(address)).await??;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    tokio::time::timeout(WAIT, stream.read_to_string(&mut response)).await??;
+    let status = response.split_whitespace().nth(1).context("status")?.parse()?;
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// The value of the series whose line starts with `prefix` (`name{labels}`), if any.
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().filter(|l| l.starts_with(name) && !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let wanted = labels.iter().all(|(k, v)| series.contains(&format!("{k}=\"{v}\"")));
+        (series.split('{').next() == Some(name) && wanted).then(|| value.parse().ok()).flatten()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let address = agent.metrics_address().context("metrics on")?;
+    assert_eq!(http_get(address, "/healthz").await?.0, 200);
+    // Ready once every resource is registered and every MPS daemon answers.
+    let ready = async {
+        loop {
+            if http_get(address, "/readyz").await?.0 == 200 {
+                return anyhow::Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, ready).await??;
+    let a = node.kubelet.admit_to("ns/a", "c", MEM, 4).await?;
+    let gpu = gpu_of(&a.device_ids[0]).to_owned();
+    let (status, text) = http_get(address, "/metrics").await?;
+    assert_eq!(status, 200);
+    assert_eq!(
+        sample(&text, "baleen_resource_allocated_devices", &[("resource", MEM)]),
+        Some(4.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "baleen_gpu_memory_granted_bytes", &[("gpu_uuid", &gpu)]),
+        Some((4u64 << 30) as f64)
+    );
+    assert_eq!(
+        sample(&text, "baleen_gpu_mode", &[("gpu_uuid", &gpu), ("mode", "shared")]),
+        Some(1.0)
+    );
+    assert_eq!(sample(&text, "baleen_gpu_mps_daemon_up", &[("gpu_uuid", &gpu)]), Some(1.0));
+    assert_eq!(
+        sample(&text, "baleen_gpu_info", &[("gpu_uuid", &gpu), ("node", "node-a")]),
+        Some(1.0)
+    );
+    // The pod ends: once released, the GPU is idle again and nothing is allocated.
+    node.kubelet.end_pod("ns/a");
+    let released = async {
+        loop {
+            let text = http_get(address, "/metrics").await?.1;
+            if sample(&text, "baleen_resource_allocated_devices", &[("resource", MEM)]) == Some(0.0)
+            {
+                return anyhow::Ok(text);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let text = tokio::time::timeout(WAIT, released).await??;
+    assert_eq!(sample(&text, "baleen_gpu_memory_granted_bytes", &[("gpu_uuid", &gpu)]), Some(0.0));
+    assert_eq!(
+        sample(&text, "baleen_gpu_mode", &[("gpu_uuid", &gpu), ("mode", "shared")]),
+        None,
+        "no stale series"
+    );
+    assert_eq!(
+        sample(&text, "baleen_gpu_mode", &[("gpu_uuid", &gpu), ("mode", "idle")]),
+        Some(1.0)
+    );
+    // A GPU's MPS daemon dies (and cannot start again): not ready, saying why.
+    directive(&node, &gpu, "refuse")?;
+    let pid = daemon_pid(&node, &gpu)?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+    let not_ready = async {
+        loop {
+            let (status, body) = http_get(address, "/readyz").await?;
+            if status == 503 {
+                return anyhow::Ok(body);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let why = tokio::time::timeout(WAIT, not_ready).await??;
+    assert!(why.contains("MPS daemon not answering") && why.contains(&gpu), "{why}");
+    let text = http_get(address, "/metrics").await?.1;
+    assert_eq!(sample(&text, "baleen_gpu_mps_daemon_up", &[("gpu_uuid", &gpu)]), Some(0.0));
+    stop(agent, token).await
 }

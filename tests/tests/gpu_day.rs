@@ -78,6 +78,10 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
             },
         },
         watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
+        metrics: baleen_agent::metrics::MetricsConfig {
+            enabled: true,
+            address: "127.0.0.1:0".parse().expect("loopback"),
+        },
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -86,7 +90,11 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
     let token = CancellationToken::new();
     let agent = tokio::time::timeout(
         Duration::from_secs(10),
-        Agent::start(config, Dependencies { inventory }, token.clone()),
+        Agent::start(
+            config,
+            Dependencies { inventory, registry: Default::default() },
+            token.clone(),
+        ),
     )
     .await??;
     let view = kubelet
@@ -162,6 +170,10 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
             },
         },
         watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
+        metrics: baleen_agent::metrics::MetricsConfig {
+            enabled: true,
+            address: "127.0.0.1:0".parse().expect("loopback"),
+        },
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -169,7 +181,11 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
     let token = CancellationToken::new();
     let agent = tokio::time::timeout(
         Duration::from_secs(10),
-        Agent::start(config, Dependencies { inventory }, token.clone()),
+        Agent::start(
+            config,
+            Dependencies { inventory, registry: Default::default() },
+            token.clone(),
+        ),
     )
     .await??;
     kubelet

@@ -40,6 +40,7 @@ use crate::error_chain::Chain;
 use crate::inventory::{GpuInventory, InventoryError};
 use crate::isolation::watchdog::{Over, Watchdog, WatchdogConfig};
 use crate::ledger::{BuildError, ViewConfig};
+use crate::metrics::{Endpoint, Metrics, MetricsConfig, MetricsError};
 use crate::resources::{NodeResources, ResponseConfig};
 
 /// How the agent runs on this node (see `crate::config` for where the values come from).
@@ -61,6 +62,8 @@ pub struct AgentConfig {
     pub responses: ResponseConfig,
     /// The per-container GPU memory watchdog.
     pub watchdog: WatchdogConfig,
+    /// The Prometheus endpoint.
+    pub metrics: MetricsConfig,
     /// Time between reconciliations with pod-resources.
     pub reconcile_interval: Duration,
     /// How long an allocation the kubelet's pod-resources list has never shown is kept (an
@@ -74,6 +77,8 @@ pub struct AgentConfig {
 pub struct Dependencies {
     /// The node's GPUs (NVML, simulated, or NVML over a fake library).
     pub inventory: Arc<dyn GpuInventory>,
+    /// The registry the metric families are registered in (`main` makes it; no global one).
+    pub registry: prometheus::Registry,
 }
 
 /// Why the agent cannot start or stopped.
@@ -140,6 +145,9 @@ pub enum AgentError {
     /// Shut down before it started (while waiting for another agent to exit).
     #[error("stopped before starting")]
     StoppedBeforeStart,
+    /// The metrics endpoint cannot be set up or failed.
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
     /// A task of the agent panicked or was aborted.
     #[error("agent task {task} failed")]
     Task {
@@ -208,6 +216,7 @@ pub struct Agent {
     tasks: Tasks,
     health_stop: CancellationToken,
     episodes: watch::Receiver<Vec<Over>>,
+    metrics_address: Option<std::net::SocketAddr>,
     /// Held for the agent's life; declared last, so released after everything else is dropped.
     _lock: lock::InstanceLock,
 }
@@ -239,14 +248,45 @@ impl Agent {
             watchdog.run(inventory, token).await;
             Ok(())
         });
+        let metrics_address = if config.metrics.enabled {
+            let endpoint = Arc::new(Endpoint {
+                metrics: Metrics::new(deps.registry.clone())?,
+                node: config.node_name.clone(),
+                resources: resources.clone(),
+                plugins: plugins.clone(),
+                over: episodes.clone(),
+                mps_enforced: config.responses.mps.enabled,
+            });
+            let (bound, serve) =
+                crate::metrics::bind(config.metrics.address, endpoint, shutdown.clone()).await?;
+            tracing::info!(address = %bound, "serving /metrics, /healthz and /readyz");
+            tasks.spawn("metrics endpoint", async move { Ok(serve.await?) });
+            Some(bound)
+        } else {
+            None
+        };
         let health_stop = shutdown.child_token();
         health::spawn(deps.inventory.clone(), resources.clone(), health_stop.clone());
-        Ok(Self { shutdown, resources, plugins, tasks, health_stop, episodes, _lock: lock })
+        Ok(Self {
+            shutdown,
+            resources,
+            plugins,
+            tasks,
+            health_stop,
+            episodes,
+            metrics_address,
+            _lock: lock,
+        })
     }
 
     /// The node's resources: the device ledger behind every view.
     pub fn resources(&self) -> &Arc<NodeResources> {
         &self.resources
+    }
+
+    /// Where the metrics endpoint listens, when it does.
+    pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_address
     }
 
     /// The containers over their GPU memory grant, as of the watchdog's last round.

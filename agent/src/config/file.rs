@@ -36,6 +36,9 @@ pub struct FileConfig {
     /// The per-container GPU memory watchdog.
     #[serde(default)]
     pub watchdog: WatchdogFile,
+    /// The Prometheus endpoint.
+    #[serde(default)]
+    pub metrics: MetricsFile,
     /// Logging.
     #[serde(default)]
     pub log: LogFile,
@@ -134,6 +137,16 @@ pub struct WatchdogFile {
     pub interval: Option<String>,
     /// `log` (default) or `kill`.
     pub action: Option<String>,
+}
+
+/// `metrics:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MetricsFile {
+    /// Serve `/metrics`, `/healthz`, `/readyz` (default true).
+    pub enabled: Option<bool>,
+    /// Where, e.g. `0.0.0.0:9477` (default).
+    pub address: Option<String>,
 }
 
 /// `log:` in the file.

@@ -34,6 +34,9 @@ pub struct RunArgs {
     /// answer says so). Same as `mps.enabled: false` in the file.
     #[arg(long)]
     pub no_mps: bool,
+    /// Where the metrics endpoint listens.
+    #[arg(long, value_name = "ADDR", help = format!("Where /metrics, /healthz and /readyz listen [default: {}]", defaults::METRICS_ADDRESS))]
+    pub metrics_address: Option<String>,
     /// The MPS control binary.
     #[arg(long, value_name = "PATH", help = format!("The MPS control binary, a path or a name on PATH [default: {}]", defaults::MPS_CONTROL_BINARY))]
     pub mps_control_binary: Option<PathBuf>,

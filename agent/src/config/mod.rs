@@ -19,6 +19,7 @@ use crate::inventory::{GpuInventory, InventoryError};
 use crate::isolation::mps::{DaemonPlacement, MpsConfig, ThreadPercentage};
 use crate::isolation::watchdog::{WatchdogAction, WatchdogConfig};
 use crate::ledger::ViewConfig;
+use crate::metrics::MetricsConfig;
 use crate::quantity::parse_quantity;
 use crate::resources::ResponseConfig;
 
@@ -270,6 +271,14 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             WatchdogAction::Log
         }
     };
+    let metrics_address = match args.metrics_address.as_deref().or(file.metrics.address.as_deref())
+    {
+        None => defaults::METRICS_ADDRESS,
+        Some(text) => text.parse().unwrap_or_else(|e| {
+            problems.push(format!("metrics address {text:?} is not an IP address and port: {e}"));
+            defaults::METRICS_ADDRESS
+        }),
+    };
     let thread_percentage = match &file.mps.thread_percentage {
         None => ThreadPercentage::Proportional,
         Some(serde_yaml_ng::Value::String(s)) if s == "proportional" => {
@@ -381,6 +390,10 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             interval: watchdog_interval,
             action: watchdog_action,
             proc_root: pick(&None, &paths.proc_root, defaults::PROC_ROOT),
+        },
+        metrics: MetricsConfig {
+            enabled: file.metrics.enabled.unwrap_or(true),
+            address: metrics_address,
         },
         reconcile_interval,
         reconcile_grace,

@@ -135,6 +135,56 @@ pub enum Refusal {
     },
 }
 
+/// One GPU as the ledger sees it now (for the metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuState {
+    /// The GPU.
+    pub uuid: String,
+    /// Its NVML index.
+    pub index: u32,
+    /// Its model name.
+    pub model: String,
+    /// Its memory.
+    pub memory_bytes: u64,
+    /// Bytes handed out: the whole memory when held whole, else units held times the unit.
+    pub granted_bytes: u64,
+    /// How it serves now.
+    pub mode: GpuMode,
+    /// Healthy (no critical XID, the health watch runs).
+    pub healthy: bool,
+    /// Its shares are enforced (its MPS daemon answers), where that is required.
+    pub shares_enforced: bool,
+    /// Memory units it offers in all.
+    pub units: u32,
+    /// Memory units held.
+    pub units_held: u32,
+}
+
+/// How a GPU serves now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuMode {
+    /// Nothing is allocated on it.
+    Idle,
+    /// Held whole (the `gpu` or an `nvlink-group-<n>` view).
+    Exclusive,
+    /// Memory units of it are held.
+    Shared,
+    /// In MIG mode.
+    Mig,
+}
+
+impl GpuMode {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuMode::Idle => "idle",
+            GpuMode::Exclusive => "exclusive",
+            GpuMode::Shared => "shared",
+            GpuMode::Mig => "mig",
+        }
+    }
+}
+
 /// One device of a view as the ledger sees it now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceState {
@@ -439,6 +489,44 @@ impl DeviceLedger {
     /// The GPUs of the node.
     pub fn gpus(&self) -> impl Iterator<Item = &Gpu> {
         self.slots.iter().map(|s| &s.gpu)
+    }
+
+    /// Every GPU's state now.
+    pub fn gpu_states(&self) -> Vec<GpuState> {
+        let none = BTreeSet::new();
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let units_held = count(self.units_held(i, &none));
+                let whole = self.whole_holder(i, &none).is_some();
+                let mode = if s.gpu.mig.is_enabled() {
+                    GpuMode::Mig
+                } else if whole {
+                    GpuMode::Exclusive
+                } else if units_held > 0 {
+                    GpuMode::Shared
+                } else {
+                    GpuMode::Idle
+                };
+                GpuState {
+                    uuid: s.gpu.uuid.to_string(),
+                    index: s.gpu.index,
+                    model: s.gpu.name.clone(),
+                    memory_bytes: s.gpu.memory_bytes,
+                    granted_bytes: if whole {
+                        s.gpu.memory_bytes
+                    } else {
+                        u64::from(units_held) * self.config.memory_unit_bytes
+                    },
+                    mode,
+                    healthy: s.healthy,
+                    shares_enforced: s.shares_enforced,
+                    units: s.units,
+                    units_held,
+                }
+            })
+            .collect()
     }
 
     /// Memory units allocated on the GPU at `index`.

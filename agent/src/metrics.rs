@@ -1,0 +1,318 @@
+//! The agent's Prometheus endpoint: `/metrics` (text format, from a registry passed in, no
+//! global registry), `/healthz` (the process answers) and `/readyz` (every resource registered
+//! with the kubelet, and every shared GPU's MPS daemon answering where MPS is on), on
+//! `metrics.address`. Families are filled from the agent's in-memory state at each scrape (the
+//! ledger and the watchdog's episodes: no NVML call on the scrape path); series of GPUs, resources
+//! and episodes that are gone disappear with them. Run by the agent as one subsystem.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use baleen_device_plugin::PluginState;
+use prometheus::{Encoder as _, IntGaugeVec, Opts, Registry, TextEncoder};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::isolation::watchdog::Over;
+use crate::resources::NodeResources;
+
+/// Whether and where the endpoint serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsConfig {
+    /// Serve the endpoint (default true).
+    pub enabled: bool,
+    /// Where (default `0.0.0.0:9477`).
+    pub address: SocketAddr,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self { enabled: true, address: crate::defaults::METRICS_ADDRESS }
+    }
+}
+
+/// Why the metrics could not be set up or served.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// A family could not be registered (a name used twice).
+    #[error("cannot register the metric families")]
+    Register(#[source] prometheus::Error),
+    /// The address cannot be bound.
+    #[error("cannot listen for metrics on {address}")]
+    Bind {
+        /// The address.
+        address: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server failed.
+    #[error("the metrics server failed")]
+    Serve(#[source] std::io::Error),
+}
+
+const GPU_LABELS: [&str; 4] = ["node", "gpu_uuid", "gpu_index", "model"];
+
+/// The agent's metric families, registered in one registry.
+pub struct Metrics {
+    registry: Registry,
+    gpu_info: IntGaugeVec,
+    gpu_memory_total: IntGaugeVec,
+    gpu_memory_granted: IntGaugeVec,
+    gpu_units: IntGaugeVec,
+    gpu_units_held: IntGaugeVec,
+    gpu_healthy: IntGaugeVec,
+    gpu_mode: IntGaugeVec,
+    gpu_mps_up: IntGaugeVec,
+    resource_devices: IntGaugeVec,
+    resource_healthy: IntGaugeVec,
+    resource_allocated: IntGaugeVec,
+    over_grant: IntGaugeVec,
+}
+
+fn gauge(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntGaugeVec, MetricsError> {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)?;
+    registry.register(Box::new(g.clone())).map_err(MetricsError::Register)?;
+    Ok(g)
+}
+
+impl Metrics {
+    /// Registers the families in `registry`.
+    pub fn new(registry: Registry) -> Result<Self, MetricsError> {
+        let r = &registry;
+        let with = |extra: &'static str| {
+            let mut labels = GPU_LABELS.to_vec();
+            labels.push(extra);
+            labels
+        };
+        Ok(Self {
+            gpu_info: gauge(r, "baleen_gpu_info", "A GPU of the node (value 1).", &GPU_LABELS)?,
+            gpu_memory_total: gauge(
+                r,
+                "baleen_gpu_memory_total_bytes",
+                "Memory of the GPU.",
+                &GPU_LABELS,
+            )?,
+            gpu_memory_granted: gauge(
+                r,
+                "baleen_gpu_memory_granted_bytes",
+                "Memory of the GPU handed out: all of it when held whole, else its gpu-memory units held times the unit.",
+                &GPU_LABELS,
+            )?,
+            gpu_units: gauge(
+                r,
+                "baleen_gpu_memory_units",
+                "gpu-memory units the GPU offers.",
+                &GPU_LABELS,
+            )?,
+            gpu_units_held: gauge(
+                r,
+                "baleen_gpu_memory_units_held",
+                "gpu-memory units of the GPU held by containers.",
+                &GPU_LABELS,
+            )?,
+            gpu_healthy: gauge(
+                r,
+                "baleen_gpu_healthy",
+                "1 if the GPU is healthy (no critical XID, the health watch runs).",
+                &GPU_LABELS,
+            )?,
+            gpu_mode: gauge(
+                r,
+                "baleen_gpu_mode",
+                "How the GPU serves now (value 1 on the series of its mode: idle, exclusive, shared or mig).",
+                &with("mode"),
+            )?,
+            gpu_mps_up: gauge(
+                r,
+                "baleen_gpu_mps_daemon_up",
+                "1 if the GPU's MPS daemon answers (its memory units are offered only then); only for GPUs whose units MPS enforces.",
+                &GPU_LABELS,
+            )?,
+            resource_devices: gauge(
+                r,
+                "baleen_resource_devices",
+                "Devices the resource advertises.",
+                &["node", "resource"],
+            )?,
+            resource_healthy: gauge(
+                r,
+                "baleen_resource_healthy_devices",
+                "Devices the resource advertises Healthy (allocatable now).",
+                &["node", "resource"],
+            )?,
+            resource_allocated: gauge(
+                r,
+                "baleen_resource_allocated_devices",
+                "Devices of the resource held by containers.",
+                &["node", "resource"],
+            )?,
+            over_grant: gauge(
+                r,
+                "baleen_container_gpu_memory_over_grant_bytes",
+                "GPU memory a container uses beyond its gpu-memory grant, while it does (the memory watchdog).",
+                &["node", "gpu_uuid", "pod_uid", "container_id"],
+            )?,
+            registry,
+        })
+    }
+
+    /// The text exposition of the state now.
+    pub fn render(
+        &self,
+        node: &str,
+        resources: &NodeResources,
+        over: &[Over],
+        mps_enforced: bool,
+    ) -> String {
+        let (gpus, views) = resources.snapshot();
+        let records = resources.records();
+        for family in [
+            &self.gpu_info,
+            &self.gpu_memory_total,
+            &self.gpu_memory_granted,
+            &self.gpu_units,
+            &self.gpu_units_held,
+            &self.gpu_healthy,
+            &self.gpu_mode,
+            &self.gpu_mps_up,
+            &self.resource_devices,
+            &self.resource_healthy,
+            &self.resource_allocated,
+            &self.over_grant,
+        ] {
+            family.reset();
+        }
+        let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for g in &gpus {
+            let index = g.index.to_string();
+            let labels = [node, g.uuid.as_str(), index.as_str(), g.model.as_str()];
+            self.gpu_info.with_label_values(&labels).set(1);
+            self.gpu_memory_total.with_label_values(&labels).set(int(g.memory_bytes));
+            self.gpu_memory_granted.with_label_values(&labels).set(int(g.granted_bytes));
+            self.gpu_units.with_label_values(&labels).set(i64::from(g.units));
+            self.gpu_units_held.with_label_values(&labels).set(i64::from(g.units_held));
+            self.gpu_healthy.with_label_values(&labels).set(i64::from(g.healthy));
+            let mode = [node, g.uuid.as_str(), index.as_str(), g.model.as_str(), g.mode.as_str()];
+            self.gpu_mode.with_label_values(&mode).set(1);
+            if mps_enforced && g.units > 0 {
+                self.gpu_mps_up.with_label_values(&labels).set(i64::from(g.shares_enforced));
+            }
+        }
+        for (resource, devices, healthy) in &views {
+            let labels = [node, resource.as_str()];
+            self.resource_devices.with_label_values(&labels).set(int(*devices as u64));
+            self.resource_healthy.with_label_values(&labels).set(int(*healthy as u64));
+            let allocated: usize = records
+                .iter()
+                .filter(|r| r.resource == *resource)
+                .map(|r| r.device_ids.len())
+                .sum();
+            self.resource_allocated.with_label_values(&labels).set(int(allocated as u64));
+        }
+        for o in over {
+            let gpu = o.gpu.to_string();
+            let pod = o.container.pod_uid.as_deref().unwrap_or("");
+            self.over_grant
+                .with_label_values(&[node, gpu.as_str(), pod, o.container.container_id.as_str()])
+                .set(int(o.used_bytes.saturating_sub(o.granted_bytes)));
+        }
+        let mut out = Vec::new();
+        // Encoding into memory fails only for invalid families, which registration refused.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+/// What the endpoint reads.
+pub struct Endpoint {
+    /// The families.
+    pub metrics: Metrics,
+    /// The node's name (a label of every series).
+    pub node: String,
+    /// The ledger.
+    pub resources: Arc<NodeResources>,
+    /// Each resource's plugin state.
+    pub plugins: Vec<(String, watch::Receiver<PluginState>)>,
+    /// The watchdog's episodes.
+    pub over: watch::Receiver<Vec<Over>>,
+    /// Whether MPS enforces the gpu-memory units.
+    pub mps_enforced: bool,
+}
+
+impl Endpoint {
+    /// Whether the agent is ready: every resource registered, every shared GPU's MPS daemon
+    /// answering where MPS is on; if not, why.
+    pub fn ready(&self) -> Result<(), String> {
+        let waiting: Vec<&str> = self
+            .plugins
+            .iter()
+            .filter(|(_, s)| !matches!(*s.borrow(), PluginState::Registered { .. }))
+            .map(|(r, _)| r.as_str())
+            .collect();
+        if !waiting.is_empty() {
+            return Err(format!("not registered with the kubelet: {}", waiting.join(", ")));
+        }
+        if self.mps_enforced {
+            let (gpus, _) = self.resources.snapshot();
+            let down: Vec<String> = gpus
+                .into_iter()
+                .filter(|g| g.units > 0 && !g.shares_enforced)
+                .map(|g| g.uuid)
+                .collect();
+            if !down.is_empty() {
+                return Err(format!("MPS daemon not answering for {}", down.join(", ")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Binds `address` now (readiness by binding, not by sleeping); the bound address and the
+/// server, which serves until `shutdown`.
+pub async fn bind(
+    address: SocketAddr,
+    endpoint: Arc<Endpoint>,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, impl Future<Output = Result<(), MetricsError>>), MetricsError> {
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|source| MetricsError::Bind { address, source })?;
+    let bound = listener.local_addr().map_err(|source| MetricsError::Bind { address, source })?;
+    let app = Router::new()
+        .route("/metrics", get(scrape))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(endpoint);
+    let serve = async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+            .map_err(MetricsError::Serve)
+    };
+    Ok((bound, serve))
+}
+
+async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
+    let over = endpoint.over.borrow().clone();
+    let text =
+        endpoint.metrics.render(&endpoint.node, &endpoint.resources, &over, endpoint.mps_enforced);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
+}
+
+async fn readyz(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
+    match endpoint.ready() {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+    }
+}
