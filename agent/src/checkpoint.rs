@@ -139,6 +139,16 @@ impl Checkpoint {
             Err(source) => return Err(CheckpointError::Io { path: self.path.clone(), source }),
         };
         let corrupt = |reason: String| CheckpointError::Corrupt { path: self.path.clone(), reason };
+        // The format first: a file of another format is that, not corrupt.
+        let found = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .ok()
+            .and_then(|v| v.get("contents")?.get("format")?.as_u64());
+        if let Some(found) = found.filter(|&f| f != u64::from(FORMAT)) {
+            return Err(CheckpointError::Format {
+                path: self.path.clone(),
+                found: u32::try_from(found).unwrap_or(u32::MAX),
+            });
+        }
         let envelope: Envelope =
             serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
         let expected = checksum(&envelope.contents);
@@ -271,6 +281,16 @@ mod tests {
         assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
         fs::write(cp.path(), b"").expect("write");
         assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn a_file_of_another_format_is_reported_as_such_not_as_corrupt() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cp = Checkpoint::in_dir(dir.path());
+        let old = r#"{"checksum":"sha256:00","contents":{"format":1,"node":"n1","boot_id":"b","allocations":[]}}"#;
+        fs::write(cp.path(), old).expect("write");
+        let err = cp.load("n1", "b").expect_err("format 1");
+        assert!(matches!(err, CheckpointError::Format { found: 1, .. }), "{err}");
     }
 
     #[test]

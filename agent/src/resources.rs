@@ -84,13 +84,26 @@ fn device_list(devices: Vec<DeviceState>) -> Vec<Device> {
         .collect()
 }
 
-/// Whether a change makes an untrusted ledger trusted.
+/// What a change was, for the ledger's trust and generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Trust {
-    /// It does not (an allocation, or a list too old to apply).
+    /// Nothing that matters to either (a list too old to apply).
     Unchanged,
-    /// It was a reconciliation with the kubelet's list.
+    /// An Allocate granted: a new generation even when no record changed (an exact repeat in
+    /// the same second), so that a list asked before it is not applied after it.
+    Granted,
+    /// A reconciliation with the kubelet's list: makes the ledger trusted.
     Reconciled,
+}
+
+/// The refusal of an Allocate on GPUs whose MPS daemon does not answer.
+fn unavailable(gpus: &[String]) -> BackendError {
+    BackendError::Unavailable {
+        reason: format!(
+            "the MPS daemon of GPU {} does not answer, so no memory limit on it can be enforced now",
+            gpus.join(", ")
+        ),
+    }
 }
 
 struct Inner {
@@ -224,8 +237,10 @@ impl NodeResources {
         inner.trusted = trusted;
         // Kept even when no record changed: the ledger also counts missed listings.
         inner.state = next;
-        if changed {
+        if changed || trust == Trust::Granted {
             inner.generation += 1;
+        }
+        if changed {
             self.publish(&inner.state);
         }
         Ok(out)
@@ -385,12 +400,7 @@ impl DeviceBackend for ViewBackend {
             for ids in &containers {
                 let unenforced = inner.state.unenforced(&self.view, ids);
                 if !unenforced.is_empty() {
-                    return Err(BackendError::Unavailable {
-                        reason: format!(
-                            "the MPS daemon of GPU {} does not answer, so no memory limit on it can be enforced now",
-                            unenforced.join(", ")
-                        ),
-                    });
+                    return Err(unavailable(&unenforced));
                 }
             }
             containers
@@ -431,12 +441,19 @@ impl DeviceBackend for ViewBackend {
         let view = self.view.clone();
         let grants = tokio::task::spawn_blocking(move || {
             resources.change(|state, _| {
+                // Again under the lock: the daemon may have died while pod-resources answered.
+                for ids in &containers {
+                    let unenforced = state.unenforced(&view, ids);
+                    if !unenforced.is_empty() {
+                        return Err(unavailable(&unenforced));
+                    }
+                }
                 let now = boot_seconds();
                 let grants = containers
                     .iter()
                     .map(|ids| state.allocate(&view, ids, now))
                     .collect::<Result<Vec<Grant>, Refusal>>()?;
-                Ok((grants, Trust::Unchanged))
+                Ok((grants, Trust::Granted))
             })
         })
         .await
@@ -465,6 +482,39 @@ mod tests {
             .expect("after 1970")
             .as_secs() as f64;
         assert!(now < wall / 2.0, "not the wall clock");
+    }
+
+    #[test]
+    fn every_grant_is_a_new_generation_even_an_identical_repeat() {
+        use crate::inventory::GpuInventory as _;
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../packaging/examples/l4-4x-pcie.yaml");
+        let inventory = crate::inventory::simulated::SimulatedInventory::from_file(&path)
+            .expect("example")
+            .discover()
+            .expect("discover");
+        let ledger = DeviceLedger::new("n", &inventory, crate::ledger::ViewConfig::default())
+            .expect("ledger");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let resources = NodeResources::new(
+            ledger,
+            Checkpoint::in_dir(dir.path()),
+            "n".into(),
+            "b".into(),
+            None,
+            ResponseConfig::default(),
+            true,
+        );
+        let gpu = vec![inventory.gpus[0].uuid.to_string()];
+        let grant = || {
+            resources.change(|state, _| Ok((state.allocate(&View::Gpu, &gpu, 7)?, Trust::Granted)))
+        };
+        grant().expect("granted");
+        let first = resources.generation();
+        // The same IDs again in the same second: no record changes, the generation does, so a
+        // list asked before this repeat is not applied after it.
+        grant().expect("repeat granted");
+        assert_eq!(resources.generation(), first + 1);
     }
 
     mod properties {
@@ -628,7 +678,7 @@ mod tests {
                 let now = self.clock;
                 let granted = self
                     .resources
-                    .change(|state, _| Ok((state.allocate(&view, &ids, now)?, Trust::Unchanged)));
+                    .change(|state, _| Ok((state.allocate(&view, &ids, now)?, Trust::Granted)));
                 if granted.is_ok() {
                     let mut ids = ids;
                     ids.sort();

@@ -55,11 +55,13 @@ impl PluginConfig {
         }
     }
 
-    fn socket_path(&self) -> PathBuf {
+    /// Where the plugin's socket is bound.
+    pub fn socket_path(&self) -> PathBuf {
         self.device_plugin_dir.join(&self.socket_name)
     }
 
-    fn kubelet_socket(&self) -> PathBuf {
+    /// The kubelet's registration socket the plugin dials.
+    pub fn kubelet_socket(&self) -> PathBuf {
         self.device_plugin_dir.join(api::KUBELET_SOCKET)
     }
 }

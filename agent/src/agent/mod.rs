@@ -233,6 +233,11 @@ impl Agent {
             return Err(AgentError::StoppedBeforeStart);
         };
         let resources = startup::restore(&config, &deps, &shutdown).await?;
+        if shutdown.is_cancelled() {
+            // Stopped during start-up (waiting for pod-resources): start nothing more, not even
+            // an MPS daemon.
+            return Err(AgentError::StoppedBeforeStart);
+        }
         let mut tasks = Tasks::default();
         mps::start(&mut tasks, &config, &resources, &shutdown).await;
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);

@@ -11,6 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::reconciler::{ReconcileFailure, reconcile_once};
 use super::{AgentConfig, AgentError, Dependencies};
+use baleen_device_plugin::PluginConfig;
+
 use crate::checkpoint::{Checkpoint, read_boot_id};
 use crate::error_chain::Chain;
 use crate::ledger::DeviceLedger;
@@ -28,15 +30,12 @@ pub const MAX_SOCKET_PATH: usize = 107;
 /// error naming each path, before anything is bound (binding would fail later, and vaguely).
 fn check_socket_paths(config: &AgentConfig, ledger: &DeviceLedger) -> Result<(), AgentError> {
     let domain = &ledger.config().domain;
-    let mut paths = vec![
-        config.pod_resources_socket.clone(),
-        config.device_plugin_dir.join(baleen_proto::deviceplugin::v1beta1::KUBELET_SOCKET),
-    ];
-    paths.extend(ledger.views().iter().map(|v| {
-        config
-            .device_plugin_dir
-            .join(baleen_device_plugin::plugin::socket_name(&v.resource_name(domain)))
-    }));
+    let mut paths = vec![config.pod_resources_socket.clone()];
+    for view in ledger.views() {
+        let plugin = PluginConfig::new(&config.device_plugin_dir, &view.resource_name(domain));
+        paths.push(plugin.socket_path());
+        paths.push(plugin.kubelet_socket());
+    }
     let long: Vec<PathBuf> =
         paths.into_iter().filter(|p| p.as_os_str().len() > MAX_SOCKET_PATH).collect();
     if long.is_empty() { Ok(()) } else { Err(AgentError::SocketPathsTooLong { paths: long }) }

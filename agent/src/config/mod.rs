@@ -346,6 +346,15 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
     let pick = |flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str| {
         flag.clone().or(file.clone()).unwrap_or_else(|| PathBuf::from(default))
     };
+    let proc_root = pick(&None, &file.paths.proc_root, defaults::PROC_ROOT);
+    if watchdog_action == WatchdogAction::Kill && proc_root != Path::new(defaults::PROC_ROOT) {
+        // PIDs read under another /proc may name other processes in the agent's own namespace.
+        problems.push(format!(
+            "watchdog action kill needs the host's /proc at {} (paths.procRoot is {}): the PIDs it kills must be the agent's own namespace's",
+            defaults::PROC_ROOT,
+            proc_root.display()
+        ));
+    }
     let paths = &file.paths;
     let agent = AgentConfig {
         node_name: node_name.clone(),
@@ -389,7 +398,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         watchdog: WatchdogConfig {
             interval: watchdog_interval,
             action: watchdog_action,
-            proc_root: pick(&None, &paths.proc_root, defaults::PROC_ROOT),
+            proc_root: proc_root.clone(),
         },
         metrics: MetricsConfig {
             enabled: file.metrics.enabled.unwrap_or(true),
@@ -500,28 +509,34 @@ mod tests {
     fn mps_and_watchdog_settings() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("agent.yaml");
-        std::fs::write(
-            &file,
-            "nodeName: n\nmps:\n  probeInterval: 1s\n  stopOnExit: true\n  threadPercentage: 40\n  daemons: external\nwatchdog:\n  action: kill\n  interval: 3s\npaths:\n  procRoot: /host/proc\n",
-        )
-        .expect("write");
+        let write = |text: &str| std::fs::write(&file, text).expect("write");
         let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        write(
+            "nodeName: n\nmps:\n  probeInterval: 1s\n  stopOnExit: true\n  threadPercentage: 40\n  daemons: external\nwatchdog:\n  interval: 3s\npaths:\n  procRoot: /host/proc\n",
+        );
         let s = resolve(&args, &Environment::default()).expect("valid");
         let mps = &s.agent.responses.mps;
         assert!(mps.enabled && mps.stop_on_exit);
         assert_eq!(mps.probe_interval, Duration::from_secs(1));
         assert_eq!(mps.thread_percentage, ThreadPercentage::Fixed(40));
         assert_eq!(mps.daemons, DaemonPlacement::External);
-        assert_eq!(s.agent.watchdog.action, WatchdogAction::Kill);
+        assert_eq!(s.agent.watchdog.action, WatchdogAction::Log);
         assert_eq!(s.agent.watchdog.interval, Duration::from_secs(3));
         assert_eq!(s.agent.watchdog.proc_root, PathBuf::from("/host/proc"));
-        let s = resolve(&RunArgs { no_mps: true, ..args }, &Environment::default()).expect("valid");
+        let s = resolve(&RunArgs { no_mps: true, ..args.clone() }, &Environment::default())
+            .expect("valid");
         assert!(!s.agent.responses.mps.enabled, "--no-mps wins over the file");
-        std::fs::write(&file, "nodeName: n\nmps:\n  threadPercentage: 150\n  daemons: host\nwatchdog:\n  action: shout\n")
-            .expect("write");
-        let err =
-            resolve(&RunArgs { config: Some(file), ..RunArgs::default() }, &Environment::default())
-                .expect_err("three problems");
+        // Killing by PID needs the host's own /proc.
+        write("nodeName: n\nwatchdog:\n  action: kill\npaths:\n  procRoot: /host/proc\n");
+        let err = resolve(&args, &Environment::default()).expect_err("kill needs the host /proc");
+        assert!(err.to_string().contains("watchdog action kill needs the host's /proc"), "{err}");
+        write("nodeName: n\nwatchdog:\n  action: kill\n");
+        let s = resolve(&args, &Environment::default()).expect("valid");
+        assert_eq!(s.agent.watchdog.action, WatchdogAction::Kill);
+        write(
+            "nodeName: n\nmps:\n  threadPercentage: 150\n  daemons: host\nwatchdog:\n  action: shout\n",
+        );
+        let err = resolve(&args, &Environment::default()).expect_err("three problems");
         assert_eq!(err.problems.len(), 3, "{err}");
     }
 

@@ -120,6 +120,8 @@ pub fn grant_of(environ: &[u8]) -> Option<u64> {
 #[derive(Debug)]
 pub struct Watchdog {
     config: WatchdogConfig,
+    /// GPUs whose per-process memory NVML did not report, already logged.
+    unreported: BTreeSet<GpuUuid>,
     over: BTreeSet<(ContainerRef, GpuUuid)>,
     published: watch::Sender<Vec<Over>>,
 }
@@ -127,7 +129,12 @@ pub struct Watchdog {
 impl Watchdog {
     /// A watchdog with no episode yet.
     pub fn new(config: WatchdogConfig) -> Self {
-        Self { config, over: BTreeSet::new(), published: watch::channel(Vec::new()).0 }
+        Self {
+            config,
+            unreported: BTreeSet::new(),
+            over: BTreeSet::new(),
+            published: watch::channel(Vec::new()).0,
+        }
     }
 
     /// The containers over their grant at the last round, kept current.
@@ -152,6 +159,9 @@ impl Watchdog {
             else {
                 continue; // no gpu-memory grant: a whole GPU, MIG, or not ours
             };
+            if p.used_bytes.is_none() && self.unreported.insert(p.gpu.clone()) {
+                tracing::warn!(gpu.uuid = %p.gpu, pid = p.pid, "NVML does not report per-process memory on this GPU; the memory watchdog cannot check its containers");
+            }
             let entry = groups.entry((container, p.gpu.clone())).or_insert((0, granted, vec![]));
             entry.0 += p.used_bytes.unwrap_or(0);
             entry.1 = entry.1.min(granted);

@@ -56,6 +56,19 @@ fn answers(pipe: &Path) -> bool {
     })
 }
 
+/// Whether the daemon named in the pipe directory's pid file still runs.
+fn pid_alive(pipe: &Path) -> bool {
+    std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid"))
+        .ok()
+        .and_then(|pid| pid.trim().parse::<u32>().ok())
+        .is_some_and(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // Alive and not a zombie ("Z" after the command name).
+            !stat.is_empty()
+                && stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        })
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(pipe) = env_path("CUDA_MPS_PIPE_DIRECTORY") else {
@@ -79,7 +92,9 @@ fn start(pipe: &Path, log_dir: Option<&Path>) -> ExitCode {
         eprintln!("fake: refusing to start (directive)");
         return ExitCode::from(1);
     }
-    if answers(pipe) {
+    // Like the real one: a daemon whose process lives holds the pipe directory, answering or
+    // not (a hung one is "already running" too).
+    if answers(pipe) || pid_alive(pipe) {
         println!("An instance of this daemon is already running");
         return ExitCode::from(1);
     }

@@ -43,6 +43,16 @@ pub enum MpsError {
         /// The timeout.
         timeout: Duration,
     },
+    /// A daemon holds the pipe directory (a second `-d` says it is running) but does not answer.
+    #[error(
+        "the MPS control daemon on {pipe} is running but did not answer within {timeout:?}; it is not killed, since its server may serve running clients: restart it by hand if it stays hung"
+    )]
+    HungAdopted {
+        /// The pipe directory.
+        pipe: String,
+        /// The probe timeout.
+        timeout: Duration,
+    },
     /// `-d` failed.
     #[error("the MPS control daemon for {pipe} did not start (exit {code:?}): {output}")]
     StartFailed {

@@ -130,14 +130,9 @@ impl Supervisor {
                 // A daemon holds the pipe directory but does not answer (hung). It is not
                 // killed: its server may still serve running clients, and killing the control
                 // daemon kills that server (GPU day, E7). Its units stay withdrawn.
-                Err(e) if started == Started::AlreadyRunning => self.start_failed(
+                Err(_) if started == Started::AlreadyRunning => self.start_failed(
                     i,
-                    &MpsError::NotRunning {
-                        pipe: dirs.pipe.display().to_string(),
-                        answer: format!(
-                            "a daemon holds the pipe directory but does not answer ({e}); it is not killed, since its server may serve running clients: restart it by hand if it stays hung"
-                        ),
-                    },
+                    &MpsError::HungAdopted { pipe: dirs.pipe.display().to_string(), timeout },
                 ),
                 Err(e) => self.start_failed(i, &e),
             },
@@ -188,7 +183,12 @@ impl Supervisor {
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                () = tokio::time::sleep(self.config.probe_interval) => self.round().await,
+                () = tokio::time::sleep(self.config.probe_interval) => {}
+            }
+            // A round of hung daemons takes their probe timeouts: do not hold up a shutdown.
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = self.round() => {}
             }
         }
         if !self.config.stop_on_exit || self.config.daemons == DaemonPlacement::External {
