@@ -73,6 +73,7 @@ pub struct Metrics {
     resource_healthy: IntGaugeVec,
     resource_allocated: IntGaugeVec,
     over_grant: IntGaugeVec,
+    grant_bytes: IntGaugeVec,
 }
 
 fn gauge(
@@ -163,6 +164,12 @@ impl Metrics {
                 "GPU memory a container uses beyond its gpu-memory grant, while it does (the memory watchdog).",
                 &["node", "gpu_uuid", "pod_uid", "container_id"],
             )?,
+            grant_bytes: gauge(
+                r,
+                "baleen_grant_memory_bytes",
+                "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
+                &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
+            )?,
             registry,
         })
     }
@@ -190,6 +197,7 @@ impl Metrics {
             &self.resource_healthy,
             &self.resource_allocated,
             &self.over_grant,
+            &self.grant_bytes,
         ] {
             family.reset();
         }
@@ -219,6 +227,20 @@ impl Metrics {
                 .map(|r| r.device_ids.len())
                 .sum();
             self.resource_allocated.with_label_values(&labels).set(int(allocated as u64));
+        }
+        for (record, gpu, bytes, holder) in resources.grants() {
+            let (namespace, pod, container) =
+                holder.map(|k| (k.namespace, k.pod, k.container)).unwrap_or_default();
+            self.grant_bytes
+                .with_label_values(&[
+                    node,
+                    namespace.as_str(),
+                    pod.as_str(),
+                    container.as_str(),
+                    record.resource.as_str(),
+                    gpu.as_str(),
+                ])
+                .set(int(bytes));
         }
         for o in over {
             let gpu = o.gpu.to_string();

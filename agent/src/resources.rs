@@ -119,6 +119,8 @@ struct Inner {
     /// Counts the changes of the allocations; a pod-resources list applies only to the
     /// generation it was asked at (see [`NodeResources::reconcile`]).
     generation: u64,
+    /// The kubelet's last list applied: who holds which devices (for the metrics' pod labels).
+    listed: Vec<KubeletAllocation>,
 }
 
 /// The node's device ledger shared by every view, persisted on every change.
@@ -156,7 +158,15 @@ impl NodeResources {
             })
             .collect();
         Arc::new(Self {
-            inner: Mutex::new(Inner { state, checkpoint, node, boot_id, trusted, generation: 0 }),
+            inner: Mutex::new(Inner {
+                state,
+                checkpoint,
+                node,
+                boot_id,
+                trusted,
+                generation: 0,
+                listed: Vec::new(),
+            }),
             views,
             pod_resources,
             responses,
@@ -194,6 +204,25 @@ impl NodeResources {
             })
             .collect();
         (inner.state.gpu_states(), views)
+    }
+
+    /// Per allocation and GPU, the bytes granted, with the container the kubelet's last list
+    /// names for it (`None` for one it has not listed: an init container, or one just granted).
+    pub fn grants(&self) -> Vec<(AllocationRecord, String, u64, Option<KubeletAllocation>)> {
+        let inner = self.lock();
+        inner
+            .state
+            .granted_bytes()
+            .into_iter()
+            .map(|(record, gpu, bytes)| {
+                let holder = inner
+                    .listed
+                    .iter()
+                    .find(|k| k.resource == record.resource && k.device_ids == record.device_ids)
+                    .cloned();
+                (record, gpu, bytes, holder)
+            })
+            .collect()
     }
 
     /// The current allocations.
@@ -296,13 +325,17 @@ impl NodeResources {
         asked_at: u64,
         now: u64,
     ) -> Result<Option<Report>, BackendError> {
-        self.change(|state, generation| {
+        let report = self.change(|state, generation| {
             if generation != asked_at {
                 return Ok((None, Trust::Unchanged));
             }
             let report = reconcile::reconcile(state, allocations, now, grace_secs);
             Ok((Some(report), Trust::Reconciled))
-        })
+        })?;
+        if report.is_some() {
+            self.lock().listed = allocations.to_vec();
+        }
+        Ok(report)
     }
 
     /// Marks every GPU healthy or not and republishes.

@@ -1171,6 +1171,19 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
         sample(&text, "baleen_gpu_info", &[("gpu_uuid", &gpu), ("node", "node-a")]),
         Some(1.0)
     );
+    // Which pod holds which GPU, once the kubelet's list has named it.
+    let named = async {
+        loop {
+            let text = http_get(address, "/metrics").await?.1;
+            let labels =
+                [("namespace", "ns"), ("pod", "a"), ("container", "c"), ("gpu_uuid", gpu.as_str())];
+            if let Some(v) = sample(&text, "baleen_grant_memory_bytes", &labels) {
+                return anyhow::Ok(v);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    assert_eq!(tokio::time::timeout(WAIT, named).await??, (4u64 << 30) as f64);
     // The pod ends: once released, the GPU is idle again and nothing is allocated.
     node.kubelet.end_pod("ns/a");
     let released = async {
@@ -1185,6 +1198,11 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
     };
     let text = tokio::time::timeout(WAIT, released).await??;
     assert_eq!(sample(&text, "baleen_gpu_memory_granted_bytes", &[("gpu_uuid", &gpu)]), Some(0.0));
+    assert_eq!(
+        sample(&text, "baleen_grant_memory_bytes", &[("pod", "a")]),
+        None,
+        "the grant's series is gone"
+    );
     assert_eq!(
         sample(&text, "baleen_gpu_mode", &[("gpu_uuid", &gpu), ("mode", "shared")]),
         None,

@@ -596,6 +596,43 @@ impl DeviceLedger {
         self.held.values().map(|h| h.record.clone()).collect()
     }
 
+    /// Per allocation, per GPU it holds: the bytes of that GPU's memory it was granted (its
+    /// units times the unit, or the whole memory; MIG instances their own memory).
+    pub fn granted_bytes(&self) -> Vec<(AllocationRecord, String, u64)> {
+        let mut out = Vec::new();
+        for h in self.held.values() {
+            match &h.view {
+                View::GpuMemory => {
+                    for i in h.gpus.iter() {
+                        let units = h.units.iter().filter(|(g, _)| *g == i).count();
+                        let bytes = u64::from(count(units)) * self.config.memory_unit_bytes;
+                        out.push((h.record.clone(), self.slots[i].gpu.uuid.to_string(), bytes));
+                    }
+                }
+                View::Gpu | View::NvlinkGroup(_) => {
+                    for i in h.gpus.iter() {
+                        let gpu = &self.slots[i].gpu;
+                        out.push((h.record.clone(), gpu.uuid.to_string(), gpu.memory_bytes));
+                    }
+                }
+                View::Mig(_) => {
+                    for i in h.gpus.iter() {
+                        let gpu = &self.slots[i].gpu;
+                        let bytes = gpu
+                            .mig
+                            .instances()
+                            .iter()
+                            .filter(|m| h.record.device_ids.iter().any(|d| d == m.uuid.as_str()))
+                            .map(|m| m.memory_bytes)
+                            .sum();
+                        out.push((h.record.clone(), gpu.uuid.to_string(), bytes));
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// Per GPU: held whole by which allocation (gpu or nvlink view), and units taken.
     fn whole_holder(&self, index: usize, except: &BTreeSet<u64>) -> Option<&Held> {
         self.held
