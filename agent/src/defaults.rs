@@ -43,6 +43,8 @@ pub const PROC_ROOT: &str = "/proc";
 /// Where the metrics endpoint listens.
 pub const METRICS_ADDRESS: std::net::SocketAddr =
     std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 9477));
+/// Time between two telemetry reads (never on the scrape path).
+pub const METRICS_INTERVAL: Duration = Duration::from_secs(10);
 /// Where the kernel publishes the boot ID.
 pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 /// Where the kernel publishes the host name (the node name's last fallback).

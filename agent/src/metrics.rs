@@ -2,11 +2,14 @@
 //! global registry), `/healthz` (the process answers) and `/readyz` (every resource registered
 //! with the kubelet, and every shared GPU's MPS daemon answering where MPS is on), on
 //! `metrics.address`. Families are filled from the agent's in-memory state at each scrape (the
-//! ledger and the watchdog's episodes: no NVML call on the scrape path); series of GPUs, resources
-//! and episodes that are gone disappear with them. Run by the agent as one subsystem.
+//! ledger, the watchdog's episodes and the last telemetry read: no NVML call on the scrape path;
+//! [`read_telemetry`] reads NVML every `metrics.interval` on a blocking thread, and a hung read
+//! shows as a growing `baleen_telemetry_age_seconds`); series of GPUs, resources and episodes
+//! that are gone disappear with them. Run by the agent as two subsystems (reader, endpoint).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::State;
@@ -14,10 +17,12 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use baleen_device_plugin::PluginState;
-use prometheus::{Encoder as _, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder as _, GaugeVec, IntCounter, IntGaugeVec, Opts, Registry, TextEncoder};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::error_chain::Chain;
+use crate::inventory::{GpuInventory, GpuTelemetry};
 use crate::isolation::watchdog::Over;
 use crate::resources::NodeResources;
 
@@ -28,11 +33,66 @@ pub struct MetricsConfig {
     pub enabled: bool,
     /// Where (default `0.0.0.0:9477`).
     pub address: SocketAddr,
+    /// Time between two telemetry reads (default 10 s).
+    pub interval: Duration,
 }
 
 impl Default for MetricsConfig {
     fn default() -> Self {
-        Self { enabled: true, address: crate::defaults::METRICS_ADDRESS }
+        Self {
+            enabled: true,
+            address: crate::defaults::METRICS_ADDRESS,
+            interval: crate::defaults::METRICS_INTERVAL,
+        }
+    }
+}
+
+/// The last good telemetry read.
+#[derive(Debug, Clone, Default)]
+pub struct TelemetryRead {
+    /// Per GPU.
+    pub readings: Vec<GpuTelemetry>,
+    /// When it was read.
+    pub at: Option<Instant>,
+}
+
+/// Reads every GPU's telemetry every `interval` on a blocking thread (NVML calls block) until
+/// `shutdown`, publishing each good read; counts failed reads in `failures`.
+pub async fn read_telemetry(
+    inventory: Arc<dyn GpuInventory>,
+    interval: Duration,
+    publish: watch::Sender<TelemetryRead>,
+    failures: IntCounter,
+    shutdown: CancellationToken,
+) {
+    let mut failing = false;
+    loop {
+        let reading = inventory.clone();
+        let read = tokio::select! {
+            () = shutdown.cancelled() => return,
+            read = tokio::task::spawn_blocking(move || reading.telemetry()) => read,
+        };
+        match read {
+            Ok(Ok(readings)) => {
+                failing = false;
+                publish.send_replace(TelemetryRead { readings, at: Some(Instant::now()) });
+            }
+            Ok(Err(e)) => {
+                failures.inc();
+                if !failing {
+                    tracing::warn!(error = %Chain(&e), "cannot read GPU telemetry; the last good read stays published and ages");
+                    failing = true;
+                }
+            }
+            Err(e) => {
+                failures.inc();
+                tracing::error!(error = %Chain(&e), "telemetry read failed");
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
     }
 }
 
@@ -74,6 +134,25 @@ pub struct Metrics {
     resource_allocated: IntGaugeVec,
     over_grant: IntGaugeVec,
     grant_bytes: IntGaugeVec,
+    memory_used: IntGaugeVec,
+    utilisation: GaugeVec,
+    memory_utilisation: GaugeVec,
+    temperature: IntGaugeVec,
+    power: GaugeVec,
+    telemetry_age: GaugeVec,
+    /// Failed telemetry reads (the reader counts them).
+    pub telemetry_failures: IntCounter,
+}
+
+fn float_gauge(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<GaugeVec, MetricsError> {
+    let g = GaugeVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)?;
+    registry.register(Box::new(g.clone())).map_err(MetricsError::Register)?;
+    Ok(g)
 }
 
 fn gauge(
@@ -170,6 +249,46 @@ impl Metrics {
                 "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
                 &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
             )?,
+            memory_used: gauge(
+                r,
+                "baleen_gpu_memory_used_bytes",
+                "GPU memory in use (NVML), as of the last telemetry read.",
+                &GPU_LABELS,
+            )?,
+            utilisation: float_gauge(
+                r,
+                "baleen_gpu_utilization_ratio",
+                "Share of the last sample period a kernel ran on the GPU, 0 to 1.",
+                &GPU_LABELS,
+            )?,
+            memory_utilisation: float_gauge(
+                r,
+                "baleen_gpu_memory_utilization_ratio",
+                "Share of the last sample period the GPU's memory was read or written, 0 to 1.",
+                &GPU_LABELS,
+            )?,
+            temperature: gauge(
+                r,
+                "baleen_gpu_temperature_celsius",
+                "GPU die temperature.",
+                &GPU_LABELS,
+            )?,
+            power: float_gauge(r, "baleen_gpu_power_watts", "GPU power draw.", &GPU_LABELS)?,
+            telemetry_age: float_gauge(
+                r,
+                "baleen_telemetry_age_seconds",
+                "Seconds since the last good telemetry read (a hung or failing NVML makes it grow).",
+                &["node"],
+            )?,
+            telemetry_failures: {
+                let c = IntCounter::new(
+                    "baleen_telemetry_read_failures_total",
+                    "Telemetry reads that failed.",
+                )
+                .map_err(MetricsError::Register)?;
+                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
+                c
+            },
             registry,
         })
     }
@@ -180,6 +299,7 @@ impl Metrics {
         node: &str,
         resources: &NodeResources,
         over: &[Over],
+        telemetry: &TelemetryRead,
         mps_enforced: bool,
     ) -> String {
         let (gpus, views) = resources.snapshot();
@@ -198,7 +318,14 @@ impl Metrics {
             &self.resource_allocated,
             &self.over_grant,
             &self.grant_bytes,
+            &self.memory_used,
+            &self.temperature,
         ] {
+            family.reset();
+        }
+        for family in
+            [&self.utilisation, &self.memory_utilisation, &self.power, &self.telemetry_age]
+        {
             family.reset();
         }
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -216,6 +343,30 @@ impl Metrics {
             if mps_enforced && g.units > 0 {
                 self.gpu_mps_up.with_label_values(&labels).set(i64::from(g.shares_enforced));
             }
+            let reading = telemetry
+                .readings
+                .iter()
+                .find(|t| t.gpu.as_ref().is_some_and(|u| u.as_str() == g.uuid));
+            if let Some(t) = reading {
+                if let Some(v) = t.memory_used_bytes {
+                    self.memory_used.with_label_values(&labels).set(int(v));
+                }
+                if let Some(v) = t.gpu_utilisation {
+                    self.utilisation.with_label_values(&labels).set(v);
+                }
+                if let Some(v) = t.memory_utilisation {
+                    self.memory_utilisation.with_label_values(&labels).set(v);
+                }
+                if let Some(v) = t.temperature_celsius {
+                    self.temperature.with_label_values(&labels).set(i64::from(v));
+                }
+                if let Some(v) = t.power_watts {
+                    self.power.with_label_values(&labels).set(v);
+                }
+            }
+        }
+        if let Some(at) = telemetry.at {
+            self.telemetry_age.with_label_values(&[node]).set(at.elapsed().as_secs_f64());
         }
         for (resource, devices, healthy) in &views {
             let labels = [node, resource.as_str()];
@@ -268,6 +419,8 @@ pub struct Endpoint {
     pub plugins: Vec<(String, watch::Receiver<PluginState>)>,
     /// The watchdog's episodes.
     pub over: watch::Receiver<Vec<Over>>,
+    /// The last good telemetry read.
+    pub telemetry: watch::Receiver<TelemetryRead>,
     /// Whether MPS enforces the gpu-memory units.
     pub mps_enforced: bool,
 }
@@ -327,8 +480,14 @@ pub async fn bind(
 
 async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
     let over = endpoint.over.borrow().clone();
-    let text =
-        endpoint.metrics.render(&endpoint.node, &endpoint.resources, &over, endpoint.mps_enforced);
+    let telemetry = endpoint.telemetry.borrow().clone();
+    let text = endpoint.metrics.render(
+        &endpoint.node,
+        &endpoint.resources,
+        &over,
+        &telemetry,
+        endpoint.mps_enforced,
+    );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
 

@@ -442,6 +442,36 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
     return copy_string(name, length, gpus[device->gpu].name);
 }
 
+/* A GPU's live readings, from the telemetry file (`telemetry <gpu> <used bytes> <gpu %>
+ * <memory %> <celsius> <milliwatts>` lines, BALEEN_FAKE_NVML_TELEMETRY or
+ * fake-nvml-telemetry.txt beside the library), read at every call. */
+struct fake_telemetry {
+    unsigned long long used;
+    unsigned int util_gpu, util_memory, celsius, milliwatts;
+};
+
+static int telemetry_of(int gpu, struct fake_telemetry *out) {
+    char path[PATH_MAX];
+    if (data_file("BALEEN_FAKE_NVML_TELEMETRY", "fake-nvml-telemetry.txt", path, sizeof path) != 0) {
+        return 0;
+    }
+    FILE *file = fopen(path, "r");
+    if (file == NULL) return 0;
+    int found = 0;
+    char line[256];
+    while (!found && fgets(line, sizeof line, file) != NULL) {
+        long index;
+        struct fake_telemetry t;
+        if (sscanf(line, " telemetry %ld %llu %u %u %u %u", &index, &t.used, &t.util_gpu,
+                   &t.util_memory, &t.celsius, &t.milliwatts) == 6 && index == gpu) {
+            *out = t;
+            found = 1;
+        }
+    }
+    fclose(file);
+    return found;
+}
+
 static unsigned long long memory_of(nvmlDevice_t device) {
     return is_mig_handle(device) ? mig_of(device)->memory : gpus[device->gpu].memory;
 }
@@ -461,8 +491,9 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     if (memory->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     memory->total = memory_of(device);
     memory->reserved = 0;
-    memory->free = memory->total;
-    memory->used = 0;
+    struct fake_telemetry t;
+    memory->used = (!is_mig_handle(device) && telemetry_of(device->gpu, &t)) ? t.used : 0;
+    memory->free = memory->total - memory->used;
     return NVML_SUCCESS;
 }
 
@@ -709,5 +740,40 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
     }
     memcpy(infos, found, count * sizeof *infos);
     *infoCount = count;
+    return NVML_SUCCESS;
+}
+
+typedef struct {
+    unsigned int gpu;
+    unsigned int memory;
+} nvmlUtilization_t;
+
+/* Utilisation, temperature and power: from the telemetry file; NOT_SUPPORTED for a GPU it does
+ * not list (as NVML answers on GPUs without the sensor). */
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization) {
+    CHECK_DEVICE("nvmlDeviceGetUtilizationRates", device, 0);
+    if (utilization == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_telemetry t;
+    if (!telemetry_of(device->gpu, &t)) return NVML_ERROR_NOT_SUPPORTED;
+    utilization->gpu = t.util_gpu;
+    utilization->memory = t.util_memory;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *celsius) {
+    CHECK_DEVICE("nvmlDeviceGetTemperature", device, 0);
+    if (celsius == NULL || sensor != 0) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_telemetry t;
+    if (!telemetry_of(device->gpu, &t)) return NVML_ERROR_NOT_SUPPORTED;
+    *celsius = t.celsius;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *milliwatts) {
+    CHECK_DEVICE("nvmlDeviceGetPowerUsage", device, 0);
+    if (milliwatts == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_telemetry t;
+    if (!telemetry_of(device->gpu, &t)) return NVML_ERROR_NOT_SUPPORTED;
+    *milliwatts = t.milliwatts;
     return NVML_SUCCESS;
 }

@@ -27,6 +27,9 @@ pub const TOPOLOGY_FILE: &str = "fake-nvml-topology.txt";
 pub const TOPOLOGY_ENV: &str = "BALEEN_FAKE_NVML_TOPOLOGY";
 /// The file of XID events (`xid <gpu index> <xid>` lines) the library reads from its directory...
 pub const EVENTS_FILE: &str = "fake-nvml-events.txt";
+/// The file of live readings (`telemetry <gpu index> <used bytes> <gpu %> <memory %> <celsius>
+/// <milliwatts>` lines) the library reads at every memory, utilisation, temperature or power call.
+pub const TELEMETRY_FILE: &str = "fake-nvml-telemetry.txt";
 /// The file of compute processes (`process <gpu index> <pid> <bytes>` lines) the library reads
 /// at every `nvmlDeviceGetComputeRunningProcesses_v3`.
 pub const PROCESSES_FILE: &str = "fake-nvml-processes.txt";
@@ -179,6 +182,19 @@ impl FakeNvml {
     /// The NVML backend's configuration for this fake.
     pub fn nvml_config(&self) -> NvmlConfig {
         NvmlConfig { library: Some(self.library()), sysfs_root: self.sysfs_root() }
+    }
+
+    /// Replaces the GPUs' live readings: `(gpu index, used bytes, gpu %, memory %, celsius,
+    /// milliwatts)`; a GPU not named reports no utilisation, temperature or power.
+    pub fn set_telemetry(&self, readings: &[(u32, u64, u32, u32, u32, u32)]) -> anyhow::Result<()> {
+        let text: String = readings
+            .iter()
+            .map(|(g, used, ug, um, c, mw)| format!("telemetry {g} {used} {ug} {um} {c} {mw}\n"))
+            .collect();
+        let path = self.dir().join(TELEMETRY_FILE);
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text)?;
+        Ok(std::fs::rename(tmp, path)?)
     }
 
     /// Replaces the GPUs' compute processes the library lists: `(gpu index, pid, bytes used)`.

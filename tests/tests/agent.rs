@@ -79,6 +79,7 @@ impl Node {
             metrics: baleen_agent::metrics::MetricsConfig {
                 enabled: true,
                 address: "127.0.0.1:0".parse().expect("loopback"),
+                interval: Duration::from_millis(100),
             },
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
@@ -1229,5 +1230,45 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
     assert!(why.contains("MPS daemon not answering") && why.contains(&gpu), "{why}");
     let text = http_get(address, "/metrics").await?.1;
     assert_eq!(sample(&text, "baleen_gpu_mps_daemon_up", &[("gpu_uuid", &gpu)]), Some(0.0));
+    stop(agent, token).await
+}
+
+/// Issue 13: GPU telemetry read through the real NVML backend over the fake library, on the
+/// background loop, as metrics; a GPU without a sensor has no series for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn telemetry_from_nvml_reaches_the_metrics() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    let fake = FakeNvml::new(&expected)?;
+    // GPU 0: 5 GiB used, 87 % busy, 40 % memory, 61 °C, 72.5 W; the others report no sensors.
+    fake.set_telemetry(&[(0, 5 << 30, 87, 40, 61, 72_500)])?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    let (agent, token) = node.start().await?;
+    let address = agent.metrics_address().context("metrics on")?;
+    let g0 = expected.gpus[0].uuid.to_string();
+    let g1 = expected.gpus[1].uuid.to_string();
+    let read = async {
+        loop {
+            let text = http_get(address, "/metrics").await?.1;
+            if sample(&text, "baleen_gpu_temperature_celsius", &[("gpu_uuid", g0.as_str())])
+                .is_some()
+            {
+                return anyhow::Ok(text);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let text = tokio::time::timeout(WAIT, read).await??;
+    let at = |name: &str, gpu: &str| sample(&text, name, &[("gpu_uuid", gpu)]);
+    assert_eq!(at("baleen_gpu_memory_used_bytes", &g0), Some((5u64 << 30) as f64));
+    assert_eq!(at("baleen_gpu_utilization_ratio", &g0), Some(0.87));
+    assert_eq!(at("baleen_gpu_memory_utilization_ratio", &g0), Some(0.4));
+    assert_eq!(at("baleen_gpu_temperature_celsius", &g0), Some(61.0));
+    assert_eq!(at("baleen_gpu_power_watts", &g0), Some(72.5));
+    assert_eq!(at("baleen_gpu_utilization_ratio", &g1), None, "no sensor, no series");
+    assert_eq!(at("baleen_gpu_memory_used_bytes", &g1), Some(0.0));
+    let age =
+        sample(&text, "baleen_telemetry_age_seconds", &[("node", "node-a")]).context("age")?;
+    assert!((0.0..5.0).contains(&age), "{age}");
     stop(agent, token).await
 }

@@ -81,6 +81,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         metrics: baleen_agent::metrics::MetricsConfig {
             enabled: true,
             address: "127.0.0.1:0".parse().expect("loopback"),
+            interval: Duration::from_millis(100),
         },
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
@@ -173,6 +174,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
         metrics: baleen_agent::metrics::MetricsConfig {
             enabled: true,
             address: "127.0.0.1:0".parse().expect("loopback"),
+            interval: Duration::from_millis(100),
         },
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),

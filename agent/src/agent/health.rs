@@ -143,6 +143,10 @@ mod tests {
         fn processes(&self) -> Result<Vec<crate::inventory::GpuProcess>, InventoryError> {
             self.inner.processes()
         }
+
+        fn telemetry(&self) -> Result<Vec<crate::inventory::GpuTelemetry>, InventoryError> {
+            self.inner.telemetry()
+        }
     }
 
     #[test]

@@ -40,7 +40,7 @@ use crate::error_chain::Chain;
 use crate::inventory::{GpuInventory, InventoryError};
 use crate::isolation::watchdog::{Over, Watchdog, WatchdogConfig};
 use crate::ledger::{BuildError, ViewConfig};
-use crate::metrics::{Endpoint, Metrics, MetricsConfig, MetricsError};
+use crate::metrics::{Endpoint, Metrics, MetricsConfig, MetricsError, TelemetryRead};
 use crate::resources::{NodeResources, ResponseConfig};
 
 /// How the agent runs on this node (see `crate::config` for where the values come from).
@@ -254,12 +254,26 @@ impl Agent {
             Ok(())
         });
         let metrics_address = if config.metrics.enabled {
+            let metrics = Metrics::new(deps.registry.clone())?;
+            let (publish, telemetry) = tokio::sync::watch::channel(TelemetryRead::default());
+            let reader = crate::metrics::read_telemetry(
+                deps.inventory.clone(),
+                config.metrics.interval,
+                publish,
+                metrics.telemetry_failures.clone(),
+                shutdown.clone(),
+            );
+            tasks.spawn("telemetry reader", async move {
+                reader.await;
+                Ok(())
+            });
             let endpoint = Arc::new(Endpoint {
-                metrics: Metrics::new(deps.registry.clone())?,
+                metrics,
                 node: config.node_name.clone(),
                 resources: resources.clone(),
                 plugins: plugins.clone(),
                 over: episodes.clone(),
+                telemetry,
                 mps_enforced: config.responses.mps.enabled,
             });
             let (bound, serve) =

@@ -147,6 +147,8 @@ pub struct MetricsFile {
     pub enabled: Option<bool>,
     /// Where, e.g. `0.0.0.0:9477` (default).
     pub address: Option<String>,
+    /// Time between telemetry reads, e.g. `10s` (default).
+    pub interval: Option<String>,
 }
 
 /// `log:` in the file.

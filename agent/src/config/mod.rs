@@ -254,6 +254,8 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
     );
     let mps_probe_timeout =
         duration("mps probeTimeout", file.mps.probe_timeout.as_ref(), defaults::MPS_PROBE_TIMEOUT);
+    let metrics_interval =
+        duration("metrics interval", file.metrics.interval.as_ref(), defaults::METRICS_INTERVAL);
     let watchdog_interval =
         duration("watchdog interval", file.watchdog.interval.as_ref(), defaults::WATCHDOG_INTERVAL);
     if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
@@ -403,6 +405,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         metrics: MetricsConfig {
             enabled: file.metrics.enabled.unwrap_or(true),
             address: metrics_address,
+            interval: metrics_interval,
         },
         reconcile_interval,
         reconcile_grace,

@@ -424,6 +424,27 @@ pub trait GpuInventory: Send + Sync {
     /// `nvmlDeviceGetComputeRunningProcesses`: under MPS, each client process with its own
     /// memory, and the MPS server).
     fn processes(&self) -> Result<Vec<GpuProcess>, InventoryError>;
+
+    /// Every GPU's live readings now (memory used, utilisation, temperature, power); a reading
+    /// the GPU does not support is `None`.
+    fn telemetry(&self) -> Result<Vec<GpuTelemetry>, InventoryError>;
+}
+
+/// One GPU's live readings.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GpuTelemetry {
+    /// The GPU.
+    pub gpu: Option<GpuUuid>,
+    /// Memory in use, bytes.
+    pub memory_used_bytes: Option<u64>,
+    /// Share of the last sample period a kernel ran, 0 to 1.
+    pub gpu_utilisation: Option<f64>,
+    /// Share of the last sample period memory was read or written, 0 to 1.
+    pub memory_utilisation: Option<f64>,
+    /// Temperature of the GPU die, degrees Celsius.
+    pub temperature_celsius: Option<u32>,
+    /// Power draw, watts.
+    pub power_watts: Option<f64>,
 }
 
 /// One compute process on a GPU.

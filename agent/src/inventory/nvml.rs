@@ -46,8 +46,8 @@ use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
-    BoxError, Gpu, GpuInventory, GpuProcess, GpuUuid, HealthEvent, HealthWatcher, Inventory,
-    InventoryError, MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id,
+    BoxError, Gpu, GpuInventory, GpuProcess, GpuTelemetry, GpuUuid, HealthEvent, HealthWatcher,
+    Inventory, InventoryError, MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id,
     pci_sysfs_name,
 };
 
@@ -393,6 +393,33 @@ impl GpuInventory for NvmlInventory {
                     nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
                 },
             }));
+        }
+        Ok(out)
+    }
+
+    fn telemetry(&self) -> Result<Vec<GpuTelemetry>, InventoryError> {
+        use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
+        let mut out = Vec::new();
+        for (index, device) in (0u32..).zip(&self.devices()?) {
+            let at = Some(index);
+            let uuid = device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", at))?;
+            let gpu = GpuUuid::new(uuid).map_err(|err| bad_value("nvmlDeviceGetUUID", at, err))?;
+            let memory = supported(device.memory_info())
+                .map_err(nvml_error("nvmlDeviceGetMemoryInfo_v2", at))?;
+            let rates = supported(device.utilization_rates())
+                .map_err(nvml_error("nvmlDeviceGetUtilizationRates", at))?;
+            let temperature = supported(device.temperature(TemperatureSensor::Gpu))
+                .map_err(nvml_error("nvmlDeviceGetTemperature", at))?;
+            let milliwatts = supported(device.power_usage())
+                .map_err(nvml_error("nvmlDeviceGetPowerUsage", at))?;
+            out.push(GpuTelemetry {
+                gpu: Some(gpu),
+                memory_used_bytes: memory.map(|m| m.used),
+                gpu_utilisation: rates.as_ref().map(|r| f64::from(r.gpu) / 100.0),
+                memory_utilisation: rates.as_ref().map(|r| f64::from(r.memory) / 100.0),
+                temperature_celsius: temperature,
+                power_watts: milliwatts.map(|mw| f64::from(mw) / 1000.0),
+            });
         }
         Ok(out)
     }

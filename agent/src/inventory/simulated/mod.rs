@@ -47,7 +47,8 @@ pub use self::error::{TopologyError, TopologyProblem, UnknownGpu};
 pub use self::uuid::{generated_gpu_uuid, generated_mig_uuid};
 use self::validate::parse_topology;
 use super::{
-    GpuInventory, GpuProcess, GpuUuid, HealthEvent, HealthWatcher, Inventory, InventoryError,
+    GpuInventory, GpuProcess, GpuTelemetry, GpuUuid, HealthEvent, HealthWatcher, Inventory,
+    InventoryError,
 };
 
 /// The node name used to generate UUIDs when neither the file nor the caller gives one.
@@ -59,6 +60,7 @@ pub struct SimulatedInventory {
     inventory: Inventory,
     watchers: Mutex<Vec<Sender<HealthEvent>>>,
     processes: Mutex<Vec<GpuProcess>>,
+    telemetry: Mutex<Vec<GpuTelemetry>>,
 }
 
 impl SimulatedInventory {
@@ -84,6 +86,11 @@ impl SimulatedInventory {
         Ok(Self::new(parse_topology(yaml, origin.as_ref(), None)?))
     }
 
+    /// Replaces the live readings [`GpuInventory::telemetry`] reports (tests, demos).
+    pub fn set_telemetry(&self, telemetry: Vec<GpuTelemetry>) {
+        *self.telemetry.lock().unwrap_or_else(PoisonError::into_inner) = telemetry;
+    }
+
     /// Replaces the compute processes [`GpuInventory::processes`] reports (tests, demos).
     pub fn set_processes(&self, processes: Vec<GpuProcess>) {
         *self.processes.lock().unwrap_or_else(PoisonError::into_inner) = processes;
@@ -91,7 +98,12 @@ impl SimulatedInventory {
 
     /// A simulated backend serving a ready-made inventory.
     pub fn new(inventory: Inventory) -> Self {
-        Self { inventory, watchers: Mutex::new(Vec::new()), processes: Mutex::new(Vec::new()) }
+        Self {
+            inventory,
+            watchers: Mutex::new(Vec::new()),
+            processes: Mutex::new(Vec::new()),
+            telemetry: Mutex::new(Vec::new()),
+        }
     }
 
     /// The inventory this backend serves.
@@ -124,6 +136,21 @@ impl GpuInventory for SimulatedInventory {
 
     fn processes(&self) -> Result<Vec<GpuProcess>, InventoryError> {
         Ok(self.processes.lock().unwrap_or_else(PoisonError::into_inner).clone())
+    }
+
+    /// What [`SimulatedInventory::set_telemetry`] set; no reading for the other GPUs.
+    fn telemetry(&self) -> Result<Vec<GpuTelemetry>, InventoryError> {
+        let set = self.telemetry.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        Ok(self
+            .inventory
+            .gpus
+            .iter()
+            .map(|g| {
+                set.iter().find(|t| t.gpu.as_ref() == Some(&g.uuid)).cloned().unwrap_or(
+                    GpuTelemetry { gpu: Some(g.uuid.clone()), ..GpuTelemetry::default() },
+                )
+            })
+            .collect())
     }
 }
 
