@@ -1272,3 +1272,32 @@ async fn telemetry_from_nvml_reaches_the_metrics() -> Result<()> {
     assert!((0.0..5.0).contains(&age), "{age}");
     stop(agent, token).await
 }
+
+/// Issue 13: a real scrape passes `promtool check metrics` (Debian's `prometheus` package, which
+/// `.ci/run` installs; without it the test fails saying so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn promtool_accepts_a_real_scrape() -> Result<()> {
+    use std::io::Write as _;
+    let promtool = baleen_tests::tools::promtool()?;
+    let node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet.admit_to("ns/a", "c", MEM, 8).await?;
+    node.kubelet.admit_to("ns/b", "c", GPU, 2).await?;
+    let text = http_get(agent.metrics_address().context("metrics")?, "/metrics").await?.1;
+    let mut child = std::process::Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child.stdin.take().context("stdin")?.write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
+    assert!(
+        out.status.success() && out.stdout.is_empty(),
+        "promtool check metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stop(agent, token).await
+}
