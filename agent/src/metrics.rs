@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error_chain::Chain;
 use crate::inventory::{GpuInventory, GpuTelemetry};
 use crate::isolation::watchdog::Over;
+use crate::ledger::GpuMode;
 use crate::resources::NodeResources;
 
 /// Whether and where the endpoint serves.
@@ -134,6 +135,8 @@ pub struct Metrics {
     resource_allocated: IntGaugeVec,
     over_grant: IntGaugeVec,
     grant_bytes: IntGaugeVec,
+    largest_free: IntGaugeVec,
+    stranded: IntGaugeVec,
     memory_used: IntGaugeVec,
     utilisation: GaugeVec,
     memory_utilisation: GaugeVec,
@@ -249,6 +252,18 @@ impl Metrics {
                 "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
                 &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
             )?,
+            largest_free: gauge(
+                r,
+                "baleen_gpu_memory_units_largest_free",
+                "gpu-memory units one container could get on this GPU now (its free units when they are offered, else 0): the largest block a request of one GPU can use.",
+                &GPU_LABELS,
+            )?,
+            stranded: gauge(
+                r,
+                "baleen_gpu_memory_units_stranded",
+                "gpu-memory units free but unusable because the GPU is held whole through another view.",
+                &GPU_LABELS,
+            )?,
             memory_used: gauge(
                 r,
                 "baleen_gpu_memory_used_bytes",
@@ -318,6 +333,8 @@ impl Metrics {
             &self.resource_allocated,
             &self.over_grant,
             &self.grant_bytes,
+            &self.largest_free,
+            &self.stranded,
             &self.memory_used,
             &self.temperature,
         ] {
@@ -343,6 +360,11 @@ impl Metrics {
             if mps_enforced && g.units > 0 {
                 self.gpu_mps_up.with_label_values(&labels).set(i64::from(g.shares_enforced));
             }
+            let free = i64::from(g.units.saturating_sub(g.units_held));
+            let offered = g.healthy && g.shares_enforced && g.mode != GpuMode::Exclusive;
+            self.largest_free.with_label_values(&labels).set(if offered { free } else { 0 });
+            let stranded = if g.mode == GpuMode::Exclusive { free } else { 0 };
+            self.stranded.with_label_values(&labels).set(stranded);
             let reading = telemetry
                 .readings
                 .iter()

@@ -1168,6 +1168,11 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
         Some(1.0)
     );
     assert_eq!(sample(&text, "baleen_gpu_mps_daemon_up", &[("gpu_uuid", &gpu)]), Some(1.0));
+    // 22 units on an L4: 18 left on the shared GPU.
+    assert_eq!(
+        sample(&text, "baleen_gpu_memory_units_largest_free", &[("gpu_uuid", &gpu)]),
+        Some(18.0)
+    );
     assert_eq!(
         sample(&text, "baleen_gpu_info", &[("gpu_uuid", &gpu), ("node", "node-a")]),
         Some(1.0)
