@@ -1306,3 +1306,114 @@ async fn promtool_accepts_a_real_scrape() -> Result<()> {
     );
     stop(agent, token).await
 }
+
+/// Percent-encodes a query-string value.
+fn encode(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Issue 13: a real Prometheus server (Debian's package) scrapes the agent; over its HTTP API it
+/// answers an allocated pod's granted memory and every query of the Grafana dashboard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query() -> Result<()> {
+    let prometheus = baleen_tests::tools::on_path("prometheus")
+        .context("prometheus is not installed: apt-get install prometheus (.ci/run installs it)")?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    // Live readings for every GPU, as NVML would give them.
+    let expected = example("l4-4x-pcie.yaml")?;
+    let simulated = Arc::new(SimulatedInventory::new(expected.clone()));
+    simulated.set_telemetry(
+        expected
+            .gpus
+            .iter()
+            .map(|g| baleen_agent::inventory::GpuTelemetry {
+                gpu: Some(g.uuid.clone()),
+                memory_used_bytes: Some(1 << 30),
+                gpu_utilisation: Some(0.5),
+                memory_utilisation: Some(0.25),
+                temperature_celsius: Some(50),
+                power_watts: Some(40.0),
+            })
+            .collect(),
+    );
+    node.inventory = simulated;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet.admit_to("ns/a", "c", MEM, 4).await?;
+    let target = agent.metrics_address().context("metrics")?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: baleen\n    static_configs:\n      - targets: ['{target}']\n"
+        ),
+    )?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let address: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    /// Kills the server however the test ends (a failed assertion unwinds past any cleanup).
+    struct Server(std::process::Child);
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let server = std::process::Command::new(prometheus)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+        .arg(format!("--web.listen-address={address}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let server = Server(server);
+    let outcome = async {
+        let query = |q: String| async move {
+            let (status, body) =
+                http_get(address, &format!("/api/v1/query?query={}", encode(&q))).await?;
+            anyhow::ensure!(status == 200, "{q}: {status} {body}");
+            let value: serde_json::Value = serde_json::from_str(&body)?;
+            Ok::<_, anyhow::Error>(value["data"]["result"].as_array().cloned().unwrap_or_default())
+        };
+        // The allocated pod's granted memory, once scraped and listed.
+        let granted = async {
+            loop {
+                if let Ok(result) = query(r#"baleen_grant_memory_bytes{pod="a"}"#.into()).await
+                    && let Some(first) = result.first()
+                {
+                    return anyhow::Ok(first["value"][1].as_str().unwrap_or_default().to_owned());
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        };
+        let value = tokio::time::timeout(Duration::from_secs(60), granted).await??;
+        assert_eq!(value, (4u64 << 30).to_string());
+        // Every dashboard query answers with at least one series.
+        let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+            Path::new(EXAMPLES).join("../grafana/baleen.json"),
+        )?)?;
+        let mut queries = 0;
+        for panel in dashboard["panels"].as_array().context("panels")? {
+            for target in panel["targets"].as_array().context("targets")? {
+                let expr = target["expr"].as_str().context("expr")?.replace("$node", ".*");
+                let result = query(expr.clone()).await?;
+                assert!(!result.is_empty(), "dashboard query {expr} returned no series");
+                queries += 1;
+            }
+        }
+        assert!(queries >= 10, "{queries} queries");
+        anyhow::Ok(())
+    }
+    .await;
+    drop(server);
+    outcome?;
+    stop(agent, token).await
+}
