@@ -8,7 +8,8 @@
 //! - [`config`] and [`defaults`]: settings from defaults, file, environment and flags;
 //! - [`agent`]: the running agent, one task per subsystem;
 //! - [`resources`]: the device-plugin adapter (views as resources, Allocate answers);
-//! - [`metrics`]: the Prometheus endpoint (`/metrics`, `/healthz`, `/readyz`);
+//! - [`metrics`] and [`instruments`]: the Prometheus endpoint (`/metrics`, `/healthz`,
+//!   `/readyz`) and the agent's own measurements;
 //! - [`isolation`]: what a container needs for its share to be enforced (MPS client setup);
 //! - [`ledger`]: the device ledger (device IDs, views, grants), pure bookkeeping;
 //! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
@@ -26,6 +27,7 @@ pub mod cli;
 pub mod config;
 pub mod defaults;
 pub mod error_chain;
+pub mod instruments;
 pub mod inventory;
 pub mod isolation;
 pub mod ledger;

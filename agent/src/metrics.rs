@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::error_chain::Chain;
+use crate::instruments::Instruments;
 use crate::inventory::{GpuInventory, GpuTelemetry};
 use crate::isolation::watchdog::Over;
 use crate::ledger::GpuMode;
@@ -443,6 +444,8 @@ pub struct Endpoint {
     pub over: watch::Receiver<Vec<Over>>,
     /// The last good telemetry read.
     pub telemetry: watch::Receiver<TelemetryRead>,
+    /// The agent's own measurements (registrations are counted here from the plugins' states).
+    pub instruments: Arc<Instruments>,
     /// Whether MPS enforces the gpu-memory units.
     pub mps_enforced: bool,
 }
@@ -501,6 +504,17 @@ pub async fn bind(
 }
 
 async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
+    for (resource, state) in &endpoint.plugins {
+        let registrations = match *state.borrow() {
+            PluginState::Registered { registrations } => registrations,
+            _ => 0,
+        };
+        let counter = endpoint
+            .instruments
+            .registrations
+            .with_label_values(&[endpoint.node.as_str(), resource.as_str()]);
+        counter.inc_by(registrations.saturating_sub(counter.get()));
+    }
     let over = endpoint.over.borrow().clone();
     let telemetry = endpoint.telemetry.borrow().clone();
     let text = endpoint.metrics.render(

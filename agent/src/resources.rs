@@ -19,6 +19,7 @@ use tokio::sync::watch;
 
 use crate::checkpoint::Checkpoint;
 use crate::error_chain::Chain;
+use crate::instruments::Instruments;
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{AllocationRecord, DeviceLedger, DeviceState, GpuState, Grant, Refusal, View};
 use crate::reconcile::{self, KubeletAllocation, Report};
@@ -126,6 +127,8 @@ struct Inner {
 /// The node's device ledger shared by every view, persisted on every change.
 pub struct NodeResources {
     inner: Mutex<Inner>,
+    /// Where the agent's own measurements go, once the metrics are set up (with the node label).
+    instruments: std::sync::OnceLock<(String, Arc<Instruments>)>,
     views: BTreeMap<View, (String, watch::Sender<DeviceSnapshot>)>,
     pod_resources: Option<PathBuf>,
     responses: ResponseConfig,
@@ -170,7 +173,20 @@ impl NodeResources {
             views,
             pod_resources,
             responses,
+            instruments: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Records the agent's own measurements in `instruments` from now on, labelled `node`.
+    pub fn instrument(&self, node: &str, instruments: Arc<Instruments>) {
+        let _ = self.instruments.set((node.to_owned(), instruments));
+    }
+
+    /// Counts a reconciliation that could not ask the kubelet.
+    pub fn count_unreachable(&self) {
+        if let Some((node, i)) = self.instruments.get() {
+            i.reconciliations.with_label_values(&[node.as_str(), "unreachable"]).inc();
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -258,10 +274,14 @@ impl NodeResources {
         let trusted = inner.trusted || trust == Trust::Reconciled;
         let changed = next.records() != before;
         if trusted && (changed || !inner.trusted) {
+            let started = std::time::Instant::now();
             inner
                 .checkpoint
                 .store(&inner.node, &inner.boot_id, &next.layout(), &next.records())
                 .map_err(|e| BackendError::Internal { reason: Chain(&e).to_string() })?;
+            if let Some((_, i)) = self.instruments.get() {
+                i.checkpoint_write_seconds.observe(started.elapsed().as_secs_f64());
+            }
         }
         inner.trusted = trusted;
         // Kept even when no record changed: the ledger also counts missed listings.
@@ -334,6 +354,24 @@ impl NodeResources {
         })?;
         if report.is_some() {
             self.lock().listed = allocations.to_vec();
+        }
+        if let Some((node, i)) = self.instruments.get() {
+            let node = node.as_str();
+            match &report {
+                Some(r) => {
+                    i.reconciliations.with_label_values(&[node, "applied"]).inc();
+                    for (change, n) in [
+                        ("released", r.released.len()),
+                        ("restored", r.restored.len()),
+                        ("refused", r.refused.len()),
+                    ] {
+                        i.reconcile_changes
+                            .with_label_values(&[node, change])
+                            .inc_by(u64::try_from(n).unwrap_or(u64::MAX));
+                    }
+                }
+                None => i.reconciliations.with_label_values(&[node, "stale"]).inc(),
+            }
         }
         Ok(report)
     }
@@ -408,16 +446,49 @@ impl DeviceBackend for ViewBackend {
         &self,
         request: PreferredAllocationRequest,
     ) -> Result<Vec<String>, BackendError> {
-        let inner = self.resources.lock();
-        Ok(inner.state.preferred(
-            &self.view,
-            &request.available,
-            &request.must_include,
-            request.size,
-        )?)
+        let started = std::time::Instant::now();
+        let answer = {
+            let inner = self.resources.lock();
+            inner
+                .state
+                .preferred(&self.view, &request.available, &request.must_include, request.size)
+                .map_err(BackendError::from)
+        };
+        self.measure(|i| &i.preferred_seconds, started, &answer);
+        answer
     }
 
     async fn allocate(
+        &self,
+        containers: Vec<Vec<String>>,
+    ) -> Result<Vec<ContainerAllocation>, BackendError> {
+        let started = std::time::Instant::now();
+        let answer = self.grant(containers).await;
+        self.measure(|i| &i.allocate_seconds, started, &answer);
+        answer
+    }
+}
+
+impl ViewBackend {
+    /// Records how long an answer took, and its refusal.
+    fn measure<T>(
+        &self,
+        histogram: impl Fn(&Instruments) -> &prometheus::HistogramVec,
+        started: std::time::Instant,
+        answer: &Result<T, BackendError>,
+    ) {
+        if let Some((node, i)) = self.resources.instruments.get() {
+            let labels = [node.as_str(), self.resource.as_str()];
+            histogram(i).with_label_values(&labels).observe(started.elapsed().as_secs_f64());
+            if let Err(e) = answer {
+                let kind = crate::instruments::refusal_kind(e);
+                i.refusals.with_label_values(&[node.as_str(), self.resource.as_str(), kind]).inc();
+            }
+        }
+    }
+
+    /// Grants every container of one Allocate request, or none (see `DeviceBackend::allocate`).
+    async fn grant(
         &self,
         containers: Vec<Vec<String>>,
     ) -> Result<Vec<ContainerAllocation>, BackendError> {

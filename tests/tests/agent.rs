@@ -1168,6 +1168,32 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
         Some(1.0)
     );
     assert_eq!(sample(&text, "baleen_gpu_mps_daemon_up", &[("gpu_uuid", &gpu)]), Some(1.0));
+    // The agent's own measurements.
+    let count = |text: &str, name: &str, labels: &[(&str, &str)]| sample(text, name, labels);
+    assert_eq!(count(&text, "baleen_allocate_seconds_count", &[("resource", MEM)]), Some(1.0));
+    assert!(count(&text, "baleen_checkpoint_write_seconds_count", &[]).is_some_and(|n| n >= 1.0));
+    assert_eq!(count(&text, "baleen_kubelet_registrations_total", &[("resource", MEM)]), Some(1.0));
+    let reconciled = async {
+        loop {
+            let text = http_get(address, "/metrics").await?.1;
+            if count(&text, "baleen_reconciliations_total", &[("outcome", "applied")])
+                .is_some_and(|n| n >= 1.0)
+            {
+                return anyhow::Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, reconciled).await??;
+    let other = node.kubelet.view().healthy(GPU).into_iter().find(|g| *g != gpu).context("gpu")?;
+    let split = vec![format!("{gpu}::10"), format!("{other}::0")];
+    assert!(node.kubelet.allocate_raw(MEM, vec![split]).await.is_err());
+    let text = http_get(address, "/metrics").await?.1;
+    assert_eq!(
+        count(&text, "baleen_refusals_total", &[("resource", MEM), ("kind", "invalid")]),
+        Some(1.0),
+        "{text}"
+    );
     // 22 units on an L4: 18 left on the shared GPU.
     assert_eq!(
         sample(&text, "baleen_gpu_memory_units_largest_free", &[("gpu_uuid", &gpu)]),

@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::checkpoint::CheckpointError;
 use crate::error_chain::Chain;
+use crate::instruments::Instruments;
 use crate::inventory::{GpuInventory, InventoryError};
 use crate::isolation::watchdog::{Over, Watchdog, WatchdogConfig};
 use crate::ledger::{BuildError, ViewConfig};
@@ -238,6 +239,14 @@ impl Agent {
             // an MPS daemon.
             return Err(AgentError::StoppedBeforeStart);
         }
+        // The agent's own measurements, recorded from the first Allocate on.
+        let instruments = if config.metrics.enabled {
+            let instruments = Instruments::new(&deps.registry).map_err(MetricsError::Register)?;
+            resources.instrument(&config.node_name, instruments.clone());
+            Some(instruments)
+        } else {
+            None
+        };
         let mut tasks = Tasks::default();
         mps::start(&mut tasks, &config, &resources, &shutdown).await;
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
@@ -253,7 +262,7 @@ impl Agent {
             watchdog.run(inventory, token).await;
             Ok(())
         });
-        let metrics_address = if config.metrics.enabled {
+        let metrics_address = if let Some(instruments) = instruments {
             let metrics = Metrics::new(deps.registry.clone())?;
             let (publish, telemetry) = tokio::sync::watch::channel(TelemetryRead::default());
             let reader = crate::metrics::read_telemetry(
@@ -274,6 +283,7 @@ impl Agent {
                 plugins: plugins.clone(),
                 over: episodes.clone(),
                 telemetry,
+                instruments,
                 mps_enforced: config.responses.mps.enabled,
             });
             let (bound, serve) =

@@ -107,8 +107,13 @@ pub(super) async fn reconcile_once(
 ) -> Result<(), ReconcileFailure> {
     for _ in 0..STALE_RETRIES {
         let asked_at = resources.generation();
-        let truth =
-            reconcile::fetch(socket, timeout).await.map_err(ReconcileFailure::Unreachable)?;
+        let truth = match reconcile::fetch(socket, timeout).await {
+            Ok(truth) => truth,
+            Err(e) => {
+                resources.count_unreachable();
+                return Err(ReconcileFailure::Unreachable(e));
+            }
+        };
         let applying = resources.clone();
         let outcome =
             tokio::task::spawn_blocking(move || applying.reconcile(&truth, grace_secs, asked_at))

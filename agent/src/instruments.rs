@@ -1,0 +1,105 @@
+//! The agent's own measurements (Allocate and GetPreferredAllocation latency and refusals,
+//! checkpoint writes, reconciliations, registrations), recorded where they happen (the
+//! device-plugin adapter, the reconciler) and registered in the registry the metrics endpoint
+//! exports (`crate::metrics`).
+
+use std::sync::Arc;
+
+use prometheus::{Opts, Registry};
+
+/// The agent's own measurements, recorded where they happen (the device-plugin adapter, the
+/// checkpoint writes, the reconciler) and exported with the other families.
+pub struct Instruments {
+    /// Time the agent took to answer an Allocate, per resource.
+    pub allocate_seconds: prometheus::HistogramVec,
+    /// Time the agent took to answer a GetPreferredAllocation, per resource.
+    pub preferred_seconds: prometheus::HistogramVec,
+    /// Allocate and GetPreferredAllocation answers refused, per resource and kind.
+    pub refusals: prometheus::IntCounterVec,
+    /// Time one checkpoint write took (write, fsync, rename, directory fsync).
+    pub checkpoint_write_seconds: prometheus::Histogram,
+    /// Reconciliations with pod-resources, by outcome (applied, stale, unreachable).
+    pub reconciliations: prometheus::IntCounterVec,
+    /// What applied reconciliations changed, by change (released, restored, refused).
+    pub reconcile_changes: prometheus::IntCounterVec,
+    /// Registrations with the kubelet seen, per resource (a kubelet restart adds one).
+    pub registrations: prometheus::IntCounterVec,
+}
+
+/// Latency buckets: 50 µs to 2.5 s.
+const LATENCY_BUCKETS: [f64; 12] =
+    [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5];
+
+impl Instruments {
+    /// Registers the families in `registry`.
+    pub fn new(registry: &Registry) -> Result<Arc<Self>, prometheus::Error> {
+        use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec};
+        let hist_vec = |name: &str, help: &str, labels: &[&str]| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+                labels,
+            )?;
+            registry.register(Box::new(h.clone()))?;
+            Ok::<_, prometheus::Error>(h)
+        };
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+            registry.register(Box::new(c.clone()))?;
+            Ok::<_, prometheus::Error>(c)
+        };
+        let checkpoint_write_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "baleen_checkpoint_write_seconds",
+                "Time one checkpoint write took (write, fsync, rename, directory fsync).",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )?;
+        registry.register(Box::new(checkpoint_write_seconds.clone()))?;
+        Ok(Arc::new(Self {
+            allocate_seconds: hist_vec(
+                "baleen_allocate_seconds",
+                "Time the agent took to answer an Allocate (its own part: checks, ledger, checkpoint).",
+                &["node", "resource"],
+            )?,
+            preferred_seconds: hist_vec(
+                "baleen_preferred_allocation_seconds",
+                "Time the agent took to answer a GetPreferredAllocation.",
+                &["node", "resource"],
+            )?,
+            refusals: counter_vec(
+                "baleen_refusals_total",
+                "Allocate and GetPreferredAllocation answers refused, by kind (unknown, invalid, conflict, exhausted, unavailable, internal).",
+                &["node", "resource", "kind"],
+            )?,
+            checkpoint_write_seconds,
+            reconciliations: counter_vec(
+                "baleen_reconciliations_total",
+                "Reconciliations with the kubelet's pod-resources list, by outcome (applied, stale, unreachable).",
+                &["node", "outcome"],
+            )?,
+            reconcile_changes: counter_vec(
+                "baleen_reconcile_changes_total",
+                "What applied reconciliations changed (released, restored, refused allocations).",
+                &["node", "change"],
+            )?,
+            registrations: counter_vec(
+                "baleen_kubelet_registrations_total",
+                "Registrations with the kubelet, per resource (a kubelet restart adds one).",
+                &["node", "resource"],
+            )?,
+        }))
+    }
+}
+
+/// The label value of a refusal's kind.
+pub fn refusal_kind(e: &baleen_device_plugin::BackendError) -> &'static str {
+    use baleen_device_plugin::BackendError as E;
+    match e {
+        E::UnknownDevices { .. } => "unknown",
+        E::InvalidRequest { .. } => "invalid",
+        E::Conflict { .. } => "conflict",
+        E::Exhausted { .. } => "exhausted",
+        E::Unavailable { .. } => "unavailable",
+        E::Internal { .. } => "internal",
+    }
+}
