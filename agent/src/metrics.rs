@@ -136,6 +136,7 @@ pub struct Metrics {
     resource_allocated: IntGaugeVec,
     over_grant: IntGaugeVec,
     grant_bytes: IntGaugeVec,
+    unhealthy_reason: IntGaugeVec,
     largest_free: IntGaugeVec,
     stranded: IntGaugeVec,
     memory_used: IntGaugeVec,
@@ -253,6 +254,12 @@ impl Metrics {
                 "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
                 &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
             )?,
+            unhealthy_reason: gauge(
+                r,
+                "baleen_gpu_unhealthy_reason",
+                "Why an unhealthy GPU is (value 1, while it is): a critical XID, or the health watch failing or not running.",
+                &with("reason"),
+            )?,
             largest_free: gauge(
                 r,
                 "baleen_gpu_memory_units_largest_free",
@@ -319,6 +326,7 @@ impl Metrics {
         mps_enforced: bool,
     ) -> String {
         let (gpus, views) = resources.snapshot();
+        let reasons = resources.unhealthy_reasons();
         let records = resources.records();
         for family in [
             &self.gpu_info,
@@ -334,6 +342,7 @@ impl Metrics {
             &self.resource_allocated,
             &self.over_grant,
             &self.grant_bytes,
+            &self.unhealthy_reason,
             &self.largest_free,
             &self.stranded,
             &self.memory_used,
@@ -360,6 +369,11 @@ impl Metrics {
             self.gpu_mode.with_label_values(&mode).set(1);
             if mps_enforced && g.units > 0 {
                 self.gpu_mps_up.with_label_values(&labels).set(i64::from(g.shares_enforced));
+            }
+            if let Some(reason) = reasons.get(&g.uuid).filter(|_| !g.healthy) {
+                let with_reason =
+                    [node, g.uuid.as_str(), index.as_str(), g.model.as_str(), reason.as_str()];
+                self.unhealthy_reason.with_label_values(&with_reason).set(1);
             }
             let free = i64::from(g.units.saturating_sub(g.units_held));
             let offered = g.healthy && g.shares_enforced && g.mode != GpuMode::Exclusive;

@@ -122,6 +122,8 @@ struct Inner {
     generation: u64,
     /// The kubelet's last list applied: who holds which devices (for the metrics' pod labels).
     listed: Vec<KubeletAllocation>,
+    /// Why each unhealthy GPU is (for the metrics).
+    unhealthy: BTreeMap<String, String>,
 }
 
 /// The node's device ledger shared by every view, persisted on every change.
@@ -169,6 +171,7 @@ impl NodeResources {
                 trusted,
                 generation: 0,
                 listed: Vec::new(),
+                unhealthy: BTreeMap::new(),
             }),
             views,
             pod_resources,
@@ -205,6 +208,11 @@ impl NodeResources {
                 })
             })
             .collect()
+    }
+
+    /// Why each unhealthy GPU is, by UUID.
+    pub fn unhealthy_reasons(&self) -> BTreeMap<String, String> {
+        self.lock().unhealthy.clone()
     }
 
     /// Every GPU's state, and per resource its devices and healthy devices, now.
@@ -376,13 +384,14 @@ impl NodeResources {
         Ok(report)
     }
 
-    /// Marks every GPU healthy or not and republishes.
-    pub fn set_all_health(&self, healthy: bool) {
+    /// Marks every GPU healthy or not (saying why when not) and republishes.
+    pub fn set_all_health(&self, healthy: bool, reason: &str) {
         let mut inner = self.lock();
         let uuids: Vec<String> = inner.state.gpus().map(|g| g.uuid.to_string()).collect();
         let mut changed = false;
         for uuid in uuids {
             changed |= inner.state.set_health(&uuid, healthy);
+            note_reason(&mut inner.unhealthy, &uuid, healthy, reason);
         }
         if changed {
             self.publish(&inner.state);
@@ -404,14 +413,24 @@ impl NodeResources {
         self.lock().state.shared_gpus()
     }
 
-    /// Marks a GPU healthy or not and republishes.
-    pub fn set_health(&self, uuid: &str, healthy: bool) -> bool {
+    /// Marks a GPU healthy or not (saying why when not) and republishes.
+    pub fn set_health(&self, uuid: &str, healthy: bool, reason: &str) -> bool {
         let mut inner = self.lock();
         let changed = inner.state.set_health(uuid, healthy);
+        note_reason(&mut inner.unhealthy, uuid, healthy, reason);
         if changed {
             self.publish(&inner.state);
         }
         changed
+    }
+}
+
+/// Keeps why `uuid` is unhealthy (the first reason of an episode), or forgets it when healthy.
+fn note_reason(reasons: &mut BTreeMap<String, String>, uuid: &str, healthy: bool, reason: &str) {
+    if healthy {
+        reasons.remove(uuid);
+    } else {
+        reasons.entry(uuid.to_owned()).or_insert_with(|| reason.to_owned());
     }
 }
 

@@ -372,6 +372,11 @@ async fn a_critical_xid_makes_the_gpu_unhealthy() -> Result<()> {
     })
     .await??;
     assert!(unit_health(&seen, gpu.as_str()).iter().all(|s| *s != HEALTHY));
+    // The metrics say why.
+    let text = http_get(agent.metrics_address().context("metrics")?, "/metrics").await?.1;
+    let labels = [("gpu_uuid", gpu.as_str()), ("reason", "critical XID 79")];
+    assert_eq!(sample(&text, "baleen_gpu_unhealthy_reason", &labels), Some(1.0), "{text}");
+    assert_eq!(sample(&text, "baleen_gpu_healthy", &[("gpu_uuid", gpu.as_str())]), Some(0.0));
     stop(agent, token).await
 }
 

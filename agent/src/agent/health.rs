@@ -29,7 +29,7 @@ pub fn spawn(
         .spawn(move || watch(inventory.as_ref(), &on_thread, &stop));
     if let Err(e) = spawned {
         tracing::error!(error = %Chain(&e), "cannot start the health thread; every GPU marked unhealthy");
-        resources.set_all_health(false);
+        resources.set_all_health(false, "health thread not running");
     }
 }
 
@@ -41,7 +41,7 @@ fn watch(inventory: &dyn GpuInventory, resources: &NodeResources, stop: &Cancell
             Err(e) => {
                 if retry == Duration::from_secs(1) {
                     tracing::error!(error = %Chain(&e), "cannot watch GPU health; every GPU marked unhealthy until the watch starts");
-                    resources.set_all_health(false);
+                    resources.set_all_health(false, "health watch cannot start");
                 }
                 if !sleep_unless_stopped(retry, stop) {
                     return;
@@ -52,7 +52,7 @@ fn watch(inventory: &dyn GpuInventory, resources: &NodeResources, stop: &Cancell
     };
     if retry > Duration::from_secs(1) {
         tracing::warn!("GPU health watch started; GPUs healthy again");
-        resources.set_all_health(true);
+        resources.set_all_health(true, "");
     }
     for gpu in watcher.unwatched() {
         tracing::warn!(gpu.uuid = %gpu, "GPU cannot report health events");
@@ -69,7 +69,11 @@ fn watch(inventory: &dyn GpuInventory, resources: &NodeResources, stop: &Cancell
         match event {
             Ok(Some(event)) if event.critical => {
                 tracing::error!(gpu.uuid = %event.gpu, xid = event.xid, "critical XID: GPU marked unhealthy");
-                resources.set_health(event.gpu.as_str(), false);
+                resources.set_health(
+                    event.gpu.as_str(),
+                    false,
+                    &format!("critical XID {}", event.xid),
+                );
             }
             Ok(Some(event)) => {
                 tracing::warn!(gpu.uuid = %event.gpu, xid = event.xid, "application XID; GPU stays healthy");
@@ -83,7 +87,7 @@ fn watch(inventory: &dyn GpuInventory, resources: &NodeResources, stop: &Cancell
                     tracing::error!(error = %Chain(&e), "GPU health watch failed; every GPU marked unhealthy");
                     failing = true;
                 }
-                resources.set_all_health(false);
+                resources.set_all_health(false, "health watch failed");
                 std::thread::park_timeout(Duration::from_secs(1));
             }
         }
