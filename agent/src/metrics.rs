@@ -137,6 +137,7 @@ pub struct Metrics {
     over_grant: IntGaugeVec,
     grant_bytes: IntGaugeVec,
     unhealthy_reason: IntGaugeVec,
+    mps_clients: IntGaugeVec,
     largest_free: IntGaugeVec,
     stranded: IntGaugeVec,
     memory_used: IntGaugeVec,
@@ -254,6 +255,12 @@ impl Metrics {
                 "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
                 &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
             )?,
+            mps_clients: gauge(
+                r,
+                "baleen_gpu_mps_clients",
+                "MPS client processes on the GPU at the last probe of its daemon.",
+                &GPU_LABELS,
+            )?,
             unhealthy_reason: gauge(
                 r,
                 "baleen_gpu_unhealthy_reason",
@@ -327,6 +334,7 @@ impl Metrics {
     ) -> String {
         let (gpus, views) = resources.snapshot();
         let reasons = resources.unhealthy_reasons();
+        let clients = resources.mps_clients();
         let records = resources.records();
         for family in [
             &self.gpu_info,
@@ -343,6 +351,7 @@ impl Metrics {
             &self.over_grant,
             &self.grant_bytes,
             &self.unhealthy_reason,
+            &self.mps_clients,
             &self.largest_free,
             &self.stranded,
             &self.memory_used,
@@ -369,6 +378,9 @@ impl Metrics {
             self.gpu_mode.with_label_values(&mode).set(1);
             if mps_enforced && g.units > 0 {
                 self.gpu_mps_up.with_label_values(&labels).set(i64::from(g.shares_enforced));
+                if let Some(&n) = clients.get(&g.uuid) {
+                    self.mps_clients.with_label_values(&labels).set(int(n as u64));
+                }
             }
             if let Some(reason) = reasons.get(&g.uuid).filter(|_| !g.healthy) {
                 let with_reason =

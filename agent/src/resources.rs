@@ -124,6 +124,8 @@ struct Inner {
     listed: Vec<KubeletAllocation>,
     /// Why each unhealthy GPU is (for the metrics).
     unhealthy: BTreeMap<String, String>,
+    /// MPS client processes per GPU at the last probe (for the metrics).
+    mps_clients: BTreeMap<String, usize>,
 }
 
 /// The node's device ledger shared by every view, persisted on every change.
@@ -172,6 +174,7 @@ impl NodeResources {
                 generation: 0,
                 listed: Vec::new(),
                 unhealthy: BTreeMap::new(),
+                mps_clients: BTreeMap::new(),
             }),
             views,
             pod_resources,
@@ -208,6 +211,11 @@ impl NodeResources {
                 })
             })
             .collect()
+    }
+
+    /// MPS client processes per GPU at the last probe, by UUID.
+    pub fn mps_clients(&self) -> BTreeMap<String, usize> {
+        self.lock().mps_clients.clone()
     }
 
     /// Why each unhealthy GPU is, by UUID.
@@ -437,6 +445,10 @@ fn note_reason(reasons: &mut BTreeMap<String, String>, uuid: &str, healthy: bool
 impl mps::supervisor::Enforcement for NodeResources {
     fn set_enforced(&self, gpu_uuid: &str, enforced: bool) {
         self.set_shares_enforced(gpu_uuid, enforced);
+    }
+
+    fn set_clients(&self, gpu_uuid: &str, clients: usize) {
+        self.lock().mps_clients.insert(gpu_uuid.to_owned(), clients);
     }
 }
 

@@ -1199,6 +1199,20 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
         Some(1.0),
         "{text}"
     );
+    // The daemon's clients, as its server list says (two clients of one server here).
+    std::fs::write(mps_dir(&node, &gpu).join("fake-servers"), "4242\n")?;
+    std::fs::write(mps_dir(&node, &gpu).join("fake-clients-4242"), "101\n102\n")?;
+    let counted = async {
+        loop {
+            let text = http_get(address, "/metrics").await?.1;
+            if sample(&text, "baleen_gpu_mps_clients", &[("gpu_uuid", gpu.as_str())]) == Some(2.0) {
+                return anyhow::Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, counted).await??;
+    let text = http_get(address, "/metrics").await?.1;
     // 22 units on an L4: 18 left on the shared GPU.
     assert_eq!(
         sample(&text, "baleen_gpu_memory_units_largest_free", &[("gpu_uuid", &gpu)]),

@@ -8,7 +8,9 @@
 //! - `fake-mps-control` (no flag): a control client. Sends each stdin line to the daemon and
 //!   prints its answers; with no daemon answering: "Cannot find MPS control daemon process",
 //!   exit 1.
-//! - Commands: `get_server_list` (server PIDs, one a line; none here), `quit` (the daemon exits),
+//! - Commands: `get_server_list` (server PIDs, one a line: those in `fake-servers` beside the
+//!   pipe directory, none by default), `get_client_list PID` (those in `fake-clients-PID`),
+//!   `quit` (the daemon exits),
 //!   `set_default_active_thread_percentage N` (echoes N), `get_default_active_thread_percentage`.
 //!
 //! Test directives, one word in the file named by `$FAKE_MPS_DIRECTIVES`, or else in
@@ -54,6 +56,14 @@ fn answers(pipe: &Path) -> bool {
             BufReader::new(s).read_line(&mut line).is_ok_and(|n| n > 0)
         }
     })
+}
+
+/// A file beside the pipe directory (`<mps root>/<GPU UUID>/<name>`), or nothing.
+fn beside(pipe: &Path, name: &str) -> String {
+    pipe.parent()
+        .and_then(|dir| std::fs::read_to_string(dir.join(name)).ok())
+        .map(|text| text.trim_end().to_owned())
+        .unwrap_or_default()
 }
 
 /// Whether the daemon named in the pipe directory's pid file still runs.
@@ -196,7 +206,9 @@ fn command(stream: UnixStream, pipe: &Path, log_dir: Option<&Path>) -> Option<Ex
         _ => {}
     }
     let answer = match cmd.split_whitespace().collect::<Vec<_>>().as_slice() {
-        ["get_server_list"] => String::new(),
+        // Servers and their clients a test wrote beside the pipe directory, if any.
+        ["get_server_list"] => beside(pipe, "fake-servers"),
+        ["get_client_list", pid] => beside(pipe, &format!("fake-clients-{pid}")),
         ["quit"] => {
             let _ = writer.write_all(b"\n");
             return Some(ExitCode::SUCCESS);

@@ -82,13 +82,25 @@ pub enum Started {
     AlreadyRunning,
 }
 
+/// The PIDs of a control answer, one a line (as `get_server_list` printed them on the GPU day).
+fn pids(answer: &str) -> Vec<u32> {
+    answer.lines().filter_map(|l| l.trim().parse().ok()).collect()
+}
+
 /// Start, probe and stop one GPU's control daemon.
 #[async_trait::async_trait]
 pub trait MpsControl: Send + Sync {
     /// Starts the control daemon of the GPU `gpu_uuid` on `dirs` (creating them).
     async fn start(&self, gpu_uuid: &str, dirs: &MpsDirs) -> Result<Started, MpsError>;
-    /// Asks the daemon on `dirs` for its server list within `timeout`.
-    async fn probe(&self, dirs: &MpsDirs, timeout: Duration) -> Result<(), MpsError>;
+    /// Asks the daemon on `dirs` for its server list within `timeout`; the servers' PIDs.
+    async fn probe(&self, dirs: &MpsDirs, timeout: Duration) -> Result<Vec<u32>, MpsError>;
+    /// The client PIDs of the server `server` of the daemon on `dirs`.
+    async fn clients(
+        &self,
+        dirs: &MpsDirs,
+        server: u32,
+        timeout: Duration,
+    ) -> Result<Vec<u32>, MpsError>;
     /// Tells the daemon on `dirs` to quit (its server shuts down after its clients).
     async fn quit(&self, dirs: &MpsDirs, timeout: Duration) -> Result<(), MpsError>;
 }
@@ -184,8 +196,17 @@ impl MpsControl for CommandControl {
         }
     }
 
-    async fn probe(&self, dirs: &MpsDirs, timeout: Duration) -> Result<(), MpsError> {
-        self.send(dirs, "get_server_list", timeout).await.map(drop)
+    async fn probe(&self, dirs: &MpsDirs, timeout: Duration) -> Result<Vec<u32>, MpsError> {
+        Ok(pids(&self.send(dirs, "get_server_list", timeout).await?))
+    }
+
+    async fn clients(
+        &self,
+        dirs: &MpsDirs,
+        server: u32,
+        timeout: Duration,
+    ) -> Result<Vec<u32>, MpsError> {
+        Ok(pids(&self.send(dirs, &format!("get_client_list {server}"), timeout).await?))
     }
 
     async fn quit(&self, dirs: &MpsDirs, timeout: Duration) -> Result<(), MpsError> {

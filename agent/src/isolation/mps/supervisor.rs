@@ -21,6 +21,9 @@ use crate::defaults;
 pub trait Enforcement: Send + Sync {
     /// The GPU `gpu_uuid`'s daemon answers (`true`) or not.
     fn set_enforced(&self, gpu_uuid: &str, enforced: bool);
+
+    /// The number of MPS client processes on the GPU `gpu_uuid`, at the last probe.
+    fn set_clients(&self, _gpu_uuid: &str, _clients: usize) {}
 }
 
 /// One GPU's daemon as the supervisor sees it.
@@ -104,8 +107,14 @@ impl Supervisor {
         let timeout = self.config.probe_timeout;
         let probe = self.control.probe(&self.daemons[i].dirs, timeout).await;
         let problem = match probe {
-            Ok(()) => {
+            Ok(servers) => {
                 self.set_ready(i, "answers");
+                let mut clients = 0;
+                for server in servers {
+                    let listed = self.control.clients(&self.daemons[i].dirs, server, timeout).await;
+                    clients += listed.map_or(0, |c| c.len());
+                }
+                self.enforcement.set_clients(&self.daemons[i].gpu, clients);
                 return;
             }
             Err(e) => e,
@@ -119,7 +128,7 @@ impl Supervisor {
         let (gpu, dirs) = (self.daemons[i].gpu.clone(), self.daemons[i].dirs.clone());
         match self.control.start(&gpu, &dirs).await {
             Ok(started) => match self.control.probe(&dirs, timeout).await {
-                Ok(()) => {
+                Ok(_) => {
                     self.daemons[i].failures = 0;
                     let how = match started {
                         Started::New => "started",
