@@ -81,9 +81,31 @@ impl Supervisor {
     /// Probes every daemon once; starts (or adopts) the ones that do not answer and may be
     /// started now. The agent runs one round before it serves, so that the first device lists
     /// already offer the units of every GPU whose daemon answers.
+    /// Every daemon is probed at once, so that one hung daemon (a probe that takes the whole
+    /// timeout) does not delay noticing another one's death; the starts that follow run one after
+    /// the other.
     pub async fn round(&mut self) {
-        for i in 0..self.daemons.len() {
-            self.check(i).await;
+        let timeout = self.config.probe_timeout;
+        let mut probes = tokio::task::JoinSet::new();
+        for (i, d) in self.daemons.iter().enumerate() {
+            let (control, dirs) = (self.control.clone(), d.dirs.clone());
+            probes.spawn(async move { (i, control.probe(&dirs, timeout).await) });
+        }
+        let mut answers: Vec<Option<Result<Vec<u32>, MpsError>>> = vec![None; self.daemons.len()];
+        while let Some(joined) = probes.join_next().await {
+            if let Ok((i, answer)) = joined {
+                answers[i] = Some(answer);
+            }
+        }
+        for (i, answer) in answers.into_iter().enumerate() {
+            // A probe task that failed counts as no answer.
+            let answer = answer.unwrap_or_else(|| {
+                Err(MpsError::NotRunning {
+                    pipe: self.daemons[i].dirs.pipe.display().to_string(),
+                    answer: "the probe task failed".into(),
+                })
+            });
+            self.check(i, answer).await;
             self.report_waiting_users(i);
         }
     }
@@ -103,9 +125,9 @@ impl Supervisor {
         }
     }
 
-    async fn check(&mut self, i: usize) {
+    /// Acts on daemon `i`'s probe answer: offers its GPU, or withdraws it and starts the daemon.
+    async fn check(&mut self, i: usize, probe: Result<Vec<u32>, MpsError>) {
         let timeout = self.config.probe_timeout;
-        let probe = self.control.probe(&self.daemons[i].dirs, timeout).await;
         let problem = match probe {
             Ok(servers) => {
                 self.set_ready(i, "answers");
