@@ -22,14 +22,18 @@ pub fn spawn(
     inventory: Arc<dyn GpuInventory>,
     resources: Arc<NodeResources>,
     stop: CancellationToken,
-) {
+) -> Option<std::thread::JoinHandle<()>> {
     let on_thread = resources.clone();
     let spawned = std::thread::Builder::new()
         .name("baleen-health".into())
         .spawn(move || watch(inventory.as_ref(), &on_thread, &stop));
-    if let Err(e) = spawned {
-        tracing::error!(error = %Chain(&e), "cannot start the health thread; every GPU marked unhealthy");
-        resources.set_all_health(false, "health thread not running");
+    match spawned {
+        Ok(handle) => Some(handle),
+        Err(e) => {
+            tracing::error!(error = %Chain(&e), "cannot start the health thread; every GPU marked unhealthy");
+            resources.set_all_health(false, "health thread not running");
+            None
+        }
     }
 }
 

@@ -216,6 +216,7 @@ pub struct Agent {
     plugins: Vec<(String, watch::Receiver<PluginState>)>,
     tasks: Tasks,
     health_stop: CancellationToken,
+    health: Option<std::thread::JoinHandle<()>>,
     episodes: watch::Receiver<Vec<Over>>,
     metrics_address: Option<std::net::SocketAddr>,
     /// Held for the agent's life; declared last, so released after everything else is dropped.
@@ -295,13 +296,14 @@ impl Agent {
             None
         };
         let health_stop = shutdown.child_token();
-        health::spawn(deps.inventory.clone(), resources.clone(), health_stop.clone());
+        let health = health::spawn(deps.inventory.clone(), resources.clone(), health_stop.clone());
         Ok(Self {
             shutdown,
             resources,
             plugins,
             tasks,
             health_stop,
+            health,
             episodes,
             metrics_address,
             _lock: lock,
@@ -345,6 +347,10 @@ impl Agent {
             }
         }
         self.health_stop.cancel();
+        // The health thread checks its token at least every half second (NVML's wait).
+        if let Some(thread) = self.health.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
         result
     }
 }
