@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
 use crate::inventory::{GpuInventory, GpuTelemetry};
-use crate::isolation::watchdog::Over;
+use crate::isolation::watchdog::{Over, Usage};
 use crate::ledger::GpuMode;
 use crate::resources::NodeResources;
 
@@ -136,6 +136,7 @@ pub struct Metrics {
     resource_allocated: IntGaugeVec,
     over_grant: IntGaugeVec,
     grant_bytes: IntGaugeVec,
+    grant_used: IntGaugeVec,
     unhealthy_reason: IntGaugeVec,
     mps_clients: IntGaugeVec,
     largest_free: IntGaugeVec,
@@ -319,6 +320,12 @@ impl Metrics {
                 r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
                 c
             },
+            grant_used: gauge(
+                r,
+                "baleen_grant_memory_used_bytes",
+                "GPU memory the processes of a gpu-memory grant use together on its GPU (the memory watchdog's last read); labels as baleen_grant_memory_bytes.",
+                &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
+            )?,
             registry,
         })
     }
@@ -329,6 +336,7 @@ impl Metrics {
         node: &str,
         resources: &NodeResources,
         over: &[Over],
+        usage: &[Usage],
         telemetry: &TelemetryRead,
         mps_enforced: bool,
     ) -> String {
@@ -350,6 +358,7 @@ impl Metrics {
             &self.resource_allocated,
             &self.over_grant,
             &self.grant_bytes,
+            &self.grant_used,
             &self.unhealthy_reason,
             &self.mps_clients,
             &self.largest_free,
@@ -431,16 +440,20 @@ impl Metrics {
         for (record, gpu, bytes, holder) in resources.grants() {
             let (namespace, pod, container) =
                 holder.map(|k| (k.namespace, k.pod, k.container)).unwrap_or_default();
-            self.grant_bytes
-                .with_label_values(&[
-                    node,
-                    namespace.as_str(),
-                    pod.as_str(),
-                    container.as_str(),
-                    record.resource.as_str(),
-                    gpu.as_str(),
-                ])
-                .set(int(bytes));
+            let labels = [
+                node,
+                namespace.as_str(),
+                pod.as_str(),
+                container.as_str(),
+                record.resource.as_str(),
+                gpu.as_str(),
+            ];
+            self.grant_bytes.with_label_values(&labels).set(int(bytes));
+            let used =
+                usage.iter().find(|u| u.gpu.as_str() == gpu && u.device_ids == record.device_ids);
+            if let Some(u) = used {
+                self.grant_used.with_label_values(&labels).set(int(u.used_bytes));
+            }
         }
         for o in over {
             let gpu = o.gpu.to_string();
@@ -468,6 +481,8 @@ pub struct Endpoint {
     pub plugins: Vec<(String, watch::Receiver<PluginState>)>,
     /// The watchdog's episodes.
     pub over: watch::Receiver<Vec<Over>>,
+    /// The watchdog's per-grant usage.
+    pub usage: watch::Receiver<Vec<Usage>>,
     /// The last good telemetry read.
     pub telemetry: watch::Receiver<TelemetryRead>,
     /// The agent's own measurements (registrations are counted here from the plugins' states).
@@ -543,10 +558,12 @@ async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
     }
     let over = endpoint.over.borrow().clone();
     let telemetry = endpoint.telemetry.borrow().clone();
+    let usage = endpoint.usage.borrow().clone();
     let text = endpoint.metrics.render(
         &endpoint.node,
         &endpoint.resources,
         &over,
+        &usage,
         &telemetry,
         endpoint.mps_enforced,
     );

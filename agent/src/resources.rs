@@ -52,6 +52,12 @@ pub fn container_response(grant: &Grant, config: &ResponseConfig) -> ContainerAl
         a.cdi_devices = grant.visible.iter().map(|v| format!("{kind}={v}")).collect();
     }
     if let Some(share) = &grant.share {
+        // Which grant the container's processes belong to, for the memory watchdog and the
+        // per-grant metrics (a process's environment names its grant).
+        a.envs.insert(
+            crate::isolation::watchdog::DEVICES_VARIABLE.into(),
+            grant.device_ids.join(","),
+        );
         let ContainerSetup { envs, mounts } = mps::client_setup(&config.mps, share);
         a.envs.extend(envs);
         a.mounts.extend(mounts.into_iter().map(|m| Mount {

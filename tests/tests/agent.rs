@@ -1075,6 +1075,38 @@ async fn the_watchdog_finds_a_container_over_its_grant_on_the_fake_nvml() -> Res
     // One of its processes ends: back within the grant.
     fake.set_processes(&[(0, 101, 3 << 30), (1, 201, 1 << 30)])?;
     tokio::time::timeout(WAIT, over.wait_for(|o| o.is_empty())).await??;
+    // A grant's processes, named by the environment its Allocate answer gave them: their memory
+    // appears as the grant's used memory, labelled with its pod.
+    node.registered(&agent, 1).await?;
+    let granted = node.kubelet.admit_to("ns/w", "c", MEM, 4).await?;
+    let gpu = gpu_of(&granted.device_ids[0]).to_owned();
+    let index = expected.gpus.iter().position(|g| g.uuid.as_str() == gpu).context("gpu")?;
+    let mut ids = granted.device_ids.clone();
+    ids.sort();
+    let dir = proc_root.path().join("501");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("cgroup"), container('e'))?;
+    std::fs::write(
+        dir.join("environ"),
+        format!(
+            "BALEEN_GPU_MEMORY_LIMIT_BYTES={}\0BALEEN_DEVICE_IDS={}\0",
+            4u64 << 30,
+            ids.join(",")
+        ),
+    )?;
+    fake.set_processes(&[(u32::try_from(index)?, 501, 3 << 30)])?;
+    let address = agent.metrics_address().context("metrics")?;
+    let used = async {
+        loop {
+            let text = http_get(address, "/metrics").await?.1;
+            let labels = [("pod", "w"), ("gpu_uuid", gpu.as_str())];
+            if let Some(v) = sample(&text, "baleen_grant_memory_used_bytes", &labels) {
+                return anyhow::Ok(v);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    assert_eq!(tokio::time::timeout(WAIT, used).await??, (3u64 << 30) as f64);
     stop(agent, token).await
 }
 

@@ -30,6 +30,19 @@ fn recorded(name: &str) -> Result<Value> {
     )?)
 }
 
+/// An answer's environment as the GPU days recorded it: since then the agent also names the
+/// grant's devices in `BALEEN_DEVICE_IDS` (for the memory watchdog), checked here and left out.
+fn recorded_envs(
+    admitted: &baleen_tests::fake_kubelet::Admission,
+) -> Result<std::collections::HashMap<String, String>> {
+    let mut envs = admitted.response.envs.clone();
+    let mut ids = admitted.device_ids.clone();
+    ids.sort();
+    let named = envs.remove("BALEEN_DEVICE_IDS").context("the grant's devices are named")?;
+    anyhow::ensure!(named == ids.join(","), "BALEEN_DEVICE_IDS {named}");
+    Ok(envs)
+}
+
 fn simulated() -> Result<Inventory> {
     Ok(SimulatedInventory::from_file(Path::new(EXAMPLE))?.discover()?)
 }
@@ -115,7 +128,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         kubelet.admit_to("demo/pod-0", "main", "awesome-ai-company.com/gpu-memory", 8).await?;
     assert_eq!(serde_json::to_value(&admitted.device_ids)?, first["devices"]);
     assert_eq!(serde_json::to_value(&admitted.preferred)?, first["preferred"]);
-    assert_eq!(serde_json::to_value(&admitted.response.envs)?, first["envs"]);
+    assert_eq!(serde_json::to_value(recorded_envs(&admitted)?)?, first["envs"]);
     let there = baleen_agent::defaults::MPS_ROOT;
     let here = root.join("mps").display().to_string();
     let hosts: Vec<String> =
@@ -203,7 +216,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
         let admitted =
             kubelet.admit_to(&pod, "main", "awesome-ai-company.com/gpu-memory", count).await?;
         assert_eq!(serde_json::to_value(&admitted.device_ids)?, expected["devices"]);
-        assert_eq!(serde_json::to_value(&admitted.response.envs)?, expected["envs"]);
+        assert_eq!(serde_json::to_value(recorded_envs(&admitted)?)?, expected["envs"]);
         let mounts: Vec<(String, &String)> = admitted
             .response
             .mounts

@@ -258,6 +258,7 @@ impl Agent {
         );
         let watchdog = Watchdog::new(config.watchdog.clone());
         let episodes = watchdog.episodes();
+        let usage = watchdog.usage();
         let (inventory, token) = (deps.inventory.clone(), shutdown.clone());
         tasks.spawn("memory watchdog", async move {
             watchdog.run(inventory, token).await;
@@ -283,6 +284,7 @@ impl Agent {
                 resources: resources.clone(),
                 plugins: plugins.clone(),
                 over: episodes.clone(),
+                usage,
                 telemetry,
                 instruments,
                 mps_enforced: config.responses.mps.enabled,

@@ -24,6 +24,19 @@ use crate::inventory::{GpuInventory, GpuProcess, GpuUuid};
 
 /// The environment variable holding a container's granted bytes.
 pub const GRANT_VARIABLE: &str = "BALEEN_GPU_MEMORY_LIMIT_BYTES";
+/// The environment variable naming a container's gpu-memory devices (its grant).
+pub const DEVICES_VARIABLE: &str = "BALEEN_DEVICE_IDS";
+
+/// What the processes of one gpu-memory grant use on its GPU (every round, for the metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Usage {
+    /// The grant's device IDs, sorted (from the processes' environment).
+    pub device_ids: Vec<String>,
+    /// The GPU.
+    pub gpu: GpuUuid,
+    /// Bytes its processes use on the GPU together.
+    pub used_bytes: u64,
+}
 
 /// What the watchdog does about a container over its grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,10 +123,15 @@ fn container_in_path(path: &str) -> Option<ContainerRef> {
 
 /// The granted bytes in a process's environment (`/proc/<pid>/environ`, NUL-separated).
 pub fn grant_of(environ: &[u8]) -> Option<u64> {
+    env_var(environ, GRANT_VARIABLE)?.parse().ok()
+}
+
+/// The value of `name` in a process's environment (`/proc/<pid>/environ`, NUL-separated).
+fn env_var<'a>(environ: &'a [u8], name: &str) -> Option<&'a str> {
     environ
         .split(|&b| b == 0)
         .filter_map(|var| std::str::from_utf8(var).ok())
-        .find_map(|var| var.strip_prefix(GRANT_VARIABLE)?.strip_prefix('=')?.parse().ok())
+        .find_map(|var| var.strip_prefix(name)?.strip_prefix('='))
 }
 
 /// The watchdog's memory of episodes between rounds.
@@ -124,6 +142,7 @@ pub struct Watchdog {
     unreported: BTreeSet<GpuUuid>,
     over: BTreeSet<(ContainerRef, GpuUuid)>,
     published: watch::Sender<Vec<Over>>,
+    usage: watch::Sender<Vec<Usage>>,
 }
 
 impl Watchdog {
@@ -134,7 +153,13 @@ impl Watchdog {
             unreported: BTreeSet::new(),
             over: BTreeSet::new(),
             published: watch::channel(Vec::new()).0,
+            usage: watch::channel(Vec::new()).0,
         }
+    }
+
+    /// What each gpu-memory grant's processes used at the last round, kept current.
+    pub fn usage(&self) -> watch::Receiver<Vec<Usage>> {
+        self.usage.subscribe()
     }
 
     /// The containers over their grant at the last round, kept current.
@@ -147,6 +172,7 @@ impl Watchdog {
     pub fn check(&mut self, processes: &[GpuProcess]) -> Vec<Over> {
         let root = &self.config.proc_root;
         let mut groups: BTreeMap<(ContainerRef, GpuUuid), (u64, u64, Vec<u32>)> = BTreeMap::new();
+        let mut devices: BTreeMap<(ContainerRef, GpuUuid), Vec<String>> = BTreeMap::new();
         for p in processes {
             let dir = root.join(p.pid.to_string());
             let Some(container) =
@@ -154,11 +180,15 @@ impl Watchdog {
             else {
                 continue; // not in a container (the MPS server, a host process) or gone
             };
-            let Some(granted) =
-                std::fs::read(dir.join("environ")).ok().as_deref().and_then(grant_of)
-            else {
+            let environ = std::fs::read(dir.join("environ")).unwrap_or_default();
+            let Some(granted) = grant_of(&environ) else {
                 continue; // no gpu-memory grant: a whole GPU, MIG, or not ours
             };
+            if let Some(ids) = env_var(&environ, DEVICES_VARIABLE) {
+                let mut ids: Vec<String> = ids.split(',').map(str::to_owned).collect();
+                ids.sort();
+                devices.insert((container.clone(), p.gpu.clone()), ids);
+            }
             if p.used_bytes.is_none() && self.unreported.insert(p.gpu.clone()) {
                 tracing::warn!(gpu.uuid = %p.gpu, pid = p.pid, "NVML does not report per-process memory on this GPU; the memory watchdog cannot check its containers");
             }
@@ -167,6 +197,17 @@ impl Watchdog {
             entry.1 = entry.1.min(granted);
             entry.2.push(p.pid);
         }
+        let usage: Vec<Usage> = groups
+            .iter()
+            .filter_map(|(key, (used, _, _))| {
+                Some(Usage {
+                    device_ids: devices.get(key)?.clone(),
+                    gpu: key.1.clone(),
+                    used_bytes: *used,
+                })
+            })
+            .collect();
+        self.usage.send_replace(usage);
         let over: Vec<Over> = groups
             .into_iter()
             .filter(|(_, (used, granted, _))| used > granted)
