@@ -17,7 +17,9 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use baleen_device_plugin::PluginState;
-use prometheus::{Encoder as _, GaugeVec, IntCounter, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder as _, GaugeVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -137,6 +139,10 @@ pub struct Metrics {
     over_grant: IntGaugeVec,
     grant_bytes: IntGaugeVec,
     grant_used: IntGaugeVec,
+    grant_episodes: IntCounterVec,
+    /// One render at a time: a render resets the families and sets them again, so two at once
+    /// could drop each other's series or add a counter twice.
+    rendering: std::sync::Mutex<()>,
     unhealthy_reason: IntGaugeVec,
     mps_clients: IntGaugeVec,
     largest_free: IntGaugeVec,
@@ -326,6 +332,19 @@ impl Metrics {
                 "GPU memory the processes of a gpu-memory grant use together on its GPU (the memory watchdog's last read); labels as baleen_grant_memory_bytes.",
                 &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
             )?,
+            grant_episodes: {
+                let c = IntCounterVec::new(
+                    Opts::new(
+                        "baleen_grant_over_grant_episodes_total",
+                        "Times the processes of a gpu-memory grant went over it on its GPU together (the memory watchdog); labels as baleen_grant_memory_bytes.",
+                    ),
+                    &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
+                )
+                .map_err(MetricsError::Register)?;
+                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
+                c
+            },
+            rendering: std::sync::Mutex::new(()),
             registry,
         })
     }
@@ -340,6 +359,7 @@ impl Metrics {
         telemetry: &TelemetryRead,
         mps_enforced: bool,
     ) -> String {
+        let _one = self.rendering.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (gpus, views) = resources.snapshot();
         let reasons = resources.unhealthy_reasons();
         let clients = resources.mps_clients();
@@ -373,6 +393,7 @@ impl Metrics {
         {
             family.reset();
         }
+        self.grant_episodes.reset();
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for g in &gpus {
             let index = g.index.to_string();
@@ -453,6 +474,7 @@ impl Metrics {
                 usage.iter().find(|u| u.gpu.as_str() == gpu && u.device_ids == record.device_ids);
             if let Some(u) = used {
                 self.grant_used.with_label_values(&labels).set(int(u.used_bytes));
+                self.grant_episodes.with_label_values(&labels).inc_by(u.over_grant_episodes);
             }
         }
         for o in over {

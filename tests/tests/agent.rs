@@ -1107,6 +1107,24 @@ async fn the_watchdog_finds_a_container_over_its_grant_on_the_fake_nvml() -> Res
         }
     };
     assert_eq!(tokio::time::timeout(WAIT, used).await??, (3u64 << 30) as f64);
+    // It goes over its 4 GiB: the grant's first over-grant episode.
+    fake.set_processes(&[(u32::try_from(index)?, 501, 5 << 30)])?;
+    let episodes = async {
+        loop {
+            let text = http_get(address, "/metrics").await?.1;
+            let labels = [("pod", "w"), ("gpu_uuid", gpu.as_str())];
+            let used = sample(&text, "baleen_grant_memory_used_bytes", &labels);
+            if used == Some((5u64 << 30) as f64) {
+                return anyhow::Ok(sample(
+                    &text,
+                    "baleen_grant_over_grant_episodes_total",
+                    &labels,
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    assert_eq!(tokio::time::timeout(WAIT, episodes).await??, Some(1.0));
     stop(agent, token).await
 }
 

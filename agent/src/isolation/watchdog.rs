@@ -36,6 +36,9 @@ pub struct Usage {
     pub gpu: GpuUuid,
     /// Bytes its processes use on the GPU together.
     pub used_bytes: u64,
+    /// Episodes over the grant so far: since its pod's processes appeared on the GPU, counted
+    /// again from zero once none of them is left (a counter reset to Prometheus).
+    pub over_grant_episodes: u64,
 }
 
 /// What the watchdog does about a container over its grant.
@@ -134,6 +137,9 @@ fn env_var<'a>(environ: &'a [u8], name: &str) -> Option<&'a str> {
         .find_map(|var| var.strip_prefix(name)?.strip_prefix('='))
 }
 
+/// A grant as the watchdog sees it: the pod UID from the cgroup, the GPU and the device IDs.
+type GrantKey = (Option<String>, GpuUuid, Vec<String>);
+
 /// The watchdog's memory of episodes between rounds.
 #[derive(Debug)]
 pub struct Watchdog {
@@ -141,6 +147,9 @@ pub struct Watchdog {
     /// GPUs whose per-process memory NVML did not report, already logged.
     unreported: BTreeSet<GpuUuid>,
     over: BTreeSet<(ContainerRef, GpuUuid)>,
+    /// Episodes per grant, by (pod UID, GPU, device IDs): a container restarted in the same pod
+    /// keeps its grant and its count.
+    grant_episodes: BTreeMap<GrantKey, u64>,
     published: watch::Sender<Vec<Over>>,
     usage: watch::Sender<Vec<Usage>>,
 }
@@ -152,6 +161,7 @@ impl Watchdog {
             config,
             unreported: BTreeSet::new(),
             over: BTreeSet::new(),
+            grant_episodes: BTreeMap::new(),
             published: watch::channel(Vec::new()).0,
             usage: watch::channel(Vec::new()).0,
         }
@@ -197,11 +207,29 @@ impl Watchdog {
             entry.1 = entry.1.min(granted);
             entry.2.push(p.pid);
         }
+        // Episodes that start this round, counted per grant; grants with no process left are
+        // forgotten, so the map stays as small as the node's running grants.
+        let grant_of_group = |key: &(ContainerRef, GpuUuid)| -> Option<GrantKey> {
+            let ids = devices.get(key)?;
+            Some((key.0.pod_uid.clone(), key.1.clone(), ids.clone()))
+        };
+        let mut episodes = BTreeMap::new();
+        for (key, (used, granted, _)) in &groups {
+            let Some(grant) = grant_of_group(key) else { continue };
+            let before = self.grant_episodes.get(&grant).copied().unwrap_or(0);
+            let count = episodes.entry(grant).or_insert(before);
+            if used > granted && !self.over.contains(key) {
+                *count += 1;
+            }
+        }
+        self.grant_episodes = episodes;
         let usage: Vec<Usage> = groups
             .iter()
             .filter_map(|(key, (used, _, _))| {
+                let grant = grant_of_group(key)?;
                 Some(Usage {
-                    device_ids: devices.get(key)?.clone(),
+                    over_grant_episodes: self.grant_episodes.get(&grant).copied().unwrap_or(0),
+                    device_ids: grant.2,
                     gpu: key.1.clone(),
                     used_bytes: *used,
                 })
@@ -385,6 +413,49 @@ mod tests {
         // One process ends: back under, the episode is over.
         assert!(dog.check(&[on(10, 3), on(20, 3)]).is_empty());
         assert!(episodes.borrow().is_empty());
+    }
+
+    #[test]
+    fn over_grant_episodes_are_counted_per_grant_across_container_restarts() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let gpu = GpuUuid::new("GPU-11111111-2222-3333-4444-555555555555").expect("uuid");
+        let on = |pid, gib: u64| GpuProcess { gpu: gpu.clone(), pid, used_bytes: Some(gib << 30) };
+        let granted = |pid: u32, id: char, ids: &str| {
+            let dir = proc_dir(root.path(), pid);
+            std::fs::create_dir_all(&dir).expect("proc dir");
+            std::fs::write(dir.join("cgroup"), in_container(id)).expect("cgroup");
+            let env = format!("{GRANT_VARIABLE}={}\0{DEVICES_VARIABLE}={ids}\0", 4u64 << 30);
+            std::fs::write(dir.join("environ"), env).expect("environ");
+        };
+        granted(10, 'a', "g::2,g::1");
+        granted(11, 'b', "g::1,g::2"); // the same grant after a container restart, same pod
+        granted(20, 'c', "g::3");
+        let mut dog = Watchdog::new(WatchdogConfig {
+            interval: Duration::from_secs(10),
+            action: WatchdogAction::Log,
+            proc_root: root.path().to_path_buf(),
+        });
+        let usage = dog.usage();
+        let episodes_of = |ids: &[&str]| {
+            usage.borrow().iter().find(|u| u.device_ids == ids).map(|u| u.over_grant_episodes)
+        };
+        dog.check(&[on(10, 5), on(20, 1)]);
+        assert_eq!(episodes_of(&["g::1", "g::2"]), Some(1), "the first episode");
+        assert_eq!(episodes_of(&["g::3"]), Some(0), "under its grant");
+        dog.check(&[on(10, 6), on(20, 1)]);
+        assert_eq!(episodes_of(&["g::1", "g::2"]), Some(1), "still the same episode");
+        dog.check(&[on(10, 1), on(20, 1)]);
+        assert_eq!(episodes_of(&["g::1", "g::2"]), Some(1), "back under: the count stays");
+        // The container restarts in the same pod and goes over again: the grant's second.
+        dog.check(&[on(11, 5), on(20, 1)]);
+        assert_eq!(episodes_of(&["g::1", "g::2"]), Some(2));
+        // None of the grant's processes left: forgotten, and a later grant of the same devices
+        // starts from zero.
+        dog.check(&[on(20, 1)]);
+        assert_eq!(episodes_of(&["g::1", "g::2"]), None);
+        assert_eq!(dog.grant_episodes.len(), 1, "only running grants are remembered");
+        dog.check(&[on(11, 1), on(20, 1)]);
+        assert_eq!(episodes_of(&["g::1", "g::2"]), Some(0));
     }
 
     #[test]
