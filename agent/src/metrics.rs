@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
-use crate::inventory::{GpuInventory, GpuTelemetry};
+use crate::inventory::{CallFailures, GpuInventory, GpuTelemetry};
 use crate::isolation::watchdog::{Over, Usage};
 use crate::ledger::GpuMode;
 use crate::resources::NodeResources;
@@ -67,6 +67,7 @@ pub async fn read_telemetry(
     interval: Duration,
     publish: watch::Sender<TelemetryRead>,
     failures: IntCounter,
+    calls: Arc<CallFailures>,
     shutdown: CancellationToken,
 ) {
     let mut failing = false;
@@ -83,6 +84,7 @@ pub async fn read_telemetry(
             }
             Ok(Err(e)) => {
                 failures.inc();
+                calls.record(&e);
                 if !failing {
                     tracing::warn!(error = %Chain(&e), "cannot read GPU telemetry; the last good read stays published and ages");
                     failing = true;
@@ -140,6 +142,7 @@ pub struct Metrics {
     grant_bytes: IntGaugeVec,
     grant_used: IntGaugeVec,
     grant_episodes: IntCounterVec,
+    nvml_failures: IntCounterVec,
     /// One render at a time: a render resets the families and sets them again, so two at once
     /// could drop each other's series or add a counter twice.
     rendering: std::sync::Mutex<()>,
@@ -344,6 +347,18 @@ impl Metrics {
                 r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
                 c
             },
+            nvml_failures: {
+                let c = IntCounterVec::new(
+                    Opts::new(
+                        "baleen_nvml_call_failures_total",
+                        "NVML calls that failed or returned an unusable value while the agent ran (telemetry, memory watchdog, health watch), by NVML function.",
+                    ),
+                    &["node", "call"],
+                )
+                .map_err(MetricsError::Register)?;
+                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
+                c
+            },
             rendering: std::sync::Mutex::new(()),
             registry,
         })
@@ -354,8 +369,8 @@ impl Metrics {
         &self,
         node: &str,
         resources: &NodeResources,
-        over: &[Over],
-        usage: &[Usage],
+        (over, usage): (&[Over], &[Usage]),
+        calls: &CallFailures,
         telemetry: &TelemetryRead,
         mps_enforced: bool,
     ) -> String {
@@ -394,6 +409,10 @@ impl Metrics {
             family.reset();
         }
         self.grant_episodes.reset();
+        self.nvml_failures.reset();
+        for (call, n) in calls.counts() {
+            self.nvml_failures.with_label_values(&[node, call]).inc_by(n);
+        }
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for g in &gpus {
             let index = g.index.to_string();
@@ -505,6 +524,8 @@ pub struct Endpoint {
     pub over: watch::Receiver<Vec<Over>>,
     /// The watchdog's per-grant usage.
     pub usage: watch::Receiver<Vec<Usage>>,
+    /// NVML call failures so far.
+    pub calls: Arc<CallFailures>,
     /// The last good telemetry read.
     pub telemetry: watch::Receiver<TelemetryRead>,
     /// The agent's own measurements (registrations are counted here from the plugins' states).
@@ -584,8 +605,8 @@ async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
     let text = endpoint.metrics.render(
         &endpoint.node,
         &endpoint.resources,
-        &over,
-        &usage,
+        (&over, &usage),
+        &endpoint.calls,
         &telemetry,
         endpoint.mps_enforced,
     );

@@ -491,6 +491,12 @@ async fn a_failing_health_watch_marks_every_gpu_unhealthy() -> Result<()> {
                 && !v.devices_of(MEM).is_empty()
         })
         .await?;
+    // Each failed wait is counted, by NVML function, on /metrics.
+    let address = agent.metrics_address().context("metrics")?;
+    let text = http_get(address, "/metrics").await?.1;
+    let failed =
+        sample(&text, "baleen_nvml_call_failures_total", &[("call", "nvmlEventSetWait_v2")]);
+    assert!(failed.is_some_and(|n| n >= 1.0), "{failed:?}");
     stop(agent, token).await
 }
 

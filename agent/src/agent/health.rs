@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::error_chain::Chain;
-use crate::inventory::GpuInventory;
+use crate::inventory::{CallFailures, GpuInventory};
 use crate::resources::NodeResources;
 
 /// The longest wait between two tries to start the health watch.
@@ -21,12 +21,13 @@ const START_RETRY_MAX: Duration = Duration::from_secs(30);
 pub fn spawn(
     inventory: Arc<dyn GpuInventory>,
     resources: Arc<NodeResources>,
+    calls: Arc<CallFailures>,
     stop: CancellationToken,
 ) -> Option<std::thread::JoinHandle<()>> {
     let on_thread = resources.clone();
     let spawned = std::thread::Builder::new()
         .name("baleen-health".into())
-        .spawn(move || watch(inventory.as_ref(), &on_thread, &stop));
+        .spawn(move || watch(inventory.as_ref(), &on_thread, &calls, &stop));
     match spawned {
         Ok(handle) => Some(handle),
         Err(e) => {
@@ -37,12 +38,18 @@ pub fn spawn(
     }
 }
 
-fn watch(inventory: &dyn GpuInventory, resources: &NodeResources, stop: &CancellationToken) {
+fn watch(
+    inventory: &dyn GpuInventory,
+    resources: &NodeResources,
+    calls: &CallFailures,
+    stop: &CancellationToken,
+) {
     let mut retry = Duration::from_secs(1);
     let mut watcher = loop {
         match inventory.health_watcher() {
             Ok(w) => break w,
             Err(e) => {
+                calls.record(&e);
                 if retry == Duration::from_secs(1) {
                     tracing::error!(error = %Chain(&e), "cannot watch GPU health; every GPU marked unhealthy until the watch starts");
                     resources.set_all_health(false, "health watch cannot start");
@@ -84,6 +91,7 @@ fn watch(inventory: &dyn GpuInventory, resources: &NodeResources, stop: &Cancell
             }
             Ok(None) => {}
             Err(e) => {
+                calls.record(&e);
                 // A failed wait usually means a GPU fell off the bus, and the event cannot even
                 // say which: like NVIDIA's device plugin, mark every GPU unhealthy and keep
                 // watching (once per second while the errors last).
@@ -183,8 +191,11 @@ mod tests {
         let flaky = Arc::new(Flaky { inner, fails: AtomicU32::new(1) });
         let stop = CancellationToken::new();
         let (inventory, on_thread, thread_stop) = (flaky.clone(), resources.clone(), stop.clone());
-        let thread =
-            std::thread::spawn(move || watch(inventory.as_ref(), &on_thread, &thread_stop));
+        let calls = Arc::new(CallFailures::default());
+        let on_calls = calls.clone();
+        let thread = std::thread::spawn(move || {
+            watch(inventory.as_ref(), &on_thread, &on_calls, &thread_stop);
+        });
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let mut saw_unhealthy = false;
         while std::time::Instant::now() < deadline {
@@ -198,5 +209,6 @@ mod tests {
         thread.join().expect("health thread");
         assert!(saw_unhealthy, "every GPU unhealthy while the watch could not start");
         assert_eq!(healthy(), 4, "healthy again once it started");
+        assert!(calls.counts().is_empty(), "a topology error is no NVML call failure");
     }
 }

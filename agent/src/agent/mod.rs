@@ -256,12 +256,14 @@ impl Agent {
             "reconciliation",
             reconciler::run(resources.clone(), reconcile, shutdown.clone()),
         );
+        let calls = Arc::new(crate::inventory::CallFailures::default());
         let watchdog = Watchdog::new(config.watchdog.clone());
         let episodes = watchdog.episodes();
         let usage = watchdog.usage();
-        let (inventory, token) = (deps.inventory.clone(), shutdown.clone());
+        let (inventory, token, failures) =
+            (deps.inventory.clone(), shutdown.clone(), calls.clone());
         tasks.spawn("memory watchdog", async move {
-            watchdog.run(inventory, token).await;
+            watchdog.run(inventory, failures, token).await;
             Ok(())
         });
         let metrics_address = if let Some(instruments) = instruments {
@@ -272,6 +274,7 @@ impl Agent {
                 config.metrics.interval,
                 publish,
                 metrics.telemetry_failures.clone(),
+                calls.clone(),
                 shutdown.clone(),
             );
             tasks.spawn("telemetry reader", async move {
@@ -285,6 +288,7 @@ impl Agent {
                 plugins: plugins.clone(),
                 over: episodes.clone(),
                 usage,
+                calls: calls.clone(),
                 telemetry,
                 instruments,
                 mps_enforced: config.responses.mps.enabled,
@@ -298,7 +302,8 @@ impl Agent {
             None
         };
         let health_stop = shutdown.child_token();
-        let health = health::spawn(deps.inventory.clone(), resources.clone(), health_stop.clone());
+        let health =
+            health::spawn(deps.inventory.clone(), resources.clone(), calls, health_stop.clone());
         Ok(Self {
             shutdown,
             resources,

@@ -483,6 +483,39 @@ pub enum InventoryError {
     Topology(#[from] TopologyError),
 }
 
+impl InventoryError {
+    /// The NVML function that failed or returned an unusable value, if this is such an error.
+    pub fn nvml_call(&self) -> Option<&'static str> {
+        match self {
+            Self::Nvml(
+                nvml::NvmlInventoryError::Call { call, .. }
+                | nvml::NvmlInventoryError::Value { call, .. },
+            ) => Some(call),
+            _ => None,
+        }
+    }
+}
+
+/// NVML calls that failed while the agent ran (telemetry, the memory watchdog, the health watch),
+/// counted per NVML function for the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct CallFailures(std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>);
+
+impl CallFailures {
+    /// Counts `err` if an NVML call caused it.
+    pub fn record(&self, err: &InventoryError) {
+        if let Some(call) = err.nvml_call() {
+            let mut counts = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            *counts.entry(call).or_insert(0) += 1;
+        }
+    }
+
+    /// The counts so far, per NVML function.
+    pub fn counts(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

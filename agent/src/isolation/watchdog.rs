@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::error_chain::Chain;
-use crate::inventory::{GpuInventory, GpuProcess, GpuUuid};
+use crate::inventory::{CallFailures, GpuInventory, GpuProcess, GpuUuid};
 
 /// The environment variable holding a container's granted bytes.
 pub const GRANT_VARIABLE: &str = "BALEEN_GPU_MEMORY_LIMIT_BYTES";
@@ -276,7 +276,12 @@ impl Watchdog {
 
     /// Reads the processes every `interval` (off the async workers: NVML blocks) until
     /// `shutdown`.
-    pub async fn run(mut self, inventory: Arc<dyn GpuInventory>, shutdown: CancellationToken) {
+    pub async fn run(
+        mut self,
+        inventory: Arc<dyn GpuInventory>,
+        calls: Arc<CallFailures>,
+        shutdown: CancellationToken,
+    ) {
         let mut failing = false;
         loop {
             tokio::select! {
@@ -289,11 +294,13 @@ impl Watchdog {
                     failing = false;
                     self.check(&processes);
                 }
-                Ok(Err(e)) if !failing => {
-                    tracing::warn!(error = %Chain(&e), "cannot read the GPUs' processes; the memory watchdog skips this round");
-                    failing = true;
+                Ok(Err(e)) => {
+                    calls.record(&e);
+                    if !failing {
+                        tracing::warn!(error = %Chain(&e), "cannot read the GPUs' processes; the memory watchdog skips this round");
+                        failing = true;
+                    }
                 }
-                Ok(Err(_)) => {}
                 Err(e) => tracing::error!(error = %Chain(&e), "memory watchdog read failed"),
             }
         }
