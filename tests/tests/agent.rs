@@ -1445,10 +1445,36 @@ async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query()
             })
             .collect(),
     );
-    node.inventory = simulated;
+    node.inventory = simulated.clone();
+    let proc_root = tempfile::tempdir()?;
+    node.config.watchdog.interval = Duration::from_millis(200);
+    node.config.watchdog.proc_root = proc_root.path().to_path_buf();
     let (agent, token) = node.start().await?;
     node.registered(&agent, 1).await?;
-    node.kubelet.admit_to("ns/a", "c", MEM, 4).await?;
+    let granted = node.kubelet.admit_to("ns/a", "c", MEM, 4).await?;
+    // A process of the grant's container, 1 GiB on its GPU: the grant's used memory.
+    let process = proc_root.path().join("700");
+    std::fs::create_dir_all(&process)?;
+    std::fs::write(
+        process.join("cgroup"),
+        format!(
+            "0::/kubepods.slice/kubepods-pod1111_2222.slice/cri-containerd-{}.scope\n",
+            "d".repeat(64)
+        ),
+    )?;
+    std::fs::write(
+        process.join("environ"),
+        format!(
+            "BALEEN_GPU_MEMORY_LIMIT_BYTES={}\0BALEEN_DEVICE_IDS={}\0",
+            4u64 << 30,
+            granted.device_ids.join(",")
+        ),
+    )?;
+    simulated.set_processes(vec![baleen_agent::inventory::GpuProcess {
+        gpu: baleen_agent::inventory::GpuUuid::new(gpu_of(&granted.device_ids[0]))?,
+        pid: 700,
+        used_bytes: Some(1 << 30),
+    }]);
     let target = agent.metrics_address().context("metrics")?;
     let dir = tempfile::tempdir()?;
     let config = dir.path().join("prometheus.yml");
@@ -1497,6 +1523,19 @@ async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query()
         };
         let value = tokio::time::timeout(Duration::from_secs(60), granted).await??;
         assert_eq!(value, (4u64 << 30).to_string());
+        // And the memory its process uses (the watchdog's read), as the dashboard plots it.
+        let used = async {
+            loop {
+                if let Ok(result) = query(r#"baleen_grant_memory_used_bytes{pod="a"}"#.into()).await
+                    && let Some(first) = result.first()
+                {
+                    return anyhow::Ok(first["value"][1].as_str().unwrap_or_default().to_owned());
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        };
+        let value = tokio::time::timeout(Duration::from_secs(60), used).await??;
+        assert_eq!(value, (1u64 << 30).to_string());
         // Every dashboard query answers with at least one series.
         let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
             Path::new(EXAMPLES).join("../grafana/baleen.json"),
