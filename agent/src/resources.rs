@@ -604,6 +604,37 @@ impl ViewBackend {
 }
 
 #[cfg(test)]
+pub(crate) mod test_support {
+    //! What the unit tests of the adapter and its users build a node from.
+
+    use super::*;
+    use crate::inventory::GpuInventory as _;
+    use crate::inventory::Inventory;
+    use crate::inventory::simulated::SimulatedInventory;
+
+    /// The inventory of `packaging/examples/l4-4x-pcie.yaml`.
+    pub(crate) fn l4_inventory() -> Inventory {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../packaging/examples/l4-4x-pcie.yaml");
+        SimulatedInventory::from_file(&path).expect("example").discover().expect("discover")
+    }
+
+    /// The adapter over `ledger` on node `n` with boot ID `b`, no pod-resources client and the
+    /// default answers, as the agent builds it.
+    pub(crate) fn resources(ledger: DeviceLedger, checkpoint: Checkpoint) -> Arc<NodeResources> {
+        NodeResources::new(
+            ledger,
+            checkpoint,
+            "n".into(),
+            "b".into(),
+            None,
+            ResponseConfig::default(),
+            true,
+        )
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -627,25 +658,11 @@ mod tests {
 
     #[test]
     fn every_grant_is_a_new_generation_even_an_identical_repeat() {
-        use crate::inventory::GpuInventory as _;
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../packaging/examples/l4-4x-pcie.yaml");
-        let inventory = crate::inventory::simulated::SimulatedInventory::from_file(&path)
-            .expect("example")
-            .discover()
-            .expect("discover");
+        let inventory = test_support::l4_inventory();
         let ledger = DeviceLedger::new("n", &inventory, crate::ledger::ViewConfig::default())
             .expect("ledger");
         let dir = tempfile::tempdir().expect("tempdir");
-        let resources = NodeResources::new(
-            ledger,
-            Checkpoint::in_dir(dir.path()),
-            "n".into(),
-            "b".into(),
-            None,
-            ResponseConfig::default(),
-            true,
-        );
+        let resources = test_support::resources(ledger, Checkpoint::in_dir(dir.path()));
         let gpu = vec![inventory.gpus[0].uuid.to_string()];
         let grant = || {
             resources.change(|state, _| Ok((state.allocate(&View::Gpu, &gpu, 7)?, Trust::Granted)))
@@ -669,8 +686,6 @@ mod tests {
         use proptest::prelude::*;
 
         use super::super::*;
-        use crate::inventory::GpuInventory as _;
-        use crate::inventory::simulated::SimulatedInventory;
         use crate::ledger::{ViewConfig, device_id};
 
         const GRACE: u64 = 600;
@@ -728,24 +743,12 @@ mod tests {
 
         impl Node {
             fn new() -> Self {
-                let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("../packaging/examples/l4-4x-pcie.yaml");
-                let inventory = SimulatedInventory::from_file(&path)
-                    .expect("example")
-                    .discover()
-                    .expect("discover");
+                let inventory = super::super::test_support::l4_inventory();
                 let dir = tempfile::tempdir().expect("tempdir");
                 let unit = 1 << 30;
                 let ledger = DeviceLedger::new("n", &inventory, views(unit)).expect("ledger");
-                let resources = NodeResources::new(
-                    ledger,
-                    Checkpoint::in_dir(dir.path()),
-                    "n".into(),
-                    "b".into(),
-                    None,
-                    ResponseConfig::default(),
-                    true,
-                );
+                let resources =
+                    super::super::test_support::resources(ledger, Checkpoint::in_dir(dir.path()));
                 resources.persist().expect("written at start, as the agent does");
                 Self {
                     dir,
@@ -848,15 +851,7 @@ mod tests {
                     "a trusted checkpoint restores"
                 );
                 self.unit = unit;
-                self.resources = NodeResources::new(
-                    ledger,
-                    checkpoint,
-                    "n".into(),
-                    "b".into(),
-                    None,
-                    ResponseConfig::default(),
-                    true,
-                );
+                self.resources = super::super::test_support::resources(ledger, checkpoint);
                 self.resources.persist().expect("written at start, as the agent does");
                 self.asked.clear();
             }

@@ -132,7 +132,7 @@ mod tests {
     use crate::inventory::simulated::{SimulatedInventory, TopologyError};
     use crate::inventory::{HealthWatcher, Inventory, InventoryError};
     use crate::ledger::{DeviceLedger, ViewConfig};
-    use crate::resources::ResponseConfig;
+    use crate::resources::test_support;
 
     /// A simulated node whose health watch fails to start the first `fails` times.
     struct Flaky {
@@ -167,22 +167,11 @@ mod tests {
 
     #[test]
     fn gpus_are_unhealthy_while_the_watch_cannot_start_and_healthy_once_it_does() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../packaging/examples/l4-4x-pcie.yaml");
-        let inner = SimulatedInventory::from_file(&path).expect("example");
-        let ledger =
-            DeviceLedger::new("n", &inner.discover().expect("discover"), ViewConfig::default())
-                .expect("ledger");
+        let inventory = test_support::l4_inventory();
+        let inner = SimulatedInventory::new(inventory.clone());
+        let ledger = DeviceLedger::new("n", &inventory, ViewConfig::default()).expect("ledger");
         let dir = tempfile::tempdir().expect("tempdir");
-        let resources = NodeResources::new(
-            ledger,
-            Checkpoint::in_dir(dir.path()),
-            "n".into(),
-            "b".into(),
-            None,
-            ResponseConfig::default(),
-            true,
-        );
+        let resources = test_support::resources(ledger, Checkpoint::in_dir(dir.path()));
         let gpu_view =
             resources.backends().into_iter().find(|b| b.resource_name().ends_with("/gpu"));
         let devices = gpu_view.expect("gpu view").devices();
