@@ -123,6 +123,7 @@ pub enum MetricsError {
 }
 
 const GPU_LABELS: [&str; 4] = ["node", "gpu_uuid", "gpu_index", "model"];
+const GRANT_LABELS: [&str; 6] = ["node", "namespace", "pod", "container", "resource", "gpu_uuid"];
 
 /// The agent's metric families, registered in one registry.
 pub struct Metrics {
@@ -180,6 +181,17 @@ fn gauge(
     let g = IntGaugeVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)?;
     registry.register(Box::new(g.clone())).map_err(MetricsError::Register)?;
     Ok(g)
+}
+
+fn counter(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntCounterVec, MetricsError> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)?;
+    registry.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
+    Ok(c)
 }
 
 impl Metrics {
@@ -263,7 +275,7 @@ impl Metrics {
                 r,
                 "baleen_grant_memory_bytes",
                 "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
-                &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
+                &GRANT_LABELS,
             )?,
             mps_clients: gauge(
                 r,
@@ -333,32 +345,20 @@ impl Metrics {
                 r,
                 "baleen_grant_memory_used_bytes",
                 "GPU memory the processes of a gpu-memory grant use together on its GPU (the memory watchdog's last read); labels as baleen_grant_memory_bytes.",
-                &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
+                &GRANT_LABELS,
             )?,
-            grant_episodes: {
-                let c = IntCounterVec::new(
-                    Opts::new(
-                        "baleen_grant_over_grant_episodes_total",
-                        "Times the processes of a gpu-memory grant went over it on its GPU together (the memory watchdog); labels as baleen_grant_memory_bytes.",
-                    ),
-                    &["node", "namespace", "pod", "container", "resource", "gpu_uuid"],
-                )
-                .map_err(MetricsError::Register)?;
-                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
-                c
-            },
-            nvml_failures: {
-                let c = IntCounterVec::new(
-                    Opts::new(
-                        "baleen_nvml_call_failures_total",
-                        "NVML calls that failed or returned an unusable value while the agent ran (telemetry, memory watchdog, health watch), by NVML function.",
-                    ),
-                    &["node", "call"],
-                )
-                .map_err(MetricsError::Register)?;
-                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
-                c
-            },
+            grant_episodes: counter(
+                r,
+                "baleen_grant_over_grant_episodes_total",
+                "Times the processes of a gpu-memory grant went over it on its GPU together (the memory watchdog); labels as baleen_grant_memory_bytes.",
+                &GRANT_LABELS,
+            )?,
+            nvml_failures: counter(
+                r,
+                "baleen_nvml_call_failures_total",
+                "NVML calls that failed or returned an unusable value while the agent ran (telemetry, memory watchdog, health watch), by NVML function.",
+                &["node", "call"],
+            )?,
             rendering: std::sync::Mutex::new(()),
             registry,
         })

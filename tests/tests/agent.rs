@@ -1510,10 +1510,10 @@ async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query()
             let value: serde_json::Value = serde_json::from_str(&body)?;
             Ok::<_, anyhow::Error>(value["data"]["result"].as_array().cloned().unwrap_or_default())
         };
-        // The allocated pod's granted memory, once scraped and listed.
-        let granted = async {
+        // The first value of `q` once Prometheus has one.
+        let first_value = |q: &'static str| async move {
             loop {
-                if let Ok(result) = query(r#"baleen_grant_memory_bytes{pod="a"}"#.into()).await
+                if let Ok(result) = query(q.into()).await
                     && let Some(first) = result.first()
                 {
                     return anyhow::Ok(first["value"][1].as_str().unwrap_or_default().to_owned());
@@ -1521,19 +1521,12 @@ async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query()
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         };
+        // The allocated pod's granted memory, once scraped and listed.
+        let granted = first_value(r#"baleen_grant_memory_bytes{pod="a"}"#);
         let value = tokio::time::timeout(Duration::from_secs(60), granted).await??;
         assert_eq!(value, (4u64 << 30).to_string());
         // And the memory its process uses (the watchdog's read), as the dashboard plots it.
-        let used = async {
-            loop {
-                if let Ok(result) = query(r#"baleen_grant_memory_used_bytes{pod="a"}"#.into()).await
-                    && let Some(first) = result.first()
-                {
-                    return anyhow::Ok(first["value"][1].as_str().unwrap_or_default().to_owned());
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-        };
+        let used = first_value(r#"baleen_grant_memory_used_bytes{pod="a"}"#);
         let value = tokio::time::timeout(Duration::from_secs(60), used).await??;
         assert_eq!(value, (1u64 << 30).to_string());
         // Every dashboard query answers with at least one series.
