@@ -207,34 +207,32 @@ impl Watchdog {
             entry.1 = entry.1.min(granted);
             entry.2.push(p.pid);
         }
-        // Episodes that start this round, counted per grant; grants with no process left are
-        // forgotten, so the map stays as small as the node's running grants.
-        let grant_of_group = |key: &(ContainerRef, GpuUuid)| -> Option<GrantKey> {
-            let ids = devices.get(key)?;
-            Some((key.0.pod_uid.clone(), key.1.clone(), ids.clone()))
-        };
-        let mut episodes = BTreeMap::new();
+        // Each group its processes' environment names a grant for counts toward that grant's
+        // episodes and usage; grants with no process left are forgotten, so the map stays as
+        // small as the node's running grants.
+        let mut episodes: BTreeMap<GrantKey, u64> = BTreeMap::new();
+        let mut named = Vec::new();
         for (key, (used, granted, _)) in &groups {
-            let Some(grant) = grant_of_group(key) else { continue };
-            let before = self.grant_episodes.get(&grant).copied().unwrap_or(0);
-            let count = episodes.entry(grant).or_insert(before);
+            let Some(ids) = devices.remove(key) else { continue };
+            let grant: GrantKey = (key.0.pod_uid.clone(), key.1.clone(), ids);
+            let count = episodes
+                .entry(grant.clone())
+                .or_insert_with(|| self.grant_episodes.get(&grant).copied().unwrap_or(0));
             if used > granted && !self.over.contains(key) {
                 *count += 1;
             }
+            named.push((grant, *used));
         }
-        self.grant_episodes = episodes;
-        let usage: Vec<Usage> = groups
-            .iter()
-            .filter_map(|(key, (used, _, _))| {
-                let grant = grant_of_group(key)?;
-                Some(Usage {
-                    over_grant_episodes: self.grant_episodes.get(&grant).copied().unwrap_or(0),
-                    device_ids: grant.2,
-                    gpu: key.1.clone(),
-                    used_bytes: *used,
-                })
+        let usage: Vec<Usage> = named
+            .into_iter()
+            .map(|(grant, used_bytes)| Usage {
+                over_grant_episodes: episodes[&grant],
+                gpu: grant.1,
+                device_ids: grant.2,
+                used_bytes,
             })
             .collect();
+        self.grant_episodes = episodes;
         self.usage.send_replace(usage);
         let over: Vec<Over> = groups
             .into_iter()
