@@ -157,6 +157,9 @@ pub struct Metrics {
     temperature: IntGaugeVec,
     power: GaugeVec,
     telemetry_age: GaugeVec,
+    fragmentation: GaugeVec,
+    free_compute: GaugeVec,
+    fragmentation_learned: IntGaugeVec,
     /// Failed telemetry reads (the reader counts them).
     pub telemetry_failures: IntCounter,
 }
@@ -332,6 +335,24 @@ impl Metrics {
                 "Seconds since the last good telemetry read (a hung or failing NVML makes it grow).",
                 &["node"],
             )?,
+            fragmentation: float_gauge(
+                r,
+                "baleen_node_fragmentation_gpus",
+                "The node's GPU fragmentation by the FGD measure: the expected free GPU compute, in GPUs, that a task drawn from the target workload (the shapes of this agent's last 1000 grants) could not use.",
+                &["node"],
+            )?,
+            free_compute: float_gauge(
+                r,
+                "baleen_node_free_compute_gpus",
+                "Free GPU compute, in GPUs, as the fragmentation measure counts it (free units over units per GPU; 0 for GPUs held whole, in MIG mode or unhealthy).",
+                &["node"],
+            )?,
+            fragmentation_learned: gauge(
+                r,
+                "baleen_node_fragmentation_target_grants",
+                "How many grants the fragmentation's target workload is learned from (0: none yet, and the fragmentation is 0).",
+                &["node"],
+            )?,
             telemetry_failures: {
                 let c = IntCounter::new(
                     "baleen_telemetry_read_failures_total",
@@ -400,12 +421,18 @@ impl Metrics {
             &self.stranded,
             &self.memory_used,
             &self.temperature,
+            &self.fragmentation_learned,
         ] {
             family.reset();
         }
-        for family in
-            [&self.utilisation, &self.memory_utilisation, &self.power, &self.telemetry_age]
-        {
+        for family in [
+            &self.utilisation,
+            &self.memory_utilisation,
+            &self.power,
+            &self.telemetry_age,
+            &self.fragmentation,
+            &self.free_compute,
+        ] {
             family.reset();
         }
         self.grant_episodes.reset();
@@ -466,6 +493,14 @@ impl Metrics {
         if let Some(at) = telemetry.at {
             self.telemetry_age.with_label_values(&[node]).set(at.elapsed().as_secs_f64());
         }
+        let fragmentation = resources.fragmentation();
+        self.fragmentation.with_label_values(&[node]).set(fragmentation.milli_gpu / 1000.0);
+        self.free_compute
+            .with_label_values(&[node])
+            .set(fragmentation.free_milli_gpu as f64 / 1000.0);
+        self.fragmentation_learned
+            .with_label_values(&[node])
+            .set(int(fragmentation.learned_from as u64));
         for (resource, devices, healthy) in &views {
             let labels = [node, resource.as_str()];
             self.resource_devices.with_label_values(&labels).set(int(*devices as u64));

@@ -21,7 +21,9 @@ use crate::checkpoint::Checkpoint;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
 use crate::isolation::{ContainerSetup, mps};
-use crate::ledger::{AllocationRecord, DeviceLedger, DeviceState, GpuState, Grant, Refusal, View};
+use crate::ledger::{
+    AllocationRecord, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal, View,
+};
 use crate::reconcile::{self, KubeletAllocation, Report};
 
 /// Seconds on the boot-time clock (`CLOCK_BOOTTIME`: monotonic, counting suspend, reset at a
@@ -261,6 +263,11 @@ impl NodeResources {
                 (record, gpu, bytes, holder)
             })
             .collect()
+    }
+
+    /// The node's fragmentation now (see [`DeviceLedger::fragmentation`]).
+    pub fn fragmentation(&self) -> Fragmentation {
+        self.lock().state.fragmentation()
     }
 
     /// The current allocations.

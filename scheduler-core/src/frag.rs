@@ -106,18 +106,15 @@ impl TargetWorkload {
         coverage: f64,
         with_memory: bool,
     ) -> Self {
-        let mut index: HashMap<TaskShape, usize> = HashMap::new();
-        let mut groups: Vec<(TaskShape, u64)> = Vec::new();
+        let mut groups = ShapeCounts::default();
         for request in requests {
-            let shape = TaskShape::of(request, with_memory);
-            match index.get(&shape) {
-                Some(&i) => groups[i].1 += 1,
-                None => {
-                    index.insert(shape.clone(), groups.len());
-                    groups.push((shape, 1));
-                }
-            }
+            groups.add(TaskShape::of(request, with_memory));
         }
+        Self::from_counts(groups.groups, coverage)
+    }
+
+    /// The paper's cut over shapes already counted, in order of first appearance.
+    fn from_counts(mut groups: Vec<(TaskShape, u64)>, coverage: f64) -> Self {
         let distinct = groups.len();
         let total: u64 = groups.iter().map(|g| g.1).sum();
         // A stable sort keeps first appearance among equal counts.
@@ -180,6 +177,100 @@ impl TargetWorkload {
     /// How many distinct shapes the source list had before the cut.
     pub fn distinct_shapes(&self) -> usize {
         self.distinct
+    }
+}
+
+/// Shapes with their counts, in order of first appearance. A shape whose count falls to 0
+/// keeps its place (a live history sees few distinct shapes).
+#[derive(Clone, Debug, Default)]
+struct ShapeCounts {
+    index: HashMap<TaskShape, usize>,
+    groups: Vec<(TaskShape, u64)>,
+}
+
+impl ShapeCounts {
+    fn add(&mut self, shape: TaskShape) {
+        match self.index.get(&shape) {
+            Some(&i) => self.groups[i].1 += 1,
+            None => {
+                self.index.insert(shape.clone(), self.groups.len());
+                self.groups.push((shape, 1));
+            }
+        }
+    }
+
+    fn remove(&mut self, shape: &TaskShape) {
+        if let Some(&i) = self.index.get(shape) {
+            self.groups[i].1 = self.groups[i].1.saturating_sub(1);
+        }
+    }
+
+    /// The shapes seen at least once, with their counts.
+    fn counted(&self) -> Vec<(TaskShape, u64)> {
+        self.groups.iter().filter(|g| g.1 > 0).cloned().collect()
+    }
+}
+
+/// The target workload a live component can know: the paper's rule (group by shape, keep the
+/// most frequent shapes covering `coverage` of the tasks, renormalise) over the last `window`
+/// tasks it has seen, not over a whole trace. The agent's fragmentation metric and the extender
+/// learn their target this way; with no task seen yet the target is empty and every node's
+/// fragmentation is 0.
+#[derive(Clone, Debug)]
+pub struct RecentWorkload {
+    window: usize,
+    coverage: f64,
+    recent: std::collections::VecDeque<TaskShape>,
+    counts: ShapeCounts,
+}
+
+impl RecentWorkload {
+    /// How many recent tasks a live target is learned from unless told otherwise.
+    pub const DEFAULT_WINDOW: usize = 1000;
+    /// The paper's coverage (95 % of the tasks).
+    pub const DEFAULT_COVERAGE: f64 = 0.95;
+
+    /// An empty history that keeps the last `window` tasks (at least one).
+    pub fn new(window: usize, coverage: f64) -> Self {
+        let window = window.max(1);
+        Self {
+            window,
+            coverage,
+            recent: std::collections::VecDeque::with_capacity(window.min(4096)),
+            counts: ShapeCounts::default(),
+        }
+    }
+
+    /// Records one task; the oldest leaves when the window is full.
+    pub fn record(&mut self, shape: TaskShape) {
+        if self.recent.len() == self.window {
+            if let Some(old) = self.recent.pop_front() {
+                self.counts.remove(&old);
+            }
+        }
+        self.counts.add(shape.clone());
+        self.recent.push_back(shape);
+    }
+
+    /// How many tasks the target is learned from now.
+    pub fn len(&self) -> usize {
+        self.recent.len()
+    }
+
+    /// Whether no task has been seen.
+    pub fn is_empty(&self) -> bool {
+        self.recent.is_empty()
+    }
+
+    /// The target workload of the tasks in the window.
+    pub fn target(&self) -> TargetWorkload {
+        TargetWorkload::from_counts(self.counts.counted(), self.coverage)
+    }
+}
+
+impl Default for RecentWorkload {
+    fn default() -> Self {
+        Self::new(Self::DEFAULT_WINDOW, Self::DEFAULT_COVERAGE)
     }
 }
 
@@ -581,6 +672,67 @@ mod tests {
                 prop_assert_eq!(fast_host[s].to_bits(), slow.to_bits(), "state {}: {} != {}", s, fast_host[s], slow);
             }
         }
+    }
+
+    proptest! {
+        /// A live history holds exactly the shapes of the last `window` tasks, with their
+        /// frequencies (ties at a coverage cut may differ in order, so the whole list is kept).
+        #[test]
+        fn recent_workload_is_the_target_of_the_last_window_tasks(
+            requests in proptest::collection::vec(request(), 0..60),
+            window in 1usize..20,
+        ) {
+            let mut recent = RecentWorkload::new(window, 1.0);
+            for r in &requests {
+                recent.record(TaskShape::of(r, false));
+            }
+            let last = &requests[requests.len().saturating_sub(window)..];
+            prop_assert_eq!(recent.len(), last.len());
+            let sorted = |t: &TargetWorkload| {
+                let mut v: Vec<(TaskShape, u64)> =
+                    t.shapes().iter().map(|(s, p)| (s.clone(), (p * 1e9).round() as u64)).collect();
+                v.sort();
+                v
+            };
+            let expected = TargetWorkload::from_requests(last, 1.0, false);
+            prop_assert_eq!(sorted(&recent.target()), sorted(&expected));
+            prop_assert_eq!(recent.target().distinct_shapes(), expected.distinct_shapes());
+        }
+    }
+
+    #[test]
+    fn recent_workload_forgets_the_oldest_task_and_cuts_at_coverage() {
+        let shape = |milli| {
+            TaskShape::of(
+                &Request {
+                    cpu: MilliCpu(0),
+                    memory: MemMib(0),
+                    gpu: GpuDemand::Shared { milli: MilliGpu(milli), memory: Default::default() },
+                    allowed_models: vec![],
+                },
+                false,
+            )
+        };
+        let mut recent = RecentWorkload::new(20, RecentWorkload::DEFAULT_COVERAGE);
+        assert!(recent.is_empty());
+        assert!(recent.target().shapes().is_empty(), "nothing seen: no target");
+        recent.record(shape(100));
+        for _ in 0..19 {
+            recent.record(shape(500));
+        }
+        // 19 of 20 tasks cover 95 %: the single 0.1-GPU task is cut.
+        assert_eq!(recent.target().shapes(), &[(shape(500), 1.0)]);
+        assert_eq!(recent.target().distinct_shapes(), 2);
+        recent.record(shape(500));
+        // The 0.1-GPU task left the window.
+        assert_eq!(recent.len(), 20);
+        assert_eq!(recent.target().distinct_shapes(), 1);
+        for _ in 0..2 {
+            recent.record(shape(250));
+        }
+        let target = recent.target();
+        assert_eq!(target.shapes().len(), 2);
+        assert!((target.shapes()[0].1 - 18.0 / 20.0).abs() < 1e-12);
     }
 
     #[test]

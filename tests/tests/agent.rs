@@ -1278,6 +1278,11 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
         sample(&text, "baleen_gpu_info", &[("gpu_uuid", &gpu), ("node", "node-a")]),
         Some(1.0)
     );
+    // Fragmentation against the one grant's shape (4 of 22 units, 0.181 GPU): the 18 units
+    // left (0.818 GPU) can take it, so nothing is fragmented.
+    assert_eq!(sample(&text, "baleen_node_fragmentation_target_grants", &[]), Some(1.0));
+    assert_eq!(sample(&text, "baleen_node_fragmentation_gpus", &[("node", "node-a")]), Some(0.0));
+    assert_eq!(sample(&text, "baleen_node_free_compute_gpus", &[]), Some(3.818));
     // Which pod holds which GPU, once the kubelet's list has named it.
     let named = async {
         loop {

@@ -25,6 +25,7 @@ pub mod view;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use baleen_scheduler_core::frag::{self, NodeFree, RecentWorkload, TaskShape};
 use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
 use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSet, GpuSpec, NodeSpec, Request};
 use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
@@ -160,6 +161,17 @@ pub struct GpuState {
     pub units_held: u32,
 }
 
+/// The node's fragmentation now ([`DeviceLedger::fragmentation`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fragmentation {
+    /// Expected free compute a task of the target workload cannot use, in milli-GPU.
+    pub milli_gpu: f64,
+    /// Free compute in all, in milli-GPU.
+    pub free_milli_gpu: u64,
+    /// How many allocations the target workload is learned from.
+    pub learned_from: usize,
+}
+
 /// How a GPU serves now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GpuMode {
@@ -270,6 +282,8 @@ pub struct DeviceLedger {
     ledger: NodeLedger,
     held: BTreeMap<u64, Held>,
     next_id: u64,
+    /// The shapes of the last allocations: the target workload of [`Self::fragmentation`].
+    recent: RecentWorkload,
 }
 
 /// A count of units or GPUs as the placement model's `u32`. Counts are bounded by a GPU's units
@@ -359,6 +373,7 @@ impl DeviceLedger {
             ledger,
             held: BTreeMap::new(),
             next_id: 1,
+            recent: RecentWorkload::default(),
         };
         state.build_groups();
         Ok(state)
@@ -816,6 +831,7 @@ impl DeviceLedger {
             self.ledger
                 .allocate(AllocationId(id), &request, parsed.gpus)
                 .map_err(|e| Refusal::Conflict { ids: ids.to_vec(), reason: e.to_string() })?;
+            self.recent.record(self.shape_of(&parsed));
         }
         for &(i, n) in &parsed.units {
             self.slots[i].unit_holder[n as usize] = Some(id);
@@ -835,6 +851,58 @@ impl DeviceLedger {
         let grant = self.grant(&held);
         self.held.insert(id, held);
         Ok(grant)
+    }
+
+    /// The shape of an allocation in the FGD measure's terms: a gpu-memory grant of `n` of a
+    /// GPU's `U` units takes `1000 n / U` milli-GPU of that one GPU (rounded down, at least 1),
+    /// whole GPUs 1000 each.
+    fn shape_of(&self, parsed: &Parsed) -> TaskShape {
+        let (milli, count) = match parsed.units.first() {
+            Some(&(i, _)) => {
+                let of = u64::from(self.slots[i].units.max(1));
+                let n = parsed.units.len() as u64;
+                (u32::try_from((1000 * n / of).clamp(1, 1000)).unwrap_or(1000), 1)
+            }
+            None => (1000, count(parsed.gpus.len())),
+        };
+        TaskShape {
+            cpu: MilliCpu(0),
+            milli_per_gpu: MilliGpu(milli),
+            gpu_count: count,
+            models: vec![],
+            memory: None,
+        }
+    }
+
+    /// The node's fragmentation by the FGD measure (`baleen_scheduler_core::frag`), against a
+    /// target workload learned from the last [`RecentWorkload::DEFAULT_WINDOW`] allocations of
+    /// this ledger (gpu-memory and whole-GPU views; restored allocations count): the expected
+    /// free GPU compute, in milli-GPU, that a task drawn from that workload could not use.
+    /// A GPU's free compute is `1000 x free units / units`, 0 when it is held whole, in MIG
+    /// mode or unhealthy. CPU and memory are the kubelet's and are not looked at.
+    pub fn fragmentation(&self) -> Fragmentation {
+        let none = BTreeSet::new();
+        let free: Vec<u32> = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                if s.gpu.mig.is_enabled() || !s.healthy || self.whole_holder(i, &none).is_some() {
+                    return 0;
+                }
+                let units = u64::from(s.units.max(1));
+                let free = units.saturating_sub(self.units_held(i, &none) as u64);
+                u32::try_from(1000 * free / units).unwrap_or(1000)
+            })
+            .collect();
+        let target = self.recent.target();
+        let node =
+            NodeFree { cpu: MilliCpu(u64::MAX), memory: MemMib(u64::MAX), gpus: free.as_slice() };
+        Fragmentation {
+            milli_gpu: frag::node_fragment(&target, self.ledger.spec(), &node),
+            free_milli_gpu: free.iter().map(|&f| u64::from(f)).sum(),
+            learned_from: self.recent.len(),
+        }
     }
 
     fn check_conflicts(

@@ -362,3 +362,53 @@ mod properties {
         }
     }
 }
+
+#[test]
+fn fragmentation_is_the_fgd_measure_against_the_shapes_of_recent_grants() {
+    let mut state = example("h200-8x-nvswitch.yaml");
+    let f = state.fragmentation();
+    assert_eq!((f.milli_gpu, f.free_milli_gpu, f.learned_from), (0.0, 8000, 0));
+    // 98 of GPU 0's 140 units: a 0.7-GPU shape; GPU 0 keeps 0.3, which that shape cannot use.
+    state.allocate(&View::GpuMemory, &units(&state, 0, 0..98), 0).expect("0.7 of GPU 0");
+    let f = state.fragmentation();
+    assert_eq!((f.milli_gpu, f.free_milli_gpu, f.learned_from), (300.0, 7300, 1));
+    // A whole GPU: neither shape can use GPU 0's 0.3.
+    state.allocate(&View::Gpu, &[uuid(&state, 1)], 0).expect("GPU 1");
+    assert_eq!(state.fragmentation().milli_gpu, 300.0);
+    assert_eq!(state.fragmentation().free_milli_gpu, 6300);
+    // 42 units fill GPU 0: nothing is fragmented.
+    state.allocate(&View::GpuMemory, &units(&state, 0, 98..140), 0).expect("0.3 of GPU 0");
+    assert_eq!(state.fragmentation().milli_gpu, 0.0);
+    // Released, the 0.3 is free again; a third of the target (the 0.3-GPU shape) can use it.
+    let released =
+        state.retain(|r| !(r.resource.ends_with("gpu-memory") && r.device_ids.len() == 42));
+    assert_eq!(released.len(), 1);
+    let f = state.fragmentation();
+    assert!((f.milli_gpu - 200.0).abs() < 1e-9, "{f:?}");
+    assert_eq!(f.learned_from, 3, "history keeps ended grants");
+    // An unhealthy GPU's compute is not free (nor fragmented).
+    assert!(state.set_health(&uuid(&state, 2), false));
+    let f = state.fragmentation();
+    assert!((f.milli_gpu - 200.0).abs() < 1e-9, "{f:?}");
+    assert_eq!(f.free_milli_gpu, 5300);
+    // After a restart the target is learned from the restored allocations.
+    let mut restarted = example("h200-8x-nvswitch.yaml");
+    assert!(restarted.restore(&state.records()).is_empty());
+    let f = restarted.fragmentation();
+    assert_eq!((f.milli_gpu, f.learned_from), (300.0, 2));
+}
+
+#[test]
+fn mig_gpus_have_no_free_compute_for_fragmentation() {
+    let mut state = example("a100-4x-mig.yaml");
+    let f = state.fragmentation();
+    assert_eq!(f.free_milli_gpu, 2000, "GPUs 2 and 3 are in MIG mode");
+    let mig = "MIG-6a0d4e1b-2c3f-5a7e-8b9d-0f1e2d3c4b51".to_owned();
+    state.allocate(&View::Mig("1g.10gb".into()), &[mig], 0).expect("mig");
+    assert_eq!(state.fragmentation().learned_from, 0, "a MIG slice has no share of a GPU");
+    // One unit is at least a thousandth of a GPU in the target.
+    state.allocate(&View::GpuMemory, &units(&state, 0, 0..1), 0).expect("one unit");
+    let f = state.fragmentation();
+    assert_eq!(f.learned_from, 1);
+    assert_eq!(f.milli_gpu, 0.0, "a small shape fits everywhere");
+}
