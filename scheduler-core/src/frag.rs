@@ -243,10 +243,10 @@ impl RecentWorkload {
 
     /// Records one task; the oldest leaves when the window is full.
     pub fn record(&mut self, shape: TaskShape) {
-        if self.recent.len() == self.window {
-            if let Some(old) = self.recent.pop_front() {
-                self.counts.remove(&old);
-            }
+        if self.recent.len() == self.window
+            && let Some(old) = self.recent.pop_front()
+        {
+            self.counts.remove(&old);
         }
         self.counts.add(shape.clone());
         self.recent.push_back(shape);
@@ -690,7 +690,7 @@ mod tests {
             prop_assert_eq!(recent.len(), last.len());
             let sorted = |t: &TargetWorkload| {
                 let mut v: Vec<(TaskShape, u64)> =
-                    t.shapes().iter().map(|(s, p)| (s.clone(), (p * 1e9).round() as u64)).collect();
+                    t.shapes().iter().map(|(s, p)| (s.clone(), p.to_bits())).collect();
                 v.sort();
                 v
             };
