@@ -15,7 +15,8 @@
 //! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
 //! - [`error_chain`]: an error and its causes on one line, for logs and gRPC messages;
 //! - [`inventory`]: the node's GPUs from NVML or a simulated topology;
-//! - [`quantity`]: sizes like `1GiB` in configuration and topology files.
+//! - [`quantity`]: sizes like `1GiB` in configuration and topology files;
+//! - [`kube_access`]: every Kubernetes API call the agent makes (the install's RBAC).
 //!
 //! Placement decisions live in `baleen-scheduler-core`. Not built yet: cgroup classes and
 //! node-state publishing.
@@ -30,6 +31,7 @@ pub mod error_chain;
 pub mod instruments;
 pub mod inventory;
 pub mod isolation;
+pub mod kube_access;
 pub mod ledger;
 pub mod metrics;
 pub mod quantity;

@@ -1,0 +1,22 @@
+//! Every Kubernetes API call the agent makes, declared once: the install's RBAC
+//! (`packaging/kustomize`) grants exactly these to the agent's service account, and a test
+//! (`tests/tests/install.rs`) fails when the two differ. A subsystem that starts calling the API
+//! adds its rule here in the same change.
+//!
+//! Today the list is empty: the agent learns which pod holds which device from the kubelet's
+//! pod-resources socket on the node, not from the API server, so its pod runs without a
+//! service-account token.
+
+/// One RBAC rule: verbs on a resource of an API group (`""` is the core group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ApiRule {
+    /// The API group.
+    pub api_group: &'static str,
+    /// The resource (plural, lower case, e.g. `nodes`).
+    pub resource: &'static str,
+    /// The verbs, e.g. `get`, `list`, `watch`, `patch`.
+    pub verbs: &'static [&'static str],
+}
+
+/// What the node agent (and `baleen-agent mps`) call on the Kubernetes API.
+pub const AGENT: &[ApiRule] = &[];

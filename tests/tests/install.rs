@@ -1,0 +1,705 @@
+//! The install (`packaging/kustomize`), the image (`packaging/docker`) and the example pods
+//! (`packaging/examples/pods`), checked against the code so that they cannot drift from it:
+//! every overlay is rendered by the real `kubectl kustomize`, every object parsed strictly into
+//! the Kubernetes API types (a round trip that must give back the same document, so a misspelt
+//! or misplaced field fails), the DaemonSets' arguments parsed by the agent's own command line
+//! and its ConfigMap by the agent's own configuration loader, every host path the agent uses
+//! checked to be mounted at the same path, and RBAC checked against `kube_access::AGENT`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use baleen_agent::cli::{Cli, Command as AgentCommand};
+use baleen_agent::config::{Environment, RunArgs, Settings, resolve};
+use baleen_agent::inventory::GpuInventory;
+use baleen_agent::inventory::simulated::SimulatedInventory;
+use baleen_agent::ledger::DeviceLedger;
+use clap::Parser;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, Namespace, Pod, PodSpec, Service, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+const OVERLAYS: [&str; 4] = ["default", "mig", "no-mps", "prometheus-operator"];
+const AGENT: &str = "baleen-agent";
+const MPS: &str = "baleen-mps";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The overlay rendered by kubectl's built-in kustomize.
+fn render(overlay: &str) -> Result<String> {
+    let dir = repo().join("packaging/kustomize/overlays").join(overlay);
+    let out = Command::new("kubectl").arg("kustomize").arg(&dir).output().map_err(|e| {
+        anyhow!(
+            "cannot run kubectl ({e}): these tests render the install with kubectl's built-in \
+             kustomize; install kubectl 1.27 or later (https://kubernetes.io/docs/tasks/tools/) \
+             and put it on PATH"
+        )
+    })?;
+    ensure!(
+        out.status.success(),
+        "kubectl kustomize {} failed: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The documents of a YAML stream (empty ones skipped).
+fn documents(yaml: &str) -> Result<Vec<Value>> {
+    let mut docs = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(yaml) {
+        let value = Value::deserialize(doc)?;
+        if !value.is_null() {
+            docs.push(value);
+        }
+    }
+    Ok(docs)
+}
+
+/// Where `back` (the document written back from its type) differs from `original`, if it does.
+/// A number where the type writes a string of the same number is the same (a Quantity such as
+/// `gpu-memory: 8` is written back as `"8"`).
+fn difference(original: &Value, back: &Value, path: &str) -> Option<String> {
+    match (original, back) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let here = format!("{path}.{k}");
+                match (a.get(k), b.get(k)) {
+                    (Some(x), Some(y)) => difference(x, y, &here),
+                    (Some(_), None) => Some(format!("{here}: unknown to the API type")),
+                    (None, _) => Some(format!("{here}: added by the API type")),
+                }
+            })
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => a
+            .iter()
+            .zip(b)
+            .enumerate()
+            .find_map(|(i, (x, y))| difference(x, y, &format!("{path}[{i}]"))),
+        (Value::Number(n), Value::String(s)) if n.to_string() == *s => None,
+        (a, b) if a == b => None,
+        (a, b) => Some(format!("{path}: {a} became {b}")),
+    }
+}
+
+/// `doc` as `T`, required to write back to the same document.
+fn strict<T: DeserializeOwned + Serialize>(doc: &Value) -> Result<T> {
+    let name = doc.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("?").to_owned();
+    let kind = doc["kind"].as_str().unwrap_or("?").to_owned();
+    let typed: T = serde_json::from_value(doc.clone())
+        .with_context(|| format!("{kind} {name} does not parse"))?;
+    let back = serde_json::to_value(&typed)?;
+    if let Some(diff) = difference(doc, &back, "") {
+        bail!("{kind} {name} is not a valid {kind}: {diff}");
+    }
+    Ok(typed)
+}
+
+/// The Prometheus Operator's ServiceMonitor, the fields the install uses (no Rust crate of the
+/// operator's types is kept well enough to depend on); unknown fields are errors.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitor {
+    api_version: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: ServiceMonitorSpec,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitorSpec {
+    selector: k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+    namespace_selector: NamespaceSelector,
+    endpoints: Vec<Endpoint>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct NamespaceSelector {
+    match_names: Vec<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct Endpoint {
+    port: String,
+    path: String,
+    interval: String,
+    scrape_timeout: String,
+    honor_labels: bool,
+}
+
+/// One rendered overlay, every object typed.
+#[derive(Default)]
+struct Install {
+    namespaces: Vec<Namespace>,
+    service_accounts: Vec<ServiceAccount>,
+    config_maps: Vec<ConfigMap>,
+    daemon_sets: Vec<DaemonSet>,
+    services: Vec<Service>,
+    service_monitors: Vec<ServiceMonitor>,
+    roles: Vec<(Option<String>, Vec<PolicyRule>)>,
+    bindings: Vec<(String, String, Vec<String>)>,
+}
+
+impl Install {
+    fn parse(yaml: &str) -> Result<Self> {
+        let mut install = Self::default();
+        for doc in documents(yaml)? {
+            match doc["kind"].as_str().unwrap_or_default() {
+                "Namespace" => install.namespaces.push(strict(&doc)?),
+                "ServiceAccount" => install.service_accounts.push(strict(&doc)?),
+                "ConfigMap" => install.config_maps.push(strict(&doc)?),
+                "DaemonSet" => install.daemon_sets.push(strict(&doc)?),
+                "Service" => install.services.push(strict(&doc)?),
+                "ServiceMonitor" => install.service_monitors.push(strict(&doc)?),
+                "Role" => {
+                    let r: Role = strict(&doc)?;
+                    install.roles.push((r.metadata.name, r.rules.unwrap_or_default()));
+                }
+                "ClusterRole" => {
+                    let r: ClusterRole = strict(&doc)?;
+                    install.roles.push((r.metadata.name, r.rules.unwrap_or_default()));
+                }
+                "RoleBinding" => {
+                    let b: RoleBinding = strict(&doc)?;
+                    let subjects = b.subjects.unwrap_or_default().into_iter().map(|s| s.name);
+                    install.bindings.push((b.role_ref.kind, b.role_ref.name, subjects.collect()));
+                }
+                "ClusterRoleBinding" => {
+                    let b: ClusterRoleBinding = strict(&doc)?;
+                    let subjects = b.subjects.unwrap_or_default().into_iter().map(|s| s.name);
+                    install.bindings.push((b.role_ref.kind, b.role_ref.name, subjects.collect()));
+                }
+                other => bail!("the install holds a {other}, which this test does not check"),
+            }
+        }
+        Ok(install)
+    }
+
+    fn daemon_set(&self, name: &str) -> Option<&DaemonSet> {
+        self.daemon_sets.iter().find(|d| d.metadata.name.as_deref() == Some(name))
+    }
+}
+
+fn pod_spec(ds: &DaemonSet) -> Result<&PodSpec> {
+    ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()).context("DaemonSet without a pod")
+}
+
+fn only_container(spec: &PodSpec) -> Result<&Container> {
+    ensure!(spec.containers.len() == 1, "one container per pod");
+    Ok(&spec.containers[0])
+}
+
+/// The host path each of the container's mounts shows, by mount path (hostPath volumes only),
+/// and the other volumes by mount path.
+fn mounts(spec: &PodSpec, c: &Container) -> Result<(BTreeMap<PathBuf, PathBuf>, Vec<PathBuf>)> {
+    let mut host = BTreeMap::new();
+    let mut other = Vec::new();
+    for m in c.volume_mounts.iter().flatten() {
+        let volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == m.name)
+            .with_context(|| format!("mount {} names no volume", m.name))?;
+        match &volume.host_path {
+            Some(h) => {
+                host.insert(PathBuf::from(&m.mount_path), PathBuf::from(&h.path));
+            }
+            None => other.push(PathBuf::from(&m.mount_path)),
+        }
+    }
+    Ok((host, other))
+}
+
+/// The configuration a container runs with: its arguments parsed by the agent's own command
+/// line, its `--config` file read from the mounted ConfigMap, resolved by the agent's own
+/// loader with `NODE_NAME` from the downward API inside a pod.
+fn settings_of(
+    install: &Install,
+    spec: &PodSpec,
+    c: &Container,
+    scratch: &Path,
+) -> Result<(Option<AgentCommand>, Settings)> {
+    let mut argv = vec!["baleen-agent".to_owned()];
+    argv.extend(c.command.iter().flatten().cloned());
+    argv.extend(c.args.iter().flatten().cloned());
+    let cli = Cli::try_parse_from(&argv).map_err(|e| anyhow!("{argv:?}: {e}"))?;
+    let (command, mut run): (Option<AgentCommand>, RunArgs) = match cli.command {
+        None => (None, cli.run),
+        Some(AgentCommand::Mps(run)) => (Some(AgentCommand::Mps(run.clone())), run),
+        Some(other) => bail!("{} runs {other:?}, not the agent", c.name),
+    };
+    let config = run.config.clone().context("no --config: the ConfigMap is not read")?;
+    let dir = config.parent().context("config path")?;
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| Path::new(&m.mount_path) == dir)
+        .with_context(|| format!("{} is not mounted", dir.display()))?;
+    let volume = spec.volumes.iter().flatten().find(|v| v.name == mount.name).context("volume")?;
+    let map_name =
+        volume.config_map.as_ref().context("the config is not a ConfigMap")?.name.clone();
+    let map = install
+        .config_maps
+        .iter()
+        .find(|m| m.metadata.name.as_deref() == Some(map_name.as_str()))
+        .with_context(|| format!("ConfigMap {map_name} is not in the install"))?;
+    let key = config.file_name().context("file")?.to_string_lossy().into_owned();
+    let text = map.data.as_ref().and_then(|d| d.get(&key)).context("the config key")?;
+    let file = scratch.join(format!("{map_name}-{key}"));
+    std::fs::write(&file, text)?;
+    run.config = Some(file);
+    let env = c.env.iter().flatten().find(|e| e.name == "NODE_NAME").context("NODE_NAME")?;
+    let field = env.value_from.as_ref().and_then(|v| v.field_ref.as_ref()).context("fieldRef")?;
+    ensure!(field.field_path == "spec.nodeName", "NODE_NAME must come from spec.nodeName");
+    let settings = resolve(&run, &Environment { node_name: Some("node-a".into()), in_pod: true })
+        .map_err(|e| anyhow!("{}: {e}", c.name))?;
+    Ok((command, settings))
+}
+
+/// Every host path `what` uses must be mounted from the host at the same path (the kubelet and
+/// the MPS clients see host paths), and nothing else from the host may be.
+fn check_host_paths(what: &str, host: &BTreeMap<PathBuf, PathBuf>, used: &[PathBuf]) -> Result<()> {
+    for (inside, outside) in host {
+        ensure!(
+            inside == outside,
+            "{what}: host {} mounted at {}",
+            outside.display(),
+            inside.display()
+        );
+        ensure!(
+            used.iter().any(|u| u.starts_with(inside)),
+            "{what}: mounts host {} but uses nothing there",
+            inside.display()
+        );
+    }
+    for path in used {
+        ensure!(
+            host.keys().any(|m| path.starts_with(m)),
+            "{what}: {} is not mounted from the host",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
+    let install = Install::parse(&render(overlay)?)?;
+    let version = env!("CARGO_PKG_VERSION");
+
+    // The namespace admits the agent's host access, and everything lives in it.
+    ensure!(install.namespaces.len() == 1, "one namespace");
+    let ns = install.namespaces[0].metadata.name.clone().context("namespace name")?;
+    let labels = install.namespaces[0].metadata.labels.clone().unwrap_or_default();
+    ensure!(
+        labels.get("pod-security.kubernetes.io/enforce").map(String::as_str) == Some("privileged")
+    );
+
+    // The agent.
+    let agent = install.daemon_set(AGENT).context("the agent's DaemonSet")?;
+    ensure!(agent.metadata.namespace.as_deref() == Some(ns.as_str()));
+    let spec = pod_spec(agent)?;
+    let c = only_container(spec)?;
+    let (command, settings) = settings_of(&install, spec, c, scratch)?;
+    ensure!(command.is_none(), "the agent's DaemonSet runs a subcommand");
+    let a = &settings.agent;
+    ensure!(
+        c.image.as_deref() == Some(format!("baleen:{version}").as_str()),
+        "image {:?} is not this version ({version})",
+        c.image
+    );
+    ensure!(spec.priority_class_name.as_deref() == Some("system-node-critical"));
+    ensure!(!spec.tolerations.clone().unwrap_or_default().is_empty(), "tolerations");
+    ensure!(!spec.node_selector.clone().unwrap_or_default().is_empty(), "a node selector");
+    let mut used = vec![
+        a.device_plugin_dir.clone(),
+        a.pod_resources_socket.parent().context("socket dir")?.to_path_buf(),
+        a.state_dir.clone(),
+    ];
+    if a.responses.mps.enabled {
+        used.push(a.responses.mps.root.clone());
+    }
+    // The watchdog reads the host's /proc: the host's PID namespace or a mount.
+    if a.watchdog.proc_root == Path::new("/proc") {
+        ensure!(spec.host_pid == Some(true), "procRoot /proc needs hostPID");
+    } else {
+        used.push(a.watchdog.proc_root.clone());
+    }
+    let (host, _) = mounts(spec, c)?;
+    check_host_paths("the agent", &host, &used)?;
+    // Probes and the Service reach the metrics endpoint where the configuration puts it.
+    ensure!(a.metrics.enabled, "the probes need the metrics endpoint");
+    let port = c
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .context("a port named metrics")?;
+    ensure!(
+        i64::from(port.container_port) == i64::from(a.metrics.address.port()),
+        "metrics port {} is not {}",
+        port.container_port,
+        a.metrics.address
+    );
+    for (probe, path) in [(&c.liveness_probe, "/healthz"), (&c.readiness_probe, "/readyz")] {
+        let get = probe.as_ref().and_then(|p| p.http_get.as_ref()).context("an HTTP probe")?;
+        ensure!(get.path.as_deref() == Some(path), "probe {:?} is not {path}", get.path);
+        ensure!(
+            get.port
+                == k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                    "metrics".into()
+                ),
+            "probe port"
+        );
+    }
+    let resources = c.resources.as_ref().context("resources")?;
+    for (what, list) in [("requests", &resources.requests), ("limits", &resources.limits)] {
+        let list = list.as_ref().with_context(|| format!("no {what}"))?;
+        ensure!(list.contains_key("cpu") && list.contains_key("memory"), "{what}: cpu and memory");
+    }
+    // The least privilege: not privileged, no escalation, only the capabilities explained.
+    let security = c.security_context.as_ref().context("securityContext")?;
+    ensure!(
+        security.privileged == Some(false) && security.allow_privilege_escalation == Some(false)
+    );
+    let caps = security.capabilities.as_ref().context("capabilities")?;
+    ensure!(caps.drop.clone().unwrap_or_default() == ["ALL"], "drop ALL");
+    let added: BTreeSet<String> = caps.add.clone().unwrap_or_default().into_iter().collect();
+    let allowed: BTreeSet<String> =
+        ["DAC_READ_SEARCH", "SYS_PTRACE", "KILL"].map(str::to_owned).into_iter().collect();
+    ensure!(added.is_subset(&allowed), "capabilities {added:?} beyond {allowed:?}");
+    // A surge would start a second agent that waits for the first one's lock forever.
+    let strategy =
+        agent.spec.as_ref().and_then(|s| s.update_strategy.as_ref()).context("strategy")?;
+    let rolling = strategy.rolling_update.as_ref().context("rollingUpdate")?;
+    ensure!(
+        rolling.max_surge
+            == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(0)),
+        "no surge"
+    );
+
+    // The MPS daemons: with MPS on, exactly when the agent leaves them to another process.
+    let mps = install.daemon_set(MPS);
+    let external = a.responses.mps.enabled
+        && a.responses.mps.daemons == baleen_agent::isolation::mps::DaemonPlacement::External;
+    ensure!(mps.is_some() == external, "{overlay}: MPS DaemonSet present: {}", mps.is_some());
+    if let Some(mps) = mps {
+        let spec = pod_spec(mps)?;
+        let c = only_container(spec)?;
+        let (command, settings) = settings_of(&install, spec, c, scratch)?;
+        ensure!(
+            matches!(command, Some(AgentCommand::Mps(_))),
+            "baleen-mps runs `baleen-agent mps`"
+        );
+        ensure!(
+            settings.agent.responses.mps.root == a.responses.mps.root,
+            "the daemons and the agent must share the MPS root"
+        );
+        ensure!(c.image == only_container(pod_spec(agent)?)?.image, "one image for both");
+        let (host, _) = mounts(spec, c)?;
+        check_host_paths(
+            "baleen-mps",
+            &host,
+            std::slice::from_ref(&settings.agent.responses.mps.root),
+        )?;
+        let strategy =
+            mps.spec.as_ref().and_then(|s| s.update_strategy.as_ref()).context("strategy")?;
+        ensure!(
+            strategy.type_.as_deref() == Some("OnDelete"),
+            "a rollout of the MPS DaemonSet would kill every tenant"
+        );
+        ensure!(c.liveness_probe.is_none(), "a failed probe would restart the daemons");
+        ensure!(
+            c.resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .is_none_or(|l| !l.contains_key("memory")),
+            "an OOM kill of the MPS servers kills their clients"
+        );
+    }
+    if !a.responses.mps.enabled {
+        let labels = agent
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default();
+        ensure!(
+            labels.get("awesome-ai-company.com/gpu-sharing").map(String::as_str)
+                == Some("accounting-only"),
+            "an install without MPS says so on its pods"
+        );
+    }
+
+    // RBAC: exactly what the agent calls.
+    let sa = spec.service_account_name.clone().context("serviceAccountName")?;
+    ensure!(install.service_accounts.iter().any(|s| s.metadata.name.as_deref() == Some(&sa)));
+    let mut granted: BTreeSet<(String, String, String)> = BTreeSet::new();
+    for (kind, role, subjects) in &install.bindings {
+        if !subjects.contains(&sa) {
+            continue;
+        }
+        let rules = install
+            .roles
+            .iter()
+            .find(|(name, _)| name.as_deref() == Some(role.as_str()))
+            .with_context(|| format!("{kind} {role} is not in the install"))?;
+        for rule in &rules.1 {
+            for group in rule.api_groups.iter().flatten() {
+                for resource in rule.resources.iter().flatten() {
+                    for verb in &rule.verbs {
+                        granted.insert((group.clone(), resource.clone(), verb.clone()));
+                    }
+                }
+            }
+        }
+    }
+    let called: BTreeSet<(String, String, String)> = baleen_agent::kube_access::AGENT
+        .iter()
+        .flat_map(|r| {
+            r.verbs.iter().map(|v| (r.api_group.to_owned(), r.resource.to_owned(), (*v).to_owned()))
+        })
+        .collect();
+    ensure!(granted == called, "RBAC grants {granted:?}, the agent calls {called:?}");
+    if called.is_empty() {
+        ensure!(
+            spec.automount_service_account_token == Some(false),
+            "the agent calls no API: no token in its pods"
+        );
+    }
+
+    // The metrics Service selects the agent's pods on the metrics port.
+    let service = install
+        .services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("baleen-agent-metrics"))
+        .context("the metrics Service")?;
+    let svc = service.spec.as_ref().context("spec")?;
+    let pod_labels = agent
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    for (k, v) in svc.selector.iter().flatten() {
+        ensure!(pod_labels.get(k) == Some(v), "the Service selects {k}={v}, not on the agent");
+    }
+    let svc_port = svc.ports.iter().flatten().find(|p| p.name.as_deref() == Some("metrics"));
+    ensure!(
+        svc_port.and_then(|p| p.target_port.clone())
+            == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                "metrics".into()
+            )),
+        "the Service's metrics port targets the container's"
+    );
+    for monitor in &install.service_monitors {
+        let wanted = monitor.spec.selector.match_labels.clone().unwrap_or_default();
+        let svc_labels = service.metadata.labels.clone().unwrap_or_default();
+        for (k, v) in &wanted {
+            ensure!(svc_labels.get(k) == Some(v), "the ServiceMonitor selects {k}={v}");
+        }
+        ensure!(monitor.spec.namespace_selector.match_names == std::slice::from_ref(&ns));
+        ensure!(monitor.spec.endpoints.iter().all(|e| e.port == "metrics" && e.path == "/metrics"));
+    }
+    Ok(install)
+}
+
+#[test]
+fn every_overlay_renders_into_valid_objects_that_match_the_agent() -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let mut problems = Vec::new();
+    let mut mig = BTreeMap::new();
+    for overlay in OVERLAYS {
+        match check_overlay(overlay, scratch.path()) {
+            Ok(install) => {
+                let agent = install.daemon_set(AGENT).context("agent")?;
+                let spec = pod_spec(agent)?;
+                let (_, s) = settings_of(&install, spec, only_container(spec)?, scratch.path())?;
+                mig.insert(overlay, s.agent.views.mig);
+                if overlay == "prometheus-operator" {
+                    ensure!(install.service_monitors.len() == 1, "one ServiceMonitor");
+                } else {
+                    ensure!(install.service_monitors.is_empty(), "{overlay}: no CRD needed");
+                }
+            }
+            Err(e) => problems.push(format!("{overlay}: {e:#}")),
+        }
+    }
+    ensure!(problems.is_empty(), "{}", problems.join("\n"));
+    // What distinguishes the overlays.
+    ensure!(mig["mig"] && !mig["default"] && !mig["no-mps"], "MIG views: {mig:?}");
+    Ok(())
+}
+
+#[test]
+fn a_misspelt_field_fails_the_strict_parse() -> Result<()> {
+    let yaml = render("default")?;
+    let mut docs = documents(&yaml)?;
+    let ds = docs.iter_mut().find(|d| d["kind"] == "DaemonSet").context("a DaemonSet")?;
+    strict::<DaemonSet>(ds)?;
+    ds["spec"]["template"]["spec"]["hostPid"] = Value::Bool(true);
+    let err = strict::<DaemonSet>(ds).expect_err("hostPid is not hostPID");
+    assert!(err.to_string().contains("hostPid: unknown"), "{err}");
+    // And in the agent's own file: the loader refuses unknown keys.
+    let scratch = tempfile::tempdir()?;
+    let file = scratch.path().join("agent.yaml");
+    std::fs::write(&file, "mps:\n  deamons: external\n")?;
+    let run = RunArgs { config: Some(file), ..RunArgs::default() };
+    let err = resolve(&run, &Environment::with_node_name(Some("n"))).expect_err("deamons");
+    assert!(err.to_string().contains("deamons"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_mount_at_another_path_or_a_path_not_mounted_is_caught() {
+    let used = [PathBuf::from("/var/lib/baleen"), PathBuf::from("/run/baleen/mps")];
+    let ok: BTreeMap<PathBuf, PathBuf> = used.iter().map(|p| (p.clone(), p.clone())).collect();
+    assert!(check_host_paths("t", &ok, &used).is_ok());
+    let mut moved = ok.clone();
+    moved.insert("/var/lib/baleen".into(), "/var/lib/other".into());
+    assert!(check_host_paths("t", &moved, &used).is_err());
+    let mut missing = ok.clone();
+    missing.remove(Path::new("/run/baleen/mps"));
+    assert!(check_host_paths("t", &missing, &used).is_err());
+    let mut extra = ok;
+    extra.insert("/etc".into(), "/etc".into());
+    assert!(check_host_paths("t", &extra, &used).is_err(), "host /etc mounted for nothing");
+}
+
+/// The resources the agent would advertise on the example nodes with every view on.
+fn advertised() -> Result<BTreeSet<String>> {
+    let mut names = BTreeSet::new();
+    for entry in std::fs::read_dir(repo().join("packaging/examples"))? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let inventory = SimulatedInventory::from_file(&path)?.discover()?;
+        let config = baleen_agent::ledger::ViewConfig::default();
+        let ledger = DeviceLedger::new("node-a", &inventory, config.clone())?;
+        names.extend(ledger.views().iter().map(|v| v.resource_name(&config.domain)));
+    }
+    Ok(names)
+}
+
+#[test]
+fn example_pods_are_valid_and_ask_for_what_the_agent_advertises() -> Result<()> {
+    let advertised = advertised()?;
+    let dir = repo().join("packaging/examples/pods");
+    let mut asked = BTreeSet::new();
+    for entry in std::fs::read_dir(&dir)? {
+        let path = entry?.path();
+        let text = std::fs::read_to_string(&path)?;
+        for doc in documents(&text)? {
+            let pod: Pod = strict(&doc).with_context(|| path.display().to_string())?;
+            let spec = pod.spec.context("spec")?;
+            for c in &spec.containers {
+                let limits =
+                    c.resources.as_ref().and_then(|r| r.limits.clone()).unwrap_or_default();
+                for (name, quantity) in limits {
+                    ensure!(
+                        advertised.contains(&name),
+                        "{}: {name} is not a resource the agent advertises ({advertised:?})",
+                        path.display()
+                    );
+                    ensure!(quantity.0.parse::<u32>().is_ok_and(|n| n > 0), "{name}: a count");
+                    asked.insert(name.rsplit('/').next().unwrap_or_default().to_owned());
+                }
+            }
+        }
+    }
+    for kind in ["gpu-memory", "gpu"] {
+        ensure!(asked.contains(kind), "no example asks for {kind}: {asked:?}");
+    }
+    ensure!(asked.iter().any(|a| a.starts_with("mig-")), "a MIG slice example");
+    ensure!(asked.iter().any(|a| a.starts_with("nvlink-group-")), "an NVLink group example");
+    Ok(())
+}
+
+/// The workspace's binary targets, from `cargo metadata`.
+fn workspace_binaries() -> Result<BTreeSet<String>> {
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--no-deps", "--format-version", "1", "--offline"])
+        .current_dir(repo())
+        .output()?;
+    ensure!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+    let meta: Value = serde_json::from_slice(&out.stdout)?;
+    let mut bins = BTreeSet::new();
+    for package in meta["packages"].as_array().context("packages")? {
+        for target in package["targets"].as_array().context("targets")? {
+            if target["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "bin")) {
+                bins.insert(target["name"].as_str().context("name")?.to_owned());
+            }
+        }
+    }
+    Ok(bins)
+}
+
+#[test]
+fn the_dockerfile_builds_workspace_binaries_in_stages() -> Result<()> {
+    let text = std::fs::read_to_string(repo().join("packaging/docker/Dockerfile"))?;
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.starts_with('#')).collect();
+    let stages: Vec<(String, String)> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("FROM "))
+        .map(|f| {
+            let parts: Vec<&str> = f.split_whitespace().collect();
+            let name = match parts.as_slice() {
+                [_, as_, name] if as_.eq_ignore_ascii_case("as") => (*name).to_owned(),
+                _ => String::new(),
+            };
+            (parts[0].to_owned(), name)
+        })
+        .collect();
+    ensure!(stages.len() >= 2, "a multi-stage build: {stages:?}");
+    ensure!(stages.iter().all(|(_, name)| !name.is_empty()), "every stage named");
+    let rust = &stages[0].0;
+    let wanted = format!("rust:{}", env!("CARGO_PKG_RUST_VERSION"));
+    ensure!(rust.contains(&wanted), "the build stage {rust} is not the CI toolchain ({wanted})");
+    let runtime = &stages.last().context("stage")?.0;
+    ensure!(
+        runtime.contains("debian") && runtime.contains("slim"),
+        "a small glibc base: {runtime}"
+    );
+    // What it builds and copies are the workspace's binaries.
+    let bins = workspace_binaries()?;
+    let build = lines.iter().find(|l| l.contains("cargo build")).context("cargo build")?;
+    ensure!(build.contains("--locked") && build.contains("--release"), "{build}");
+    let mut copied = 0;
+    for line in &lines {
+        if let Some(rest) = line.strip_prefix("COPY --from=") {
+            let (stage, paths) = rest.split_once(' ').context("COPY")?;
+            ensure!(stages.iter().any(|(_, n)| n == stage), "COPY from unknown stage {stage}");
+            let source = paths.split_whitespace().next().context("source")?;
+            let bin = Path::new(source).file_name().context("name")?.to_string_lossy();
+            ensure!(bins.contains(bin.as_ref()), "{bin} is not a workspace binary ({bins:?})");
+            ensure!(text.contains(&format!("target/release/{bin}")), "{bin} is not built");
+            copied += 1;
+        }
+    }
+    ensure!(copied >= 1 && bins.contains("baleen-agent"), "the agent is copied");
+    // The user is said, with why (the agent needs root; see the comment above it).
+    let user = lines.iter().rfind(|l| l.starts_with("USER ")).context("a USER line")?;
+    ensure!(*user == "USER 0:0", "{user}");
+    ensure!(text.contains("runs as root: it creates its sockets"), "the USER line is explained");
+    let entry = lines.iter().find(|l| l.starts_with("ENTRYPOINT")).context("ENTRYPOINT")?;
+    ensure!(entry.contains("baleen-agent"), "{entry}");
+    // The DaemonSets run what the image holds.
+    let ignore = std::fs::read_to_string(repo().join(".dockerignore"))?;
+    ensure!(ignore.lines().any(|l| l.trim() == "target/"), "the build context leaves target/ out");
+    Ok(())
+}
