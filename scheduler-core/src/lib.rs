@@ -48,6 +48,7 @@
 pub mod cluster;
 pub mod fit;
 pub mod frag;
+pub mod gpu_state;
 pub mod ledger;
 pub mod model;
 pub mod node_choice;

@@ -20,6 +20,7 @@
 //! `baleen_scheduler_core::ledger::NodeLedger`, keeps the GPU shares; this one keeps device IDs.)
 
 pub mod device_id;
+mod node_state;
 pub mod preferred;
 pub mod view;
 
@@ -881,20 +882,7 @@ impl DeviceLedger {
     /// A GPU's free compute is `1000 x free units / units`, 0 when it is held whole, in MIG
     /// mode or unhealthy. CPU and memory are the kubelet's and are not looked at.
     pub fn fragmentation(&self) -> Fragmentation {
-        let none = BTreeSet::new();
-        let free: Vec<u32> = self
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                if s.gpu.mig.is_enabled() || !s.healthy || self.whole_holder(i, &none).is_some() {
-                    return 0;
-                }
-                let units = u64::from(s.units.max(1));
-                let free = units.saturating_sub(self.units_held(i, &none) as u64);
-                u32::try_from(1000 * free / units).unwrap_or(1000)
-            })
-            .collect();
+        let free: Vec<u32> = (0..self.slots.len()).map(|i| self.free_milli(i)).collect();
         let target = self.recent.target();
         let node =
             NodeFree { cpu: MilliCpu(u64::MAX), memory: MemMib(u64::MAX), gpus: free.as_slice() };

@@ -412,3 +412,60 @@ fn mig_gpus_have_no_free_compute_for_fragmentation() {
     assert_eq!(f.learned_from, 1);
     assert_eq!(f.milli_gpu, 0.0, "a small shape fits everywhere");
 }
+
+#[test]
+fn the_node_state_document_says_what_is_free_and_who_holds_it() {
+    use baleen_scheduler_core::gpu_state::{GpuMode as M, NodeGpuState};
+    let mut state = example("h200-8x-nvswitch.yaml");
+    state.allocate(&View::GpuMemory, &units(&state, 0, 0..98), 0).expect("0.7 of GPU 0");
+    state.allocate(&View::Gpu, &[uuid(&state, 1)], 0).expect("GPU 1");
+    let group = format!("nvlink2-{}", uuid(&state, 2));
+    state.allocate(&View::NvlinkGroup(2), std::slice::from_ref(&group), 0).expect("GPUs 2, 3");
+    assert!(state.set_health(&uuid(&state, 7), false));
+    let holder =
+        |r: &AllocationRecord| r.resource.ends_with("gpu-memory").then(|| "ns/a".to_owned());
+    let doc = state.node_state("node-a", 7, holder);
+    assert_eq!((doc.version, doc.node.as_str(), doc.generation), (1, "node-a", 7));
+    assert_eq!(doc.memory_unit_bytes, 1 << 30);
+    assert!(doc.resources.contains(&"awesome-ai-company.com/nvlink-group-8".to_owned()));
+    let g = &doc.gpus;
+    assert_eq!((g[0].mode, g[0].units_total, g[0].units_free), (M::Shared, 140, 42));
+    assert_eq!((g[0].compute_free_milli, g[0].pods.as_slice()), (300, &["ns/a".to_owned()][..]));
+    assert!(g[0].shares_offered);
+    assert_eq!((g[1].mode, g[1].compute_free_milli, g[1].shares_offered), (M::Exclusive, 0, false));
+    assert!(g[1].pods.is_empty(), "the holder says only gpu-memory grants here");
+    assert_eq!((g[2].mode, g[3].mode), (M::Exclusive, M::Exclusive));
+    assert_eq!((g[4].mode, g[4].units_free, g[4].compute_free_milli), (M::Idle, 140, 1000));
+    assert!(!g[7].healthy && !g[7].shares_offered && g[7].compute_free_milli == 0);
+    assert_eq!(g[0].nvlink_peers.len(), 7, "NVSwitch: every other GPU");
+    let free: Vec<(u32, bool)> =
+        doc.nvlink_groups.iter().filter(|n| n.size == 2).map(|n| (n.gpus[0], n.free)).collect();
+    // GPUs 0-1 are held (shared, whole), 2-3 by the group, 6-7 has an unhealthy GPU.
+    assert_eq!(free, [(0, false), (2, false), (4, true), (6, false)]);
+    assert!(doc.nvlink_groups.iter().all(|n| n.size == 2 || !n.free));
+    // What the agent writes, the extender reads back.
+    assert_eq!(NodeGpuState::parse(&doc.to_json()).expect("valid"), doc);
+}
+
+#[test]
+fn mig_instances_are_in_the_node_state_when_offered() {
+    let mut state = example("a100-4x-mig.yaml");
+    let mig = "MIG-6a0d4e1b-2c3f-5a7e-8b9d-0f1e2d3c4b51".to_owned();
+    state.allocate(&View::Mig("1g.10gb".into()), std::slice::from_ref(&mig), 0).expect("mig");
+    let doc = state.node_state("n", 1, |_| Some("ns/m".to_owned()));
+    let instances: Vec<_> = doc.gpus.iter().flat_map(|g| g.mig.iter()).collect();
+    assert!(instances.len() >= 3, "{instances:?}");
+    assert!(instances.iter().any(|m| m.uuid == mig && !m.free));
+    assert!(instances.iter().filter(|m| m.uuid != mig).all(|m| m.free));
+    let holder = doc.gpus.iter().find(|g| g.mig.iter().any(|m| m.uuid == mig)).expect("its GPU");
+    assert_eq!(holder.pods, ["ns/m"]);
+    assert_eq!(holder.compute_free_milli, 0);
+    // With MIG views off, no instance is offered, so none is published.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../packaging/examples/a100-4x-mig.yaml");
+    let inventory =
+        SimulatedInventory::from_file(&path).expect("example").discover().expect("discover");
+    let config = ViewConfig { mig: false, ..ViewConfig::default() };
+    let off = DeviceLedger::new("n", &inventory, config).expect("ledger");
+    assert!(off.node_state("n", 0, |_| None).gpus.iter().all(|g| g.mig.is_empty()));
+}
