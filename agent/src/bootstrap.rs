@@ -27,6 +27,11 @@ pub enum RunError {
     /// The agent failed.
     #[error(transparent)]
     Agent(#[from] AgentError),
+    /// The node-state annotation is on and no Kubernetes API client can be made.
+    #[error(
+        "annotation.enabled is true (the default in a pod) but the Kubernetes API cannot be used; set annotation.enabled: false to run without publishing the node state"
+    )]
+    KubeApi(#[source] crate::kube_api::ApiError),
 }
 
 impl RunError {
@@ -36,7 +41,7 @@ impl RunError {
         match self {
             RunError::Config(_) | RunError::Inventory(InventoryError::Topology(_)) => true,
             RunError::Agent(e) => e.is_configuration(),
-            RunError::Runtime(_) | RunError::Inventory(_) => false,
+            RunError::Runtime(_) | RunError::Inventory(_) | RunError::KubeApi(_) => false,
         }
     }
 }
@@ -64,7 +69,13 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
             "starting; each resource registers as soon as a kubelet listens there (waiting if none does)"
         );
         let registry = prometheus::Registry::new();
-        crate::agent::run(settings.agent, Dependencies { inventory, registry }, shutdown).await
+        let node_api: Option<Arc<dyn crate::kube_api::NodeApi>> = if settings.agent.annotation.enabled {
+            Some(crate::kube_api::KubeNodeApi::from_environment().await.map_err(RunError::KubeApi)?)
+        } else {
+            None
+        };
+        let deps = Dependencies { inventory, registry, node_api };
+        Ok::<_, RunError>(crate::agent::run(settings.agent, deps, shutdown).await?)
     })?;
     Ok(())
 }

@@ -45,6 +45,13 @@ pub const METRICS_ADDRESS: std::net::SocketAddr =
     std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 9477));
 /// Time between two telemetry reads (never on the scrape path).
 pub const METRICS_INTERVAL: Duration = Duration::from_secs(10);
+/// The least time between two writes of the node-state annotation.
+pub const ANNOTATION_MIN_INTERVAL: Duration = Duration::from_secs(1);
+/// The node-state annotation's name in the resource domain: `<domain>/gpu-state`.
+pub const ANNOTATION_NAME: &str = "gpu-state";
+/// The first and the longest wait before writing the annotation again after a failed write.
+pub const ANNOTATION_RETRY: (Duration, Duration) =
+    (Duration::from_millis(500), Duration::from_secs(30));
 /// Where the kernel publishes the boot ID.
 pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 /// Where the kernel publishes the host name (the node name's last fallback).

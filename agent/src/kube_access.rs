@@ -3,9 +3,10 @@
 //! (`tests/tests/install.rs`) fails when the two differ. A subsystem that starts calling the API
 //! adds its rule here in the same change.
 //!
-//! Today the list is empty: the agent learns which pod holds which device from the kubelet's
-//! pod-resources socket on the node, not from the API server, so its pod runs without a
-//! service-account token.
+//! The agent learns which pod holds which device from the kubelet's pod-resources socket on the
+//! node, not from the API server; it writes one thing: the node-state annotation on its own Node
+//! (`agent::node_state`, a JSON merge patch). RBAC cannot limit a rule to the agent's own node,
+//! so the rule covers every node; the agent names only its own.
 
 /// One RBAC rule: verbs on a resource of an API group (`""` is the core group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -19,4 +20,4 @@ pub struct ApiRule {
 }
 
 /// What the node agent (and `baleen-agent mps`) call on the Kubernetes API.
-pub const AGENT: &[ApiRule] = &[];
+pub const AGENT: &[ApiRule] = &[ApiRule { api_group: "", resource: "nodes", verbs: &["patch"] }];

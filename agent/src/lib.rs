@@ -32,6 +32,7 @@ pub mod instruments;
 pub mod inventory;
 pub mod isolation;
 pub mod kube_access;
+pub mod kube_api;
 pub mod ledger;
 pub mod metrics;
 pub mod quantity;

@@ -142,6 +142,9 @@ pub struct NodeResources {
     /// Where the agent's own measurements go, once the metrics are set up (with the node label).
     instruments: std::sync::OnceLock<(String, Arc<Instruments>)>,
     views: BTreeMap<View, (String, watch::Sender<DeviceSnapshot>)>,
+    /// Counts changes of what the node-state document says (allocations, health, shares
+    /// offered, the pods holding grants); the publisher follows it.
+    state_changes: watch::Sender<u64>,
     pod_resources: Option<PathBuf>,
     responses: ResponseConfig,
 }
@@ -185,6 +188,7 @@ impl NodeResources {
                 mps_clients: BTreeMap::new(),
             }),
             views,
+            state_changes: watch::channel(0).0,
             pod_resources,
             responses,
             instruments: std::sync::OnceLock::new(),
@@ -275,7 +279,30 @@ impl NodeResources {
         self.lock().state.records()
     }
 
+    /// Follows changes of the node-state document (see [`Self::node_state`]).
+    pub fn watch_state(&self) -> watch::Receiver<u64> {
+        self.state_changes.subscribe()
+    }
+
+    /// The node-state document now: the ledger, with the pods the kubelet's last list names.
+    pub fn node_state(&self) -> baleen_scheduler_core::gpu_state::NodeGpuState {
+        let inner = self.lock();
+        let holder = |r: &AllocationRecord| {
+            inner
+                .listed
+                .iter()
+                .find(|k| k.resource == r.resource && k.device_ids == r.device_ids)
+                .map(|k| format!("{}/{}", k.namespace, k.pod))
+        };
+        inner.state.node_state(&inner.node, inner.generation, holder)
+    }
+
+    fn state_changed(&self) {
+        self.state_changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
     fn publish(&self, state: &DeviceLedger) {
+        self.state_changed();
         for (view, (_, tx)) in &self.views {
             let devices = device_list(state.devices(view));
             tx.send_if_modified(|current| {
@@ -317,6 +344,7 @@ impl NodeResources {
         inner.state = next;
         if changed || trust == Trust::Granted {
             inner.generation += 1;
+            self.state_changed();
         }
         if changed {
             self.publish(&inner.state);
@@ -382,7 +410,11 @@ impl NodeResources {
             Ok((Some(report), Trust::Reconciled))
         })?;
         if report.is_some() {
-            self.lock().listed = allocations.to_vec();
+            let mut inner = self.lock();
+            if inner.listed != allocations {
+                inner.listed = allocations.to_vec();
+                self.state_changed();
+            }
         }
         if let Some((node, i)) = self.instruments.get() {
             let node = node.as_str();

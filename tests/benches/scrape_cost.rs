@@ -69,13 +69,14 @@ fn main() -> anyhow::Result<()> {
                 address: "127.0.0.1:0".parse()?,
                 interval: Duration::from_secs(1),
             },
+            annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
             reconcile_interval: Duration::from_secs(1),
             reconcile_grace: Duration::from_secs(600),
         };
         let token = CancellationToken::new();
         let agent = Agent::start(
             config,
-            Dependencies { inventory, registry: Default::default() },
+            Dependencies { inventory, registry: Default::default(), node_api: None },
             token.clone(),
         )
         .await?;

@@ -4,6 +4,8 @@
 //!   (see `../shared/kubelet-behaviour.md`): Registration on `kubelet.sock`, dial-back,
 //!   GetDevicePluginOptions, ListAndWatch kept open, GetPreferredAllocation then Allocate per
 //!   container, and a restart that wipes the directory.
+//! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
+//!   which can go away and come back;
 //! - [`memory_backend`]: an in-memory device-plugin backend for tests and benchmarks;
 //! - [`tools`]: outside programs the tests use (promtool), or how to install them;
 //! - the `fake-mps-control` binary: a fake `nvidia-cuda-mps-control`.
@@ -11,6 +13,7 @@
 //! The tests themselves are in `tests/tests/`. The placement replay check against the published
 //! Alibaba results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
 
+pub mod fake_apiserver;
 pub mod fake_kubelet;
 pub mod fake_nvml;
 pub mod memory_backend;

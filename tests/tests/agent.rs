@@ -1,7 +1,8 @@
 //! The whole agent in-process against the fake kubelet (device plugins and pod-resources), on
 //! the simulated inventory and on the real NVML backend over the fake `libnvidia-ml.so`:
 //! registration of every view, packing, exclusivity across views, clear refusals, health, and
-//! crash recovery with an intact or a corrupted checkpoint. Every wait has a timeout.
+//! crash recovery with an intact or a corrupted checkpoint, the node-state annotation against a
+//! fake API server. Every wait has a timeout.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use baleen_agent::isolation::mps::MpsConfig;
 use baleen_agent::ledger::{AllocationRecord, ViewConfig};
 use baleen_agent::resources::ResponseConfig;
 use baleen_proto::deviceplugin::v1beta1::HEALTHY;
+use baleen_scheduler_core::gpu_state::NodeGpuState;
 use baleen_tests::fake_kubelet::{AdmitError, FakeKubelet, KubeletView};
 use baleen_tests::fake_nvml::FakeNvml;
 use tokio_util::sync::CancellationToken;
@@ -81,6 +83,7 @@ impl Node {
                 address: "127.0.0.1:0".parse().expect("loopback"),
                 interval: Duration::from_millis(100),
             },
+            annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),
@@ -89,12 +92,24 @@ impl Node {
     }
 
     async fn start(&self) -> Result<(Agent, CancellationToken)> {
+        self.start_with(None).await
+    }
+
+    /// Starts the agent with `node_api` for its node-state annotation.
+    async fn start_with(
+        &self,
+        node_api: Option<Arc<dyn baleen_agent::kube_api::NodeApi>>,
+    ) -> Result<(Agent, CancellationToken)> {
         let token = CancellationToken::new();
         let agent = tokio::time::timeout(
             WAIT,
             Agent::start(
                 self.config.clone(),
-                Dependencies { inventory: self.inventory.clone(), registry: Default::default() },
+                Dependencies {
+                    inventory: self.inventory.clone(),
+                    registry: Default::default(),
+                    node_api,
+                },
                 token.clone(),
             ),
         )
@@ -284,7 +299,7 @@ async fn crash_and_restart(corrupt: bool) -> Result<()> {
         doomed.spawn(async move {
             Agent::start(
                 config,
-                Dependencies { inventory, registry: Default::default() },
+                Dependencies { inventory, registry: Default::default(), node_api: None },
                 CancellationToken::new(),
             )
             .await
@@ -520,7 +535,11 @@ async fn stopped_while_waiting_for_pod_resources_writes_no_checkpoint() -> Resul
         WAIT,
         Agent::start(
             node.config.clone(),
-            Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
+            Dependencies {
+                inventory: node.inventory.clone(),
+                registry: Default::default(),
+                node_api: None,
+            },
             token.clone(),
         ),
     )
@@ -686,7 +705,11 @@ async fn a_second_agent_waits_and_never_steals_the_first_ones_sockets() -> Resul
     let second_token = CancellationToken::new();
     let second = tokio::spawn(Agent::start(
         node.config.clone(),
-        Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
+        Dependencies {
+            inventory: node.inventory.clone(),
+            registry: Default::default(),
+            node_api: None,
+        },
         second_token.clone(),
     ));
     // It waits (a bounded look for something that must not happen).
@@ -708,7 +731,11 @@ async fn a_second_agent_waits_and_never_steals_the_first_ones_sockets() -> Resul
         WAIT,
         Agent::start(
             stray,
-            Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
+            Dependencies {
+                inventory: node.inventory.clone(),
+                registry: Default::default(),
+                node_api: None,
+            },
             CancellationToken::new(),
         ),
     )
@@ -742,7 +769,7 @@ async fn a_configuration_that_changes_held_device_ids_is_refused() -> Result<()>
             WAIT,
             Agent::start(
                 config,
-                Dependencies { inventory, registry: Default::default() },
+                Dependencies { inventory, registry: Default::default(), node_api: None },
                 token.clone(),
             ),
         )
@@ -788,7 +815,11 @@ async fn socket_paths_too_long_are_a_configuration_error() -> Result<()> {
         WAIT,
         Agent::start(
             config,
-            Dependencies { inventory: node.inventory.clone(), registry: Default::default() },
+            Dependencies {
+                inventory: node.inventory.clone(),
+                registry: Default::default(),
+                node_api: None,
+            },
             CancellationToken::new(),
         ),
     )
@@ -1554,4 +1585,118 @@ async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query()
     drop(server);
     outcome?;
     stop(agent, token).await
+}
+
+/// The node's gpu-state annotation as the fake API server holds it now.
+fn published(api: &baleen_tests::fake_apiserver::FakeApiServer) -> Option<NodeGpuState> {
+    let text = api.annotation("node-a", "awesome-ai-company.com/gpu-state")?;
+    Some(NodeGpuState::parse(&text).expect("the agent writes valid documents"))
+}
+
+/// Waits (at most `WAIT`) until the published state satisfies `ok`.
+async fn published_when(
+    api: &baleen_tests::fake_apiserver::FakeApiServer,
+    what: &str,
+    ok: impl Fn(&NodeGpuState) -> bool,
+) -> Result<NodeGpuState> {
+    let mut requests = api.watch_requests();
+    let wait = async {
+        loop {
+            if let Some(state) = published(api).filter(|s| ok(s)) {
+                return anyhow::Ok(state);
+            }
+            requests.changed().await?;
+        }
+    };
+    tokio::time::timeout(WAIT, wait).await.with_context(|| format!("waiting for {what}"))?
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_state_is_published_coalesced_and_survives_the_api_server_going_away() -> Result<()>
+{
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let interval = Duration::from_millis(300);
+    node.config.annotation = baleen_agent::agent::node_state::AnnotationConfig {
+        enabled: true,
+        min_interval: interval,
+        ..Default::default()
+    };
+    let mut api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    let (agent, token) = node.start_with(Some(client.clone())).await?;
+    node.registered(&agent, 1).await?;
+    // Written at start, as a JSON merge patch of the one annotation.
+    let first = published_when(&api, "the first state", |s| s.gpus.len() == 4).await?;
+    assert!(first.gpus.iter().all(|g| g.units_free == g.units_total && g.units_total == 22));
+    let patch = api.requests().into_iter().find(|r| r.method == "PATCH").context("a patch")?;
+    assert_eq!(patch.content_type, "application/merge-patch+json");
+    assert_eq!(patch.path, "/api/v1/nodes/node-a");
+    let keys: Vec<&String> =
+        patch.body["metadata"].as_object().context("metadata")?.keys().collect();
+    assert_eq!(keys, ["annotations"], "nothing but the annotation is written");
+
+    // A burst of grants: written at most once per interval, and the last state always.
+    let before = api.requests().len();
+    let mut gpus = std::collections::BTreeSet::new();
+    for pod in ["ns/a", "ns/b", "ns/c", "ns/d", "ns/e"] {
+        let a = node.kubelet.admit_to(pod, "c", MEM, 4).await?;
+        gpus.insert(gpu_of(&a.device_ids[0]).to_owned());
+    }
+    let all = published_when(&api, "all five grants", |s| {
+        s.gpus.iter().map(|g| g.units_total - g.units_free).sum::<u32>() == 20
+    })
+    .await?;
+    let patches: Vec<std::time::Instant> =
+        api.requests()[before..].iter().filter(|r| r.method == "PATCH").map(|r| r.at).collect();
+    assert!(patches.len() < 5, "five grants, {} writes: not coalesced", patches.len());
+    for pair in patches.windows(2) {
+        // The interval is measured from the end of a write to the next change; the next write
+        // starts at least that long after it (a little slack for the recording's clock).
+        assert!(
+            pair[1] - pair[0] >= interval - Duration::from_millis(20),
+            "{:?}",
+            pair[1] - pair[0]
+        );
+    }
+    // The pods that hold them, once the kubelet has listed them.
+    let named = published_when(&api, "the pods named", |s| {
+        s.gpus.iter().flat_map(|g| g.pods.iter()).any(|p| p == "ns/e")
+    })
+    .await?;
+    assert!(named.generation >= all.generation);
+
+    // The API server goes away: Allocate is not held up, and the state is written once it is
+    // back.
+    api.stop();
+    let started = std::time::Instant::now();
+    node.kubelet.admit_to("ns/f", "c", MEM, 2).await?;
+    assert!(started.elapsed() < Duration::from_secs(2), "Allocate waited for the API server");
+    let used = |s: &NodeGpuState| s.gpus.iter().map(|g| g.units_total - g.units_free).sum::<u32>();
+    assert!(published(&api).is_some_and(|s| used(&s) == 20), "nothing written while away");
+    api.start_again().await?;
+    published_when(&api, "the grant made while the API server was away", |s| used(s) == 22).await?;
+
+    // A restarted agent writes at start, even an unchanged state.
+    stop(agent, token).await?;
+    let before = api.requests().iter().filter(|r| r.method == "PATCH").count();
+    let (agent, token) = node.start_with(Some(client)).await?;
+    let mut requests = api.watch_requests();
+    tokio::time::timeout(WAIT, async {
+        while api.requests().iter().filter(|r| r.method == "PATCH").count() == before {
+            requests.changed().await?;
+        }
+        anyhow::Ok(())
+    })
+    .await??;
+    assert_eq!(published(&api).map(|s| used(&s)), Some(22));
+    stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_told_to_publish_without_an_api_does_not_start() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.config.annotation.enabled = true;
+    let err = node.start().await.err().context("started without an API")?;
+    assert!(format!("{err:#}").contains("no Kubernetes API client"), "{err:#}");
+    Ok(())
 }

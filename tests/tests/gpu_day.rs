@@ -96,6 +96,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
             address: "127.0.0.1:0".parse().expect("loopback"),
             interval: Duration::from_millis(100),
         },
+        annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -106,7 +107,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         Duration::from_secs(10),
         Agent::start(
             config,
-            Dependencies { inventory, registry: Default::default() },
+            Dependencies { inventory, registry: Default::default(), node_api: None },
             token.clone(),
         ),
     )
@@ -189,6 +190,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
             address: "127.0.0.1:0".parse().expect("loopback"),
             interval: Duration::from_millis(100),
         },
+        annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -198,7 +200,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
         Duration::from_secs(10),
         Agent::start(
             config,
-            Dependencies { inventory, registry: Default::default() },
+            Dependencies { inventory, registry: Default::default(), node_api: None },
             token.clone(),
         ),
     )

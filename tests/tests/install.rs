@@ -480,7 +480,36 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
             spec.automount_service_account_token == Some(false),
             "the agent calls no API: no token in its pods"
         );
+    } else {
+        let account =
+            install.service_accounts.iter().find(|s| s.metadata.name.as_deref() == Some(&sa));
+        ensure!(
+            spec.automount_service_account_token != Some(false)
+                && account.and_then(|a| a.automount_service_account_token) != Some(false),
+            "the agent calls the API: its pods need the token"
+        );
     }
+    // The MPS daemons call nothing: an account of their own, bound to nothing, no token.
+    if let Some(mps) = install.daemon_set(MPS) {
+        let spec = pod_spec(mps)?;
+        let account = spec.service_account_name.clone().context("baleen-mps account")?;
+        ensure!(account != sa, "the MPS daemons must not share the agent's rights");
+        ensure!(
+            install.bindings.iter().all(|(_, _, subjects)| !subjects.contains(&account)),
+            "the MPS daemons' account is bound to a role"
+        );
+        let token = install
+            .service_accounts
+            .iter()
+            .find(|s| s.metadata.name.as_deref() == Some(&account))
+            .and_then(|a| a.automount_service_account_token);
+        ensure!(
+            token == Some(false) || spec.automount_service_account_token == Some(false),
+            "no token in the MPS pods"
+        );
+    }
+    // The agent publishes its node's state wherever it may (the extender reads it).
+    ensure!(a.annotation.enabled, "{overlay}: the node-state annotation is off");
 
     // The metrics Service selects the agent's pods on the metrics port.
     let service = install

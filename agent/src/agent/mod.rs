@@ -21,6 +21,7 @@
 pub mod health;
 pub mod lock;
 pub mod mps;
+pub mod node_state;
 pub mod plugins;
 pub mod reconciler;
 pub mod startup;
@@ -65,6 +66,8 @@ pub struct AgentConfig {
     pub watchdog: WatchdogConfig,
     /// The Prometheus endpoint.
     pub metrics: MetricsConfig,
+    /// The node-state annotation for the scheduler extender.
+    pub annotation: node_state::AnnotationConfig,
     /// Time between reconciliations with pod-resources.
     pub reconcile_interval: Duration,
     /// How long an allocation the kubelet's pod-resources list has never shown is kept (an
@@ -80,6 +83,9 @@ pub struct Dependencies {
     pub inventory: Arc<dyn GpuInventory>,
     /// The registry the metric families are registered in (`main` makes it; no global one).
     pub registry: prometheus::Registry,
+    /// Where the node-state annotation is written (`main`: the Kubernetes API through kube-rs);
+    /// required when `annotation.enabled`.
+    pub node_api: Option<Arc<dyn crate::kube_api::NodeApi>>,
 }
 
 /// Why the agent cannot start or stopped.
@@ -97,6 +103,9 @@ pub enum AgentError {
     /// GPU discovery failed.
     #[error(transparent)]
     Inventory(#[from] InventoryError),
+    /// The node-state annotation is on but the agent was given no Kubernetes API to write to.
+    #[error("annotation.enabled but no Kubernetes API client was given to the agent")]
+    NoNodeApi,
     /// The inventory cannot be made into a device ledger.
     #[error(transparent)]
     Ledger(#[from] BuildError),
@@ -252,6 +261,20 @@ impl Agent {
         mps::start(&mut tasks, &config, &resources, &shutdown).await;
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
         let reconcile = reconciler::Settings::of(&config);
+        if config.annotation.enabled {
+            let api = deps.node_api.clone().ok_or(AgentError::NoNodeApi)?;
+            let publish = node_state::run(
+                api,
+                resources.clone(),
+                config.node_name.clone(),
+                config.annotation.clone(),
+                shutdown.clone(),
+            );
+            tasks.spawn("node-state publisher", async move {
+                publish.await;
+                Ok(())
+            });
+        }
         tasks.spawn(
             "reconciliation",
             reconciler::run(resources.clone(), reconcile, shutdown.clone()),

@@ -42,6 +42,9 @@ pub struct FileConfig {
     /// Logging.
     #[serde(default)]
     pub log: LogFile,
+    /// `annotation:`: the node-state annotation for the scheduler extender.
+    #[serde(default)]
+    pub annotation: AnnotationFile,
 }
 
 /// `resources:` in the file.
@@ -149,6 +152,16 @@ pub struct MetricsFile {
     pub address: Option<String>,
     /// Time between telemetry reads, e.g. `10s` (default).
     pub interval: Option<String>,
+}
+
+/// `annotation:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AnnotationFile {
+    /// Publish the node's GPU state on its Node (default: true inside a pod, false outside).
+    pub enabled: Option<bool>,
+    /// The least time between two writes, e.g. `1s` (default).
+    pub min_interval: Option<String>,
 }
 
 /// `log:` in the file.

@@ -256,6 +256,11 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         duration("mps probeTimeout", file.mps.probe_timeout.as_ref(), defaults::MPS_PROBE_TIMEOUT);
     let metrics_interval =
         duration("metrics interval", file.metrics.interval.as_ref(), defaults::METRICS_INTERVAL);
+    let annotation_interval = duration(
+        "annotation minInterval",
+        file.annotation.min_interval.as_ref(),
+        defaults::ANNOTATION_MIN_INTERVAL,
+    );
     let watchdog_interval =
         duration("watchdog interval", file.watchdog.interval.as_ref(), defaults::WATCHDOG_INTERVAL);
     if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
@@ -358,6 +363,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         ));
     }
     let paths = &file.paths;
+    let views_domain = domain.clone();
     let agent = AgentConfig {
         node_name: node_name.clone(),
         device_plugin_dir: pick(
@@ -406,6 +412,12 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             enabled: file.metrics.enabled.unwrap_or(true),
             address: metrics_address,
             interval: metrics_interval,
+        },
+        annotation: crate::agent::node_state::AnnotationConfig {
+            // Inside a pod the API server is there to write to; outside one, only when asked.
+            enabled: file.annotation.enabled.unwrap_or(env.in_pod),
+            key: format!("{}/{}", views_domain, defaults::ANNOTATION_NAME),
+            min_interval: annotation_interval,
         },
         reconcile_interval,
         reconcile_grace,
@@ -541,6 +553,30 @@ mod tests {
         );
         let err = resolve(&args, &Environment::default()).expect_err("three problems");
         assert_eq!(err.problems.len(), 3, "{err}");
+    }
+
+    #[test]
+    fn the_annotation_is_on_in_a_pod_and_off_outside_unless_told() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        std::fs::write(&file, "nodeName: n\n").expect("write");
+        let outside = resolve(&args, &Environment::default()).expect("valid");
+        assert!(!outside.agent.annotation.enabled);
+        let in_pod = Environment { node_name: Some("n".into()), in_pod: true };
+        let inside = resolve(&args, &in_pod).expect("valid");
+        assert!(inside.agent.annotation.enabled);
+        assert_eq!(inside.agent.annotation.key, "awesome-ai-company.com/gpu-state");
+        assert_eq!(inside.agent.annotation.min_interval, Duration::from_secs(1));
+        std::fs::write(&file, "nodeName: n\ndomain: example.org\nannotation:\n  enabled: false\n  minInterval: 250ms\n")
+            .expect("write");
+        let told = resolve(&args, &in_pod).expect("valid");
+        assert!(!told.agent.annotation.enabled);
+        assert_eq!(told.agent.annotation.key, "example.org/gpu-state");
+        assert_eq!(told.agent.annotation.min_interval, Duration::from_millis(250));
+        std::fs::write(&file, "nodeName: n\nannotation:\n  minInterval: 0s\n").expect("write");
+        let err = resolve(&args, &in_pod).expect_err("zero");
+        assert!(err.to_string().contains("annotation minInterval must be above zero"), "{err}");
     }
 
     #[test]

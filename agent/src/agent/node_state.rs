@@ -1,0 +1,96 @@
+//! The node-state publisher: writes the node's gpu-state document (docs/gpu-state.md) as the
+//! annotation `<domain>/gpu-state` on the agent's own Node, for the scheduler extender. Written
+//! once the ledger is restored and after every change, coalesced (at most one write per
+//! `annotation.minInterval`; the last state is always written), retried with backoff while the
+//! API server cannot be reached. It runs beside the plugins and never blocks an Allocate: it
+//! reads a snapshot of the ledger and writes outside its lock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::defaults;
+use crate::error_chain::Chain;
+use crate::kube_api::NodeApi;
+use crate::resources::NodeResources;
+
+/// The annotation's settings (`annotation:` in the file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnnotationConfig {
+    /// Publish at all.
+    pub enabled: bool,
+    /// The annotation's key, `<domain>/gpu-state`.
+    pub key: String,
+    /// The least time between two writes.
+    pub min_interval: Duration,
+}
+
+impl Default for AnnotationConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            key: format!("{}/{}", defaults::DOMAIN, defaults::ANNOTATION_NAME),
+            min_interval: defaults::ANNOTATION_MIN_INTERVAL,
+        }
+    }
+}
+
+/// Publishes until `shutdown`.
+pub async fn run(
+    api: Arc<dyn NodeApi>,
+    resources: Arc<NodeResources>,
+    node: String,
+    config: AnnotationConfig,
+    shutdown: CancellationToken,
+) {
+    let mut changes = resources.watch_state();
+    let mut written: Option<String> = None;
+    let (first_retry, longest_retry) = defaults::ANNOTATION_RETRY;
+    let mut retry = first_retry;
+    let mut failing = false;
+    loop {
+        changes.borrow_and_update();
+        let text = resources.node_state().to_json();
+        if written.as_deref() != Some(text.as_str()) {
+            match api.annotate(&node, &config.key, &text).await {
+                Ok(()) => {
+                    if failing {
+                        tracing::info!(node, annotation = config.key, "node state written again");
+                    }
+                    failing = false;
+                    retry = first_retry;
+                    written = Some(text);
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(
+                            node,
+                            annotation = config.key,
+                            error = %Chain(&e),
+                            "cannot write the node state; retrying with backoff (the scheduler extender sees an older state meanwhile)"
+                        );
+                    }
+                    failing = true;
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(retry) => {}
+                    }
+                    retry = (retry * 2).min(longest_retry);
+                    continue;
+                }
+            }
+        }
+        let at = Instant::now();
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+        // Coalesce: changes during the interval are written together, as the state at its end.
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep_until(at + config.min_interval) => {}
+        }
+    }
+}
