@@ -1,3 +1,9 @@
-//! The kube-scheduler extender: HTTP filter and prioritize over `baleen-scheduler-core`.
+//! The kube-scheduler extender: HTTP `filter` and `prioritize` over `baleen-scheduler-core`,
+//! reading each node's GPUs from the gpu-state annotation its agent publishes
+//! (docs/gpu-state.md).
 //!
-//! Not built yet; the crate exists so the workspace has its final shape.
+//! - [`protocol`]: the extender protocol's JSON (kube-scheduler's Go field names);
+//! - [`demand`]: what a pod asks of baleen resources, CPU and memory.
+
+pub mod demand;
+pub mod protocol;

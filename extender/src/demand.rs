@@ -1,0 +1,297 @@
+//! What a pod asks of a node: its baleen resources per container, and the CPU and memory
+//! kube-scheduler accounts for it, read from the pod's containers as kube-scheduler reads them
+//! (the larger of the sum over app containers and the largest init container).
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::protocol::{Container, Pod};
+
+/// Why a pod's resources cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DemandError {
+    /// A quantity that is not a Kubernetes quantity.
+    #[error("container {container}: {resource} = {value} is not a quantity")]
+    Quantity {
+        /// The container.
+        container: String,
+        /// The resource.
+        resource: String,
+        /// What was there.
+        value: String,
+    },
+    /// A count of devices that is not a whole positive number.
+    #[error("container {container}: {resource} = {value} is not a whole number of devices")]
+    Count {
+        /// The container.
+        container: String,
+        /// The resource.
+        resource: String,
+        /// What was there.
+        value: String,
+    },
+}
+
+/// One container's ask of baleen resources.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ask {
+    /// `gpu-memory`: units, all on one GPU.
+    GpuMemory(u32),
+    /// `gpu`: whole GPUs.
+    Gpus(u32),
+    /// `mig-<profile>`: instances of one profile.
+    Mig(String, u32),
+    /// `nvlink-group-<size>`: groups of that size.
+    NvlinkGroups(u32, u32),
+}
+
+impl Ask {
+    /// The resource's name in `domain`.
+    pub fn resource(&self, domain: &str) -> String {
+        match self {
+            Ask::GpuMemory(_) => format!("{domain}/gpu-memory"),
+            Ask::Gpus(_) => format!("{domain}/gpu"),
+            Ask::Mig(p, _) => format!("{domain}/mig-{p}"),
+            Ask::NvlinkGroups(s, _) => format!("{domain}/nvlink-group-{s}"),
+        }
+    }
+}
+
+/// What a pod asks of a node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Demand {
+    /// Per container (app and init), its asks of baleen resources.
+    pub asks: Vec<Ask>,
+    /// CPU in millicores (requests, as kube-scheduler counts them).
+    pub cpu_milli: u64,
+    /// Memory in bytes (requests).
+    pub memory_bytes: u64,
+}
+
+impl Demand {
+    /// Whether the pod asks for any baleen resource.
+    pub fn is_empty(&self) -> bool {
+        self.asks.is_empty()
+    }
+
+    /// The pod's demand, reading resources in `domain`.
+    pub fn of(pod: &Pod, domain: &str) -> Result<Self, DemandError> {
+        let app = pod.spec.containers.as_deref().unwrap_or_default();
+        let init = pod.spec.init_containers.as_deref().unwrap_or_default();
+        let mut asks = Vec::new();
+        for c in app.iter().chain(init) {
+            asks.extend(asks_of(c, domain)?);
+        }
+        let (mut cpu, mut memory) = (0u64, 0u64);
+        for c in app {
+            let (c_cpu, c_mem) = host_requests(c)?;
+            cpu = cpu.saturating_add(c_cpu);
+            memory = memory.saturating_add(c_mem);
+        }
+        for c in init {
+            let (c_cpu, c_mem) = host_requests(c)?;
+            cpu = cpu.max(c_cpu);
+            memory = memory.max(c_mem);
+        }
+        Ok(Self { asks, cpu_milli: cpu, memory_bytes: memory })
+    }
+}
+
+/// A container's baleen asks: limits, else requests (extended resources must be equal in both).
+fn asks_of(c: &Container, domain: &str) -> Result<Vec<Ask>, DemandError> {
+    let prefix = format!("{domain}/");
+    let merged: BTreeMap<&String, &Value> =
+        c.resources.requests.iter().flatten().chain(c.resources.limits.iter().flatten()).collect();
+    let mut asks = Vec::new();
+    for (name, value) in merged {
+        let Some(kind) = name.strip_prefix(&prefix) else { continue };
+        let count = || {
+            let bad = || DemandError::Count {
+                container: c.name.clone(),
+                resource: name.clone(),
+                value: value.to_string(),
+            };
+            let milli = quantity_milli(value).ok_or_else(bad)?;
+            if milli % 1000 != 0 || milli <= 0 {
+                return Err(bad());
+            }
+            u32::try_from(milli / 1000).map_err(|_| bad())
+        };
+        let ask = if kind == "gpu-memory" {
+            Ask::GpuMemory(count()?)
+        } else if kind == "gpu" {
+            Ask::Gpus(count()?)
+        } else if let Some(profile) = kind.strip_prefix("mig-") {
+            Ask::Mig(profile.to_owned(), count()?)
+        } else if let Some(size) =
+            kind.strip_prefix("nvlink-group-").and_then(|s| s.parse::<u32>().ok())
+        {
+            Ask::NvlinkGroups(size, count()?)
+        } else {
+            // Another resource of the domain (e.g. one a newer agent offers): not ours to judge.
+            continue;
+        };
+        asks.push(ask);
+    }
+    Ok(asks)
+}
+
+/// A container's CPU (millicores) and memory (bytes) requests; a limit without a request counts
+/// as the request, as the API server defaults it.
+fn host_requests(c: &Container) -> Result<(u64, u64), DemandError> {
+    let get = |resource: &str| -> Result<u64, DemandError> {
+        let value = c
+            .resources
+            .requests
+            .as_ref()
+            .and_then(|r| r.get(resource))
+            .or_else(|| c.resources.limits.as_ref().and_then(|l| l.get(resource)));
+        let Some(value) = value else { return Ok(0) };
+        let milli = quantity_milli(value).ok_or_else(|| DemandError::Quantity {
+            container: c.name.clone(),
+            resource: resource.to_owned(),
+            value: value.to_string(),
+        })?;
+        Ok(u64::try_from(milli).unwrap_or(0))
+    };
+    let cpu = get("cpu")?;
+    let memory = get("memory")?.div_ceil(1000);
+    Ok((cpu, memory))
+}
+
+/// A Kubernetes quantity (`2`, `500m`, `1.5`, `16Gi`, `1e3`, or a JSON number) in thousandths,
+/// rounded up; `None` if it is not one. Memory in bytes comes out times 1000.
+pub fn quantity_milli(value: &Value) -> Option<i128> {
+    let text = match value {
+        Value::String(s) => s.trim().to_owned(),
+        Value::Number(n) => n.to_string(),
+        _ => return None,
+    };
+    const SUFFIXES: [(&str, i128, i128); 13] = [
+        ("Ki", 1 << 10, 1),
+        ("Mi", 1 << 20, 1),
+        ("Gi", 1 << 30, 1),
+        ("Ti", 1 << 40, 1),
+        ("Pi", 1 << 50, 1),
+        ("Ei", 1 << 60, 1),
+        ("m", 1, 1000),
+        ("k", 1_000, 1),
+        ("M", 1_000_000, 1),
+        ("G", 1_000_000_000, 1),
+        ("T", 1_000_000_000_000, 1),
+        ("P", 1_000_000_000_000_000, 1),
+        ("E", 1_000_000_000_000_000_000, 1),
+    ];
+    let suffixed = SUFFIXES
+        .iter()
+        .find_map(|&(suffix, num, den)| text.strip_suffix(suffix).map(|n| (n, num, den)));
+    let (number, scale_num, scale_den, exponent) = match suffixed {
+        Some((n, num, den)) => (n, num, den, 0),
+        // An exponent form (`1e3`), or a plain number.
+        None => match text.find(['e', 'E']) {
+            Some(i) => (&text[..i], 1, 1, text[i + 1..].parse::<i32>().ok()?),
+            None => (text.as_str(), 1, 1, 0),
+        },
+    };
+    let negative = number.starts_with('-');
+    let number = number.trim_start_matches(['+', '-']);
+    let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && frac.is_empty()
+        || !whole.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit())
+        || frac.len() > 18
+    {
+        return None;
+    }
+    // mantissa / 10^frac_len * 10^exponent * scale * 1000, rounded up.
+    let mantissa: i128 = format!("{whole}{frac}").parse().ok()?;
+    let mut num = mantissa.checked_mul(scale_num)?.checked_mul(1000)?;
+    let mut den = scale_den.checked_mul(10i128.checked_pow(u32::try_from(frac.len()).ok()?)?)?;
+    if exponent >= 0 {
+        num = num.checked_mul(10i128.checked_pow(u32::try_from(exponent).ok()?)?)?;
+    } else {
+        den = den.checked_mul(10i128.checked_pow(exponent.unsigned_abs())?)?;
+    }
+    let value = (num + den - 1) / den;
+    Some(if negative { -value } else { value })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn quantities_read_as_kubernetes_writes_them() {
+        let q = |v: Value| quantity_milli(&v);
+        assert_eq!(q(json!("2")), Some(2000));
+        assert_eq!(q(json!(8)), Some(8000));
+        assert_eq!(q(json!("500m")), Some(500));
+        assert_eq!(q(json!("1.5")), Some(1500));
+        assert_eq!(q(json!("0.1m")), Some(1), "rounded up, as the API server does");
+        assert_eq!(q(json!("16Gi")), Some(16 * (1 << 30) * 1000));
+        assert_eq!(q(json!("1e3")), Some(1_000_000));
+        assert_eq!(q(json!("1k")), Some(1_000_000));
+        assert_eq!(q(json!("128974848")), Some(128_974_848_000));
+        assert_eq!(q(json!("2E")), Some(2_000_000_000_000_000_000_000));
+        assert_eq!(q(json!("1Ei")), Some((1i128 << 60) * 1000));
+        assert_eq!(q(json!("-1")), Some(-1000));
+        for bad in
+            [json!("x"), json!("1Gb"), json!(""), json!("1.2.3"), json!(true), json!("1e3Gi")]
+        {
+            assert_eq!(q(bad.clone()), None, "{bad}");
+        }
+    }
+
+    fn pod(containers: Value, init: Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"containers": containers, "initContainers": init}
+        }))
+        .expect("pod")
+    }
+
+    #[test]
+    fn a_pods_asks_and_host_requests() {
+        let p = pod(
+            json!([
+                {"name": "a", "resources": {"limits": {"awesome-ai-company.com/gpu-memory": "8"},
+                                            "requests": {"cpu": "2", "memory": "4Gi"}}},
+                {"name": "b", "resources": {"limits": {"awesome-ai-company.com/gpu": 2, "cpu": "1"}}},
+                {"name": "c", "resources": {"limits": {"awesome-ai-company.com/mig-1g.10gb": 1,
+                    "awesome-ai-company.com/nvlink-group-4": 1, "other.com/gpu": 3}}}
+            ]),
+            json!([{"name": "i", "resources": {"requests": {"cpu": "8"}}}]),
+        );
+        let d = Demand::of(&p, "awesome-ai-company.com").expect("reads");
+        assert_eq!(
+            d.asks,
+            [
+                Ask::GpuMemory(8),
+                Ask::Gpus(2),
+                Ask::Mig("1g.10gb".into(), 1),
+                Ask::NvlinkGroups(4, 1)
+            ]
+        );
+        assert_eq!(d.cpu_milli, 8000, "the init container's 8 CPUs exceed the apps' 3");
+        assert_eq!(d.memory_bytes, 4 << 30);
+        let none =
+            pod(json!([{"name": "a", "resources": {"requests": {"cpu": "1"}}}]), json!(null));
+        assert!(Demand::of(&none, "awesome-ai-company.com").expect("reads").is_empty());
+        assert!(Demand::of(&Pod::default(), "awesome-ai-company.com").expect("reads").is_empty());
+    }
+
+    #[test]
+    fn a_fraction_of_a_device_or_a_bad_quantity_is_refused() {
+        let half = pod(
+            json!([{"name": "a", "resources": {"limits": {"awesome-ai-company.com/gpu": "500m"}}}]),
+            json!(null),
+        );
+        let err = Demand::of(&half, "awesome-ai-company.com").expect_err("half a GPU");
+        assert!(err.to_string().contains("not a whole number"), "{err}");
+        let bad =
+            pod(json!([{"name": "a", "resources": {"requests": {"cpu": "lots"}}}]), json!(null));
+        let err = Demand::of(&bad, "awesome-ai-company.com").expect_err("bad cpu");
+        assert!(err.to_string().contains("cpu = \"lots\""), "{err}");
+    }
+}

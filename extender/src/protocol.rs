@@ -1,0 +1,236 @@
+//! The kube-scheduler extender protocol (`k8s.io/kube-scheduler/extender/v1`) as JSON: the Go
+//! types carry no JSON tags, so keys are the Go field names (`Pod`, `Nodes`, `NodeNames`, ...).
+//! Pods and Nodes inside are ordinary core/v1 JSON; only the fields the extender reads are typed
+//! ([`Pod`], [`Node`]), everything else is ignored on the way in, and the Nodes a filter keeps
+//! are given back exactly as they came (raw JSON), since kube-scheduler reads them back.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The body of `filter` and `prioritize`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExtenderArgs {
+    /// The pod being scheduled.
+    #[serde(rename = "Pod")]
+    pub pod: Pod,
+    /// The candidate nodes, in full (`nodeCacheCapable: false`).
+    #[serde(rename = "Nodes", default)]
+    pub nodes: Option<NodeList>,
+    /// The candidate nodes' names (`nodeCacheCapable: true`).
+    #[serde(rename = "NodeNames", default)]
+    pub node_names: Option<Vec<String>>,
+}
+
+/// A NodeList: its items kept as they came.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct NodeList {
+    /// The list's metadata, given back unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+    /// The Node objects.
+    #[serde(default)]
+    pub items: Vec<Value>,
+}
+
+/// The answer of `filter`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExtenderFilterResult {
+    /// The nodes that pass, in full (when they were sent in full).
+    #[serde(rename = "Nodes")]
+    pub nodes: Option<NodeListOut>,
+    /// The names of the nodes that pass (when names were sent).
+    #[serde(rename = "NodeNames")]
+    pub node_names: Option<Vec<String>>,
+    /// Nodes filtered out, with why; preemption might make room on them.
+    #[serde(rename = "FailedNodes")]
+    pub failed_nodes: BTreeMap<String, String>,
+    /// Nodes filtered out where preemption cannot help.
+    #[serde(rename = "FailedAndUnresolvableNodes", default)]
+    pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
+    /// A failure of the whole call (empty when none).
+    #[serde(rename = "Error")]
+    pub error: String,
+}
+
+/// A NodeList as given back.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeListOut {
+    /// The list's metadata.
+    pub metadata: Value,
+    /// The nodes.
+    pub items: Vec<Value>,
+}
+
+/// One node's score in the answer of `prioritize` (a bare array of these).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostPriority {
+    /// The node.
+    #[serde(rename = "Host")]
+    pub host: String,
+    /// 0 (worst) to [`MAX_SCORE`].
+    #[serde(rename = "Score")]
+    pub score: i64,
+}
+
+/// kube-scheduler's `MaxExtenderPriority`.
+pub const MAX_SCORE: i64 = 10;
+
+/// The fields of a Pod the extender reads.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct Pod {
+    /// Name, namespace, UID, annotations.
+    pub metadata: Meta,
+    /// Containers and the node it is bound to.
+    pub spec: PodSpec,
+    /// Its phase.
+    pub status: PodStatus,
+}
+
+/// Object metadata.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct Meta {
+    /// Name.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+    /// UID.
+    pub uid: String,
+    /// Annotations.
+    pub annotations: Option<BTreeMap<String, String>>,
+    /// Set when the object is being deleted.
+    pub deletion_timestamp: Option<String>,
+}
+
+/// A pod's spec.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct PodSpec {
+    /// Containers (upstream's example sends `null`).
+    pub containers: Option<Vec<Container>>,
+    /// Init containers.
+    pub init_containers: Option<Vec<Container>>,
+    /// The node it is bound to, once bound.
+    pub node_name: Option<String>,
+}
+
+/// A pod's status.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct PodStatus {
+    /// `Pending`, `Running`, `Succeeded`, `Failed`, `Unknown`.
+    pub phase: Option<String>,
+}
+
+/// A container's name and resources.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct Container {
+    /// Name.
+    pub name: String,
+    /// Requests and limits.
+    pub resources: Resources,
+}
+
+/// Requests and limits, quantities as they came (a string or a number).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Resources {
+    /// Limits.
+    pub limits: Option<BTreeMap<String, Value>>,
+    /// Requests.
+    pub requests: Option<BTreeMap<String, Value>>,
+}
+
+/// The fields of a Node the extender reads.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct Node {
+    /// Name and annotations.
+    pub metadata: Meta,
+    /// Allocatable resources.
+    pub status: NodeStatus,
+}
+
+/// A node's status.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct NodeStatus {
+    /// What pods may use.
+    pub allocatable: Option<BTreeMap<String, Value>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Upstream's compatibility examples (kube-scheduler's own test data).
+    fn examples() -> Value {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/proto-upstream/scheduler-extender-v1-examples.json"
+        );
+        let text = std::fs::read_to_string(path)
+            .unwrap_or_else(|e| panic!("{path}: {e} (../shared must be beside the repository)"));
+        serde_json::from_str(&text).expect("examples")
+    }
+
+    fn exact(name: &str) -> String {
+        examples()["examples"][name]["exact_json"].as_str().expect("exact_json").to_owned()
+    }
+
+    #[test]
+    fn upstreams_extender_args_parse() {
+        let args: ExtenderArgs = serde_json::from_str(&exact("ExtenderArgs")).expect("parses");
+        assert_eq!(args.pod.metadata.name, "podname");
+        assert!(args.pod.spec.containers.is_none(), "containers: null");
+        let nodes = args.nodes.expect("Nodes");
+        assert_eq!(nodes.items.len(), 1);
+        assert_eq!(nodes.items[0]["metadata"]["name"], "nodename");
+        assert_eq!(args.node_names.as_deref(), Some(&["node1".to_owned()][..]));
+    }
+
+    #[test]
+    fn our_filter_result_is_upstreams_bytes() {
+        let upstream = exact("ExtenderFilterResult");
+        let parsed: ExtenderFilterResult = serde_json::from_str(&upstream).expect("parses");
+        assert_eq!(parsed.failed_nodes["foo"], "bar");
+        assert_eq!(parsed.failed_and_unresolvable_nodes["baz"], "qux");
+        assert_eq!(parsed.error, "myerror");
+        // Written back: the same bytes the Go side marshals.
+        assert_eq!(serde_json::to_string(&parsed).expect("writes"), upstream);
+    }
+
+    #[test]
+    fn our_host_priority_is_upstreams_bytes() {
+        let upstream = exact("HostPriority");
+        let parsed: HostPriority = serde_json::from_str(&upstream).expect("parses");
+        assert_eq!(parsed, HostPriority { host: "myhost".into(), score: 1 });
+        assert_eq!(serde_json::to_string(&parsed).expect("writes"), upstream);
+    }
+
+    #[test]
+    fn a_real_pod_and_node_parse() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "labels": {"a": "b"}},
+            "spec": {"containers": [{"name": "c", "image": "x",
+                "resources": {"limits": {"awesome-ai-company.com/gpu-memory": 8, "cpu": "2"},
+                              "requests": {"cpu": "500m", "memory": "1Gi"}}}],
+                     "schedulerName": "default-scheduler"},
+            "status": {"phase": "Pending", "conditions": []}
+        }))
+        .expect("a pod");
+        let limits = pod.spec.containers.expect("containers")[0].resources.limits.clone();
+        assert_eq!(limits.expect("limits")["awesome-ai-company.com/gpu-memory"], 8);
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "n", "annotations": {"k": "v"}},
+            "status": {"allocatable": {"cpu": "96", "memory": "1056Gi", "pods": "110"}}
+        }))
+        .expect("a node");
+        assert_eq!(node.status.allocatable.expect("allocatable")["cpu"], "96");
+    }
+}
