@@ -1,0 +1,560 @@
+//! Which nodes can take a pod, and how well, from each node's gpu-state document
+//! (`baleen_scheduler_core::gpu_state`) and the pods assumed on it (bound there, not yet in its
+//! document):
+//! - [`verdict`]: the filter's answer for one node: fits, full (preemption might make room) or
+//!   never (no such GPU, profile or group at all, even on an empty node);
+//! - [`NodeModel`]: the node as `scheduler_core`'s placement model, so that `prioritize`
+//!   scores it with the same policy the replay measures.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use baleen_scheduler_core::gpu_state::{GpuMode, NodeGpuState};
+use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
+use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSet, GpuSpec, NodeSpec, Request};
+use baleen_scheduler_core::policy::Policy;
+use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
+
+use crate::demand::{Ask, Demand};
+
+/// The filter's answer for one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The pod fits.
+    Fits,
+    /// It does not fit now; evicting pods could make room (`FailedNodes`).
+    Full(String),
+    /// It could not fit even on the empty node (`FailedAndUnresolvableNodes`).
+    Never(String),
+}
+
+#[derive(Debug, Clone)]
+struct GpuCap {
+    units_free: u32,
+    /// Memory units are offered.
+    shares: bool,
+    /// Can be taken whole.
+    whole: bool,
+    /// Free MIG instances by profile.
+    mig: BTreeMap<String, u32>,
+}
+
+/// What a node can still give, per GPU, NVLink group and MIG profile.
+#[derive(Debug, Clone)]
+struct Capacity {
+    gpus: Vec<GpuCap>,
+    groups: Vec<(u32, Vec<usize>, bool)>,
+}
+
+impl Capacity {
+    /// What the node can give now, as its document says.
+    fn now(doc: &NodeGpuState) -> Self {
+        let gpus = doc
+            .gpus
+            .iter()
+            .map(|g| {
+                let mut mig = BTreeMap::new();
+                for m in g.mig.iter().filter(|m| m.free) {
+                    *mig.entry(m.profile.clone()).or_insert(0) += 1;
+                }
+                GpuCap {
+                    units_free: g.units_free,
+                    shares: g.shares_offered,
+                    whole: g.healthy && g.mode == GpuMode::Idle,
+                    mig,
+                }
+            })
+            .collect();
+        let groups = doc
+            .nvlink_groups
+            .iter()
+            .map(|n| (n.size, n.gpus.iter().map(|&i| i as usize).collect(), n.free))
+            .collect();
+        Self { gpus, groups }
+    }
+
+    /// What the node could give with nothing allocated (healthy GPUs only).
+    fn empty(doc: &NodeGpuState) -> Self {
+        let gpus = doc
+            .gpus
+            .iter()
+            .map(|g| {
+                let mut mig = BTreeMap::new();
+                if g.healthy {
+                    for m in &g.mig {
+                        *mig.entry(m.profile.clone()).or_insert(0) += 1;
+                    }
+                }
+                let plain = g.healthy && g.mode != GpuMode::Mig;
+                GpuCap {
+                    units_free: if plain { g.units_total } else { 0 },
+                    shares: plain && g.units_total > 0,
+                    whole: plain,
+                    mig,
+                }
+            })
+            .collect();
+        let mut capacity = Self { gpus, groups: Vec::new() };
+        capacity.groups = doc
+            .nvlink_groups
+            .iter()
+            .map(|n| {
+                let members: Vec<usize> = n.gpus.iter().map(|&i| i as usize).collect();
+                let free = members.iter().all(|&i| capacity.gpus.get(i).is_some_and(|g| g.whole));
+                (n.size, members, free)
+            })
+            .collect();
+        capacity
+    }
+
+    /// Marks GPU `i` as held whole: no units, no group containing it.
+    fn hold_whole(&mut self, i: usize) {
+        let g = &mut self.gpus[i];
+        g.whole = false;
+        g.shares = false;
+        g.units_free = 0;
+        for group in &mut self.groups {
+            if group.1.contains(&i) {
+                group.2 = false;
+            }
+        }
+    }
+
+    /// Takes what `ask` needs, or says why it cannot.
+    fn take(&mut self, ask: &Ask) -> Result<(), String> {
+        match ask {
+            Ask::GpuMemory(n) => {
+                let tightest = self
+                    .gpus
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, g)| g.shares && g.units_free >= *n)
+                    .min_by_key(|(i, g)| (g.units_free, *i))
+                    .map(|(i, _)| i);
+                let Some(i) = tightest else {
+                    let largest = self.gpus.iter().filter(|g| g.shares).map(|g| g.units_free).max();
+                    return Err(format!(
+                        "no GPU has {n} free gpu-memory units (largest free block: {})",
+                        largest.unwrap_or(0)
+                    ));
+                };
+                self.gpus[i].units_free -= n;
+                self.gpus[i].whole = false;
+                for group in &mut self.groups {
+                    if group.1.contains(&i) {
+                        group.2 = false;
+                    }
+                }
+                Ok(())
+            }
+            Ask::Gpus(count) => {
+                let free: Vec<usize> =
+                    (0..self.gpus.len()).filter(|&i| self.gpus[i].whole).collect();
+                if free.len() < *count as usize {
+                    return Err(format!("{} of {count} whole GPUs free", free.len()));
+                }
+                for &i in free.iter().take(*count as usize) {
+                    self.hold_whole(i);
+                }
+                Ok(())
+            }
+            Ask::NvlinkGroups(size, count) => {
+                let free: Vec<Vec<usize>> = self
+                    .groups
+                    .iter()
+                    .filter(|g| g.0 == *size && g.2)
+                    .map(|g| g.1.clone())
+                    .collect();
+                if free.len() < *count as usize {
+                    return Err(format!(
+                        "{} of {count} NVLink groups of {size} GPUs free",
+                        free.len()
+                    ));
+                }
+                for members in free.iter().take(*count as usize) {
+                    for &i in members {
+                        self.hold_whole(i);
+                    }
+                }
+                Ok(())
+            }
+            Ask::Mig(profile, count) => {
+                let free: u32 = self.gpus.iter().filter_map(|g| g.mig.get(profile)).sum();
+                if free < *count {
+                    return Err(format!("{free} of {count} MIG {profile} instances free"));
+                }
+                let mut left = *count;
+                for g in &mut self.gpus {
+                    if let Some(n) = g.mig.get_mut(profile) {
+                        let used = (*n).min(left);
+                        *n -= used;
+                        left -= used;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The asks of a demand in the order they are placed: whole GPUs and groups first, then MIG,
+/// then memory units, largest first (so a fit found is a real one).
+fn ordered(demand: &Demand) -> Vec<&Ask> {
+    let mut asks: Vec<&Ask> = demand.asks.iter().collect();
+    asks.sort_by_key(|a| match a {
+        Ask::NvlinkGroups(size, n) => (0, u64::MAX - u64::from(size * n)),
+        Ask::Gpus(n) => (1, u64::MAX - u64::from(*n)),
+        Ask::Mig(_, n) => (2, u64::MAX - u64::from(*n)),
+        Ask::GpuMemory(n) => (3, u64::MAX - u64::from(*n)),
+    });
+    asks
+}
+
+/// Whether `demand` fits on the node of `doc`, after the pods in `assumed` (bound there, not
+/// yet in the document), reading resource names in `domain`.
+pub fn verdict(doc: &NodeGpuState, assumed: &[&Demand], demand: &Demand, domain: &str) -> Verdict {
+    let offered: BTreeSet<&str> = doc.resources.iter().map(String::as_str).collect();
+    for ask in &demand.asks {
+        let resource = ask.resource(domain);
+        if !offered.contains(resource.as_str()) {
+            return Verdict::Never(format!("the node offers no {resource}"));
+        }
+    }
+    let mut empty = Capacity::empty(doc);
+    for ask in ordered(demand) {
+        if let Err(why) = empty.take(ask) {
+            return Verdict::Never(format!("{why} even with nothing allocated"));
+        }
+    }
+    let mut now = Capacity::now(doc);
+    for other in assumed {
+        for ask in ordered(other) {
+            // A pod the document has not caught up with may already be counted there: taking
+            // too much only makes this node look fuller for a moment.
+            let _ = now.take(ask);
+        }
+    }
+    for ask in ordered(demand) {
+        if let Err(why) = now.take(ask) {
+            let pending = if assumed.is_empty() {
+                String::new()
+            } else {
+                format!(" (counting {} pods bound but not yet published)", assumed.len())
+            };
+            return Verdict::Full(format!("{why}{pending}"));
+        }
+    }
+    Verdict::Fits
+}
+
+/// A node as `scheduler_core`'s placement model: its GPUs with what is held on them, and its
+/// CPU and memory with what its pods request.
+#[derive(Debug, Clone)]
+pub struct NodeModel {
+    ledger: NodeLedger,
+    /// Memory units of one GPU (to express a gpu-memory ask as a share of a GPU).
+    units_per_gpu: u32,
+    next: u64,
+}
+
+/// Allocatable CPU and memory of a node, and what its pods request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Host {
+    /// Allocatable CPU, millicores.
+    pub cpu_milli: u64,
+    /// Allocatable memory, bytes.
+    pub memory_bytes: u64,
+    /// CPU requested by the pods on it.
+    pub cpu_used_milli: u64,
+    /// Memory requested by the pods on it.
+    pub memory_used_bytes: u64,
+}
+
+const MIB: u64 = 1 << 20;
+
+impl NodeModel {
+    /// The model of the node of `doc`, with `host`'s CPU and memory; `None` if the document
+    /// cannot be expressed (more GPUs than the model holds).
+    pub fn new(doc: &NodeGpuState, host: Host) -> Option<Self> {
+        let spec = NodeSpec {
+            name: doc.node.clone(),
+            cpu: MilliCpu(host.cpu_milli),
+            memory: MemMib(host.memory_bytes / MIB),
+            gpus: doc
+                .gpus
+                .iter()
+                .map(|g| GpuSpec {
+                    memory_units: MemUnits(g.units_total),
+                    numa_node: g.numa_node,
+                    nvlink_peers: g.nvlink_peers.iter().map(|&p| p as usize).collect(),
+                    ..GpuSpec::plain(g.uuid.clone(), GpuModel::new(&g.model))
+                })
+                .collect(),
+        };
+        let mut ledger = NodeLedger::new(spec).ok()?;
+        let mut next = 0;
+        let mut hold = |ledger: &mut NodeLedger, request: &Request, gpus: GpuSet| {
+            next += 1;
+            // What the agent reports held always fits the empty model.
+            let _ = ledger.allocate(AllocationId(next), request, gpus);
+        };
+        let host_request = Request {
+            cpu: MilliCpu(host.cpu_used_milli.min(host.cpu_milli)),
+            memory: MemMib((host.memory_used_bytes / MIB).min(host.memory_bytes / MIB)),
+            gpu: GpuDemand::None,
+            allowed_models: vec![],
+        };
+        hold(&mut ledger, &host_request, GpuSet::EMPTY);
+        for (i, g) in doc.gpus.iter().enumerate() {
+            let used_units = g.units_total - g.units_free;
+            let whole = !g.healthy
+                || matches!(g.mode, GpuMode::Exclusive | GpuMode::Mig)
+                || (used_units > 0 && (!g.shares_offered || g.units_free == 0));
+            let request = if whole {
+                Some(GpuDemand::Whole { count: 1 })
+            } else if used_units > 0 {
+                Some(GpuDemand::Shared {
+                    milli: MilliGpu((1000 - g.compute_free_milli).clamp(1, 999)),
+                    memory: MemUnits(used_units),
+                })
+            } else {
+                None
+            };
+            if let Some(gpu) = request {
+                let r =
+                    Request { cpu: MilliCpu(0), memory: MemMib(0), gpu, allowed_models: vec![] };
+                hold(&mut ledger, &r, GpuSet::single(i));
+            }
+        }
+        let units_per_gpu = doc.gpus.iter().map(|g| g.units_total).max().unwrap_or(0);
+        Some(Self { ledger, units_per_gpu, next })
+    }
+
+    /// The placement model's request for `demand` on this node: its CPU and memory, and its
+    /// largest GPU ask (a gpu-memory ask of `n` units is `n / units` of one GPU's compute).
+    /// `None` for a pod without a GPU ask the model can express (MIG only).
+    pub fn request(&self, demand: &Demand) -> Option<Request> {
+        let gpu = ordered(demand).into_iter().find_map(|ask| match ask {
+            Ask::Gpus(n) => Some(GpuDemand::Whole { count: *n }),
+            Ask::NvlinkGroups(size, n) => Some(GpuDemand::Whole { count: size * n }),
+            Ask::GpuMemory(n) => {
+                let units = self.units_per_gpu.max(1);
+                let milli = (u64::from(*n) * 1000 / u64::from(units)).clamp(1, 999);
+                Some(GpuDemand::Shared {
+                    milli: MilliGpu(u32::try_from(milli).unwrap_or(999)),
+                    memory: MemUnits(*n),
+                })
+            }
+            Ask::Mig(..) => None,
+        })?;
+        Some(Request {
+            cpu: MilliCpu(demand.cpu_milli),
+            memory: MemMib(demand.memory_bytes.div_ceil(MIB)),
+            gpu,
+            allowed_models: vec![],
+        })
+    }
+
+    /// Places `demand` where `policy` would (a pod bound here, not yet in the document).
+    pub fn assume(&mut self, demand: &Demand, policy: &Policy) {
+        let Some(request) = self.request(demand) else { return };
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
+        if let Some(scored) = policy.score(&self.ledger, &request, &mut rng) {
+            self.next += 1;
+            let _ = self.ledger.allocate(AllocationId(self.next), &request, scored.gpus);
+        }
+    }
+
+    /// `policy`'s score of this node for `demand` (higher is better); `None` if the model says
+    /// it does not fit or cannot express it.
+    pub fn score(&self, demand: &Demand, policy: &Policy) -> Option<i64> {
+        let request = self.request(demand)?;
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
+        policy.score(&self.ledger, &request, &mut rng).map(|s| s.score)
+    }
+
+    /// The model's ledger.
+    pub fn ledger(&self) -> &NodeLedger {
+        &self.ledger
+    }
+}
+
+/// Scores of one decision as kube-scheduler's 0..=10: the best node(s) 10, the others spread
+/// over 0..=9 by their raw score, nodes without a score 0.
+pub fn extender_scores(raw: &[Option<i64>]) -> Vec<i64> {
+    let scored: Vec<i64> = raw.iter().flatten().copied().collect();
+    let (Some(&min), Some(&max)) = (scored.iter().min(), scored.iter().max()) else {
+        return vec![0; raw.len()];
+    };
+    raw.iter()
+        .map(|s| match s {
+            None => 0,
+            Some(s) if *s == max => crate::protocol::MAX_SCORE,
+            Some(s) => {
+                let span = i128::from(max) - i128::from(min);
+                let pos = (i128::from(*s) - i128::from(min)) * 9 / span.max(1);
+                i64::try_from(pos).unwrap_or(0).clamp(0, 9)
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baleen_scheduler_core::gpu_state::{GpuEntry, MigEntry, NvlinkGroupEntry, VERSION};
+    use baleen_scheduler_core::policy::{Normalisers, PolicyKind};
+
+    const D: &str = "awesome-ai-company.com";
+
+    fn gpu(index: u32, mode: GpuMode, units_free: u32) -> GpuEntry {
+        GpuEntry {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: "NVIDIA H200".into(),
+            memory_bytes: 140 << 30,
+            numa_node: None,
+            nvlink_peers: vec![],
+            mode,
+            healthy: true,
+            shares_offered: mode != GpuMode::Exclusive,
+            units_total: 140,
+            units_free,
+            compute_free_milli: if mode == GpuMode::Exclusive {
+                0
+            } else {
+                units_free * 1000 / 140
+            },
+            mig: vec![],
+            pods: vec![],
+        }
+    }
+
+    fn doc(gpus: Vec<GpuEntry>) -> NodeGpuState {
+        let n = u32::try_from(gpus.len()).expect("few");
+        NodeGpuState {
+            version: VERSION,
+            node: "n".into(),
+            generation: 1,
+            memory_unit_bytes: 1 << 30,
+            resources: ["gpu", "gpu-memory", "nvlink-group-2", "mig-1g.18gb"]
+                .map(|r| format!("{D}/{r}"))
+                .to_vec(),
+            nvlink_groups: (0..n / 2)
+                .map(|g| NvlinkGroupEntry {
+                    size: 2,
+                    id: format!("nvlink2-GPU-{}", 2 * g),
+                    gpus: vec![2 * g, 2 * g + 1],
+                    free: gpus[2 * g as usize].mode == GpuMode::Idle
+                        && gpus[2 * g as usize + 1].mode == GpuMode::Idle,
+                })
+                .collect(),
+            gpus,
+        }
+    }
+
+    fn ask(asks: Vec<Ask>) -> Demand {
+        Demand { asks, cpu_milli: 0, memory_bytes: 0 }
+    }
+
+    #[test]
+    fn the_filter_says_fits_full_or_never_and_why() {
+        // 40 units free on GPU 0, GPU 1 held whole, GPUs 2 and 3 idle.
+        let d = doc(vec![
+            gpu(0, GpuMode::Shared, 40),
+            gpu(1, GpuMode::Exclusive, 140),
+            gpu(2, GpuMode::Idle, 140),
+            gpu(3, GpuMode::Idle, 140),
+        ]);
+        assert_eq!(verdict(&d, &[], &ask(vec![Ask::GpuMemory(140)]), D), Verdict::Fits);
+        assert_eq!(verdict(&d, &[], &ask(vec![Ask::Gpus(2)]), D), Verdict::Fits);
+        // Three whole GPUs: only two are free, but the node has four.
+        let Verdict::Full(why) = verdict(&d, &[], &ask(vec![Ask::Gpus(3)]), D) else {
+            panic!("full")
+        };
+        assert!(why.contains("2 of 3 whole GPUs free"), "{why}");
+        // Five whole GPUs, or 141 units: never on this node.
+        assert!(matches!(verdict(&d, &[], &ask(vec![Ask::Gpus(5)]), D), Verdict::Never(_)));
+        let Verdict::Never(why) = verdict(&d, &[], &ask(vec![Ask::GpuMemory(141)]), D) else {
+            panic!("never")
+        };
+        assert!(why.contains("no GPU has 141"), "{why}");
+        // A resource the node does not offer.
+        let Verdict::Never(why) = verdict(&d, &[], &ask(vec![Ask::NvlinkGroups(4, 1)]), D) else {
+            panic!("never")
+        };
+        assert!(why.contains("offers no awesome-ai-company.com/nvlink-group-4"), "{why}");
+        // The one free NVLink pair is GPUs 2-3; after a whole GPU taken from it, none.
+        assert_eq!(verdict(&d, &[], &ask(vec![Ask::NvlinkGroups(2, 1)]), D), Verdict::Fits);
+        let one = ask(vec![Ask::Gpus(1)]);
+        assert!(matches!(
+            verdict(&d, &[&one], &ask(vec![Ask::NvlinkGroups(2, 1)]), D),
+            Verdict::Full(_)
+        ));
+    }
+
+    #[test]
+    fn pods_bound_but_not_yet_published_count_as_placed() {
+        let d = doc(vec![gpu(0, GpuMode::Shared, 40), gpu(1, GpuMode::Idle, 140)]);
+        let big = ask(vec![Ask::GpuMemory(100)]);
+        assert_eq!(verdict(&d, &[], &big, D), Verdict::Fits);
+        // A burst: the first 100-unit pod takes GPU 1; the second finds no room.
+        let Verdict::Full(why) = verdict(&d, &[&big], &big, D) else { panic!("full") };
+        assert!(why.contains("largest free block: 40") && why.contains("1 pods bound"), "{why}");
+        // Small pods pack into the tightest GPU first: 40 units fill GPU 0 and 140 still fit.
+        let small = ask(vec![Ask::GpuMemory(40)]);
+        assert_eq!(verdict(&d, &[&small], &ask(vec![Ask::GpuMemory(140)]), D), Verdict::Fits);
+    }
+
+    #[test]
+    fn mig_instances_and_unhealthy_gpus() {
+        let mut mig = gpu(1, GpuMode::Mig, 0);
+        mig.units_total = 0;
+        mig.shares_offered = false;
+        mig.mig = vec![
+            MigEntry { profile: "1g.18gb".into(), uuid: "MIG-a".into(), free: false },
+            MigEntry { profile: "1g.18gb".into(), uuid: "MIG-b".into(), free: true },
+        ];
+        let mut sick = gpu(0, GpuMode::Idle, 140);
+        sick.healthy = false;
+        sick.shares_offered = false;
+        let d = doc(vec![sick, mig]);
+        let m = |n| ask(vec![Ask::Mig("1g.18gb".into(), n)]);
+        assert_eq!(verdict(&d, &[], &m(1), D), Verdict::Fits);
+        assert!(matches!(verdict(&d, &[], &m(2), D), Verdict::Full(_)));
+        assert!(matches!(verdict(&d, &[], &m(3), D), Verdict::Never(_)));
+        // The only non-MIG GPU is unhealthy: preemption cannot help.
+        assert!(matches!(verdict(&d, &[], &ask(vec![Ask::GpuMemory(1)]), D), Verdict::Never(_)));
+    }
+
+    #[test]
+    fn the_model_holds_what_the_document_says_and_scores_with_the_policy() {
+        let d = doc(vec![gpu(0, GpuMode::Shared, 40), gpu(1, GpuMode::Exclusive, 140)]);
+        let host = Host {
+            cpu_milli: 96_000,
+            memory_bytes: 512 << 30,
+            cpu_used_milli: 8000,
+            memory_used_bytes: 0,
+        };
+        let model = NodeModel::new(&d, host).expect("model");
+        let l = model.ledger();
+        assert_eq!(l.free_cpu(), MilliCpu(88_000));
+        assert_eq!(l.gpus()[0].memory, MemUnits(40));
+        assert_eq!(l.gpus()[1].milli, MilliGpu(0));
+        let request = model.request(&ask(vec![Ask::GpuMemory(70)])).expect("request");
+        assert_eq!(request.gpu, GpuDemand::Shared { milli: MilliGpu(500), memory: MemUnits(70) });
+        let seen = [request.clone()];
+        let policy = Policy::for_requests(PolicyKind::Baleen, &seen, 0.95, Normalisers::default());
+        assert_eq!(model.score(&ask(vec![Ask::GpuMemory(70)]), &policy), None, "40 free < 70");
+        assert!(model.score(&ask(vec![Ask::GpuMemory(40)]), &policy).is_some());
+    }
+
+    #[test]
+    fn scores_become_zero_to_ten_with_the_best_at_ten() {
+        assert_eq!(
+            extender_scores(&[Some(5), None, Some(-3), Some(5), Some(1)]),
+            [10, 0, 0, 10, 4]
+        );
+        assert_eq!(extender_scores(&[None, None]), [0, 0]);
+        assert_eq!(extender_scores(&[Some(7)]), [10]);
+    }
+}
