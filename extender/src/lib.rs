@@ -4,8 +4,14 @@
 //!
 //! - [`protocol`]: the extender protocol's JSON (kube-scheduler's Go field names);
 //! - [`demand`]: what a pod asks of baleen resources, CPU and memory;
-//! - [`place`]: which nodes fit (the filter) and how well (the policy's score).
+//! - [`place`]: which nodes fit (the filter) and how well (the policy's score);
+//! - [`cluster`]: the nodes and pods the watchers (or kube-scheduler) report;
+//! - [`service`]: the verbs over the cluster view, and the online target workload;
+//! - [`http`]: the HTTP endpoint and its metrics.
 
+pub mod cluster;
 pub mod demand;
+pub mod http;
 pub mod place;
 pub mod protocol;
+pub mod service;

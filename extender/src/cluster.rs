@@ -1,0 +1,172 @@
+//! The extender's view of the cluster: each node's gpu-state document and allocatable CPU and
+//! memory, and the pods with what they ask and where they are bound. Fed by the watchers (or by
+//! the Nodes kube-scheduler sends); read by every filter and prioritize.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use baleen_scheduler_core::gpu_state::NodeGpuState;
+
+use crate::demand::{Demand, quantity_milli};
+use crate::place::Host;
+use crate::protocol::{Node, Pod};
+
+/// One node as last seen.
+#[derive(Debug, Clone)]
+pub struct NodeEntry {
+    /// Its document, or why it has none that can be used.
+    pub state: Result<NodeGpuState, String>,
+    /// Allocatable CPU (millicores) and memory (bytes).
+    pub allocatable: (u64, u64),
+}
+
+impl NodeEntry {
+    /// The entry of `node`, reading the annotation `key`.
+    pub fn of(node: &Node, key: &str) -> Self {
+        let state = match node.metadata.annotations.as_ref().and_then(|a| a.get(key)) {
+            None => Err(format!("no {key} annotation: is baleen-agent running on this node?")),
+            Some(text) => NodeGpuState::parse(text).map_err(|e| format!("{key}: {e}")),
+        };
+        let state = state.and_then(|s| {
+            if s.node == node.metadata.name {
+                Ok(s)
+            } else {
+                Err(format!("{key} describes node {}, not this one", s.node))
+            }
+        });
+        let alloc = node.status.allocatable.as_ref();
+        let get = |r: &str| {
+            alloc
+                .and_then(|a| a.get(r))
+                .and_then(quantity_milli)
+                .map_or(0, |m| u64::try_from(m).unwrap_or(0))
+        };
+        Self { state, allocatable: (get("cpu"), get("memory").div_ceil(1000)) }
+    }
+}
+
+/// One pod as last seen.
+#[derive(Debug, Clone)]
+pub struct PodEntry {
+    /// `namespace/name`.
+    pub key: String,
+    /// The node it is bound to.
+    pub node: Option<String>,
+    /// What it asks (an unreadable pod asks nothing here).
+    pub demand: Demand,
+    /// Succeeded or Failed: it holds nothing any more.
+    pub finished: bool,
+}
+
+impl PodEntry {
+    /// The entry of `pod`, reading resources in `domain`.
+    pub fn of(pod: &Pod, domain: &str) -> Self {
+        let phase = pod.status.phase.as_deref();
+        Self {
+            key: format!("{}/{}", pod.metadata.namespace, pod.metadata.name),
+            node: pod.spec.node_name.clone().filter(|n| !n.is_empty()),
+            demand: Demand::of(pod, domain).unwrap_or_default(),
+            finished: matches!(phase, Some("Succeeded" | "Failed")),
+        }
+    }
+}
+
+/// Nodes and pods.
+#[derive(Debug, Default)]
+pub struct ClusterView {
+    nodes: BTreeMap<String, NodeEntry>,
+    pods: BTreeMap<String, PodEntry>,
+    /// Per node, the UIDs of the live pods bound to it.
+    by_node: BTreeMap<String, BTreeSet<String>>,
+    /// When a node was last added, changed or removed.
+    pub updated: Option<Instant>,
+}
+
+impl ClusterView {
+    /// Adds or replaces a node.
+    pub fn set_node(&mut self, name: &str, entry: NodeEntry) {
+        self.nodes.insert(name.to_owned(), entry);
+        self.updated = Some(Instant::now());
+    }
+
+    /// Forgets a node.
+    pub fn remove_node(&mut self, name: &str) {
+        self.nodes.remove(name);
+        self.updated = Some(Instant::now());
+    }
+
+    /// Forgets every node (a watcher's fresh list follows).
+    pub fn clear_nodes(&mut self) {
+        self.nodes.clear();
+    }
+
+    /// Forgets every pod (a watcher's fresh list follows).
+    pub fn clear_pods(&mut self) {
+        self.pods.clear();
+        self.by_node.clear();
+    }
+
+    /// A node.
+    pub fn node(&self, name: &str) -> Option<&NodeEntry> {
+        self.nodes.get(name)
+    }
+
+    /// How many nodes.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The nodes' documents that can be used.
+    pub fn states(&self) -> impl Iterator<Item = &NodeGpuState> {
+        self.nodes.values().filter_map(|n| n.state.as_ref().ok())
+    }
+
+    /// Adds or replaces a pod by UID.
+    pub fn set_pod(&mut self, uid: &str, entry: PodEntry) {
+        self.remove_pod(uid);
+        if let Some(node) = entry.node.as_ref().filter(|_| !entry.finished) {
+            self.by_node.entry(node.clone()).or_default().insert(uid.to_owned());
+        }
+        self.pods.insert(uid.to_owned(), entry);
+    }
+
+    /// Forgets a pod.
+    pub fn remove_pod(&mut self, uid: &str) {
+        if let Some(old) = self.pods.remove(uid)
+            && let Some(node) = old.node
+            && let Some(set) = self.by_node.get_mut(&node)
+        {
+            set.remove(uid);
+        }
+    }
+
+    /// The live pods bound to `node`.
+    fn pods_on(&self, node: &str) -> impl Iterator<Item = &PodEntry> {
+        self.by_node.get(node).into_iter().flatten().filter_map(|uid| self.pods.get(uid))
+    }
+
+    /// The pods bound to `node` with baleen asks that its document does not show yet.
+    pub fn assumed(&self, node: &str, state: &NodeGpuState) -> Vec<&Demand> {
+        let published: BTreeSet<&str> =
+            state.gpus.iter().flat_map(|g| g.pods.iter().map(String::as_str)).collect();
+        self.pods_on(node)
+            .filter(|p| !p.demand.is_empty() && !published.contains(p.key.as_str()))
+            .map(|p| &p.demand)
+            .collect()
+    }
+
+    /// `node`'s allocatable CPU and memory with what its live pods request.
+    pub fn host(&self, node: &str, allocatable: (u64, u64)) -> Host {
+        let (mut cpu, mut memory) = (0u64, 0u64);
+        for p in self.pods_on(node) {
+            cpu = cpu.saturating_add(p.demand.cpu_milli);
+            memory = memory.saturating_add(p.demand.memory_bytes);
+        }
+        Host {
+            cpu_milli: allocatable.0,
+            memory_bytes: allocatable.1,
+            cpu_used_milli: cpu,
+            memory_used_bytes: memory,
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! The extender over HTTP as kube-scheduler calls it: realistic Pod and Node JSON (Nodes sent in
+//! full, as with `nodeCacheCapable: false`, and names against the cache), upstream's exact
+//! example, and bad input.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use baleen_extender::cluster::NodeEntry;
+use baleen_extender::demand::Demand;
+use baleen_extender::http::{Metrics, bind, router};
+use baleen_extender::place::{Host, NodeModel, extender_scores};
+use baleen_extender::protocol::Node;
+use baleen_extender::protocol::Pod;
+use baleen_extender::service::{Extender, Settings};
+use baleen_scheduler_core::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(10);
+const KEY: &str = "awesome-ai-company.com/gpu-state";
+
+fn gpu(index: u32, units_free: u32) -> GpuEntry {
+    GpuEntry {
+        index,
+        uuid: format!("GPU-{index}"),
+        model: "NVIDIA H200".into(),
+        memory_bytes: 140 << 30,
+        numa_node: Some(0),
+        nvlink_peers: vec![],
+        mode: if units_free == 140 { GpuMode::Idle } else { GpuMode::Shared },
+        healthy: true,
+        shares_offered: true,
+        units_total: 140,
+        units_free,
+        compute_free_milli: units_free * 1000 / 140,
+        mig: vec![],
+        pods: vec![],
+    }
+}
+
+/// A Node as the API server writes it, with its agent's annotation.
+fn node(name: &str, free: &[u32]) -> Value {
+    let state = NodeGpuState {
+        version: VERSION,
+        node: name.into(),
+        generation: 1,
+        memory_unit_bytes: 1 << 30,
+        resources: vec![
+            "awesome-ai-company.com/gpu".into(),
+            "awesome-ai-company.com/gpu-memory".into(),
+        ],
+        gpus: free
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| gpu(u32::try_from(i).expect("few"), f))
+            .collect(),
+        nvlink_groups: vec![],
+    };
+    json!({
+        "metadata": {"name": name, "uid": format!("uid-{name}"), "resourceVersion": "12",
+                     "labels": {"kubernetes.io/hostname": name},
+                     "annotations": {KEY: state.to_json(), "node.alpha.kubernetes.io/ttl": "0"}},
+        "spec": {"podCIDR": "10.0.0.0/24"},
+        "status": {"capacity": {"cpu": "96", "memory": "1056Gi"},
+                   "allocatable": {"cpu": "95500m", "memory": "1050Gi", "pods": "110",
+                                   "awesome-ai-company.com/gpu-memory": "1120"},
+                   "conditions": [{"type": "Ready", "status": "True"}],
+                   "nodeInfo": {"machineID": "m", "kubeletVersion": "v1.32.4"}}
+    })
+}
+
+fn pod(units: u32) -> Value {
+    json!({
+        "metadata": {"name": "infer-0", "namespace": "team-a", "uid": "pod-uid-1"},
+        "spec": {"schedulerName": "default-scheduler", "containers": [{
+            "name": "server", "image": "nvcr.io/nvidia/cuda:12.6.3-base-ubuntu24.04",
+            "resources": {"limits": {"awesome-ai-company.com/gpu-memory": units},
+                          "requests": {"awesome-ai-company.com/gpu-memory": units, "cpu": "4",
+                                       "memory": "16Gi"}}}]},
+        "status": {"phase": "Pending"}
+    })
+}
+
+async fn serve(extender: Arc<Extender>) -> (SocketAddr, CancellationToken) {
+    let token = CancellationToken::new();
+    let metrics = Metrics::new(prometheus::Registry::new()).expect("metrics");
+    let (address, server) = bind(
+        "127.0.0.1:0".parse().expect("loopback"),
+        router(extender, metrics, "/baleen"),
+        token.clone(),
+    )
+    .await
+    .expect("bind");
+    tokio::spawn(server);
+    (address, token)
+}
+
+/// One HTTP/1.1 request; the status and the body.
+async fn call(address: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await?;
+        std::io::Result::Ok(response)
+    };
+    let response = tokio::time::timeout(WAIT, exchange).await.expect("in time").expect("exchange");
+    let status = response.split_whitespace().nth(1).expect("status").parse().expect("code");
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test]
+async fn filter_and_prioritize_with_nodes_sent_in_full() {
+    let extender = Extender::new(Settings::default());
+    let (address, _token) = serve(extender.clone()).await;
+    // a: 20 + 20 units free on two GPUs; b: 60 free on one; c: no annotation.
+    let mut c = node("c", &[140]);
+    c["metadata"]["annotations"].as_object_mut().expect("map").remove(KEY);
+    let args = json!({"Pod": pod(40), "Nodes": {"metadata": {"resourceVersion": "7"},
+                      "items": [node("a", &[20, 20]), node("b", &[60, 140]), c]}});
+    let (status, body) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
+    assert_eq!(status, 200, "{body}");
+    let result: Value = serde_json::from_str(&body).expect("json");
+    let kept: Vec<&str> = result["Nodes"]["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .map(|n| n["metadata"]["name"].as_str().expect("name"))
+        .collect();
+    assert_eq!(kept, ["b"]);
+    // The kept Node comes back as it was sent, field for field and in order.
+    assert_eq!(result["Nodes"]["items"][0].to_string(), node("b", &[60, 140]).to_string());
+    assert_eq!(result["Nodes"]["metadata"]["resourceVersion"], "7");
+    assert!(result["FailedNodes"]["a"].as_str().expect("a").contains("largest free block: 20"));
+    assert!(
+        result["FailedAndUnresolvableNodes"]["c"]
+            .as_str()
+            .expect("c")
+            .contains("no awesome-ai-company.com/gpu-state annotation")
+    );
+    assert_eq!(result["Error"], "");
+    assert!(result["NodeNames"].is_null());
+
+    // Prioritize: the node the policy scores higher gets 10 (the target learned from the pods
+    // seen, rebuilt off the request path).
+    extender.rebuild_policy();
+    let args =
+        json!({"Pod": pod(40), "Nodes": {"items": [node("b", &[60, 140]), node("d", &[20, 140])]}});
+    let (status, body) = call(address, "POST", "/baleen/prioritize", &args.to_string()).await;
+    assert_eq!(status, 200, "{body}");
+    let scores: Vec<Value> = serde_json::from_str(&body).expect("array");
+    let hosts: Vec<&str> = scores.iter().map(|s| s["Host"].as_str().expect("host")).collect();
+    assert_eq!(hosts, ["b", "d"]);
+    let got: Vec<i64> = scores.iter().map(|s| s["Score"].as_i64().expect("score")).collect();
+    let raw: Vec<Option<i64>> = [node("b", &[60, 140]), node("d", &[20, 140])]
+        .iter()
+        .map(|n| {
+            let n: Node = serde_json::from_value(n.clone()).expect("node");
+            let entry = NodeEntry::of(&n, KEY);
+            let model = NodeModel::new(
+                entry.state.as_ref().expect("state"),
+                Host {
+                    cpu_milli: entry.allocatable.0,
+                    memory_bytes: entry.allocatable.1,
+                    ..Host::default()
+                },
+            )
+            .expect("model");
+            let pod: Pod = serde_json::from_value(pod(40)).expect("pod");
+            model.score(
+                &Demand::of(&pod, "awesome-ai-company.com").expect("demand"),
+                &extender.policy(),
+            )
+        })
+        .collect();
+    assert!(raw.iter().all(Option::is_some), "{raw:?}");
+    assert_eq!(got, extender_scores(&raw), "raw {raw:?}");
+    assert!(got.contains(&10));
+}
+
+#[tokio::test]
+async fn names_are_looked_up_in_the_cache() {
+    let extender = Extender::new(Settings::default());
+    {
+        let mut view = extender.cluster.write().expect("lock");
+        for (name, free) in [("a", vec![20u32, 20]), ("b", vec![60, 140])] {
+            let n: Node = serde_json::from_value(node(name, &free)).expect("node");
+            view.set_node(name, NodeEntry::of(&n, KEY));
+        }
+    }
+    let (address, _token) = serve(extender).await;
+    let args = json!({"Pod": pod(40), "Nodes": null, "NodeNames": ["a", "b", "z"]});
+    let (status, body) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
+    assert_eq!(status, 200, "{body}");
+    let result: Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(result["NodeNames"], json!(["b"]));
+    assert!(result["Nodes"].is_null());
+    assert!(result["FailedNodes"]["a"].is_string());
+    assert!(result["FailedAndUnresolvableNodes"]["z"].as_str().expect("z").contains("unknown"));
+}
+
+#[tokio::test]
+async fn a_pod_without_baleen_resources_passes_every_node_unscored() {
+    let (address, _token) = serve(Extender::new(Settings::default())).await;
+    let plain = json!({"metadata": {"name": "web"}, "spec": {"containers": [{"name": "w",
+        "resources": {"requests": {"cpu": "1"}}}]}});
+    let args = json!({"Pod": plain, "NodeNames": ["a", "b"]});
+    let (_, body) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
+    let result: Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(result["NodeNames"], json!(["a", "b"]));
+    let (_, body) = call(address, "POST", "/baleen/prioritize", &args.to_string()).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).expect("json"),
+        json!([{"Host": "a", "Score": 0}, {"Host": "b", "Score": 0}])
+    );
+}
+
+#[tokio::test]
+async fn upstreams_example_args_are_answered() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/proto-upstream/scheduler-extender-v1-examples.json"
+    ))
+    .expect("../shared beside the repository");
+    let examples: Value = serde_json::from_str(&text).expect("json");
+    let args = examples["examples"]["ExtenderArgs"]["exact_json"].as_str().expect("exact");
+    let (address, _token) = serve(Extender::new(Settings::default())).await;
+    let (status, body) = call(address, "POST", "/baleen/filter", args).await;
+    assert_eq!(status, 200, "{body}");
+    let result: Value = serde_json::from_str(&body).expect("json");
+    // A pod with no containers asks nothing of baleen: its one node passes as it came.
+    assert_eq!(result["Nodes"]["items"][0]["metadata"]["name"], "nodename");
+    let (status, _) = call(address, "POST", "/baleen/prioritize", args).await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_answer_and_nothing_panics() {
+    let (address, _token) = serve(Extender::new(Settings::default())).await;
+    for (body, says) in [
+        ("{not json", "not an ExtenderArgs JSON body"),
+        ("{}", "missing field `Pod`"),
+        ("{\"Pod\": 3}", "invalid type"),
+        ("", "not an ExtenderArgs JSON body"),
+    ] {
+        for verb in ["filter", "prioritize"] {
+            let (status, answer) = call(address, "POST", &format!("/baleen/{verb}"), body).await;
+            assert_eq!(status, 400, "{verb} {body:?}: {answer}");
+            assert!(answer.contains(says), "{verb} {body:?}: {answer}");
+        }
+    }
+    // A pod whose quantity is not one: the filter answers with Error, prioritize with 400.
+    let mut bad = pod(4);
+    bad["spec"]["containers"][0]["resources"]["limits"]["awesome-ai-company.com/gpu-memory"] =
+        json!("4.5");
+    let args = json!({"Pod": bad, "NodeNames": ["a"]});
+    let (status, body) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("not a whole number of devices"), "{body}");
+    let (status, _) = call(address, "POST", "/baleen/prioritize", &args.to_string()).await;
+    assert_eq!(status, 400);
+    let (status, body) = call(address, "GET", "/healthz", "").await;
+    assert_eq!((status, body.as_str()), (200, "ok"));
+    let (status, body) = call(address, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("baleen_extender_bad_requests_total{verb=\"filter\"} 4"), "{body}");
+    assert!(body.contains("baleen_extender_request_seconds_count{verb=\"filter\"}"), "{body}");
+}
