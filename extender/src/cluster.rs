@@ -95,15 +95,21 @@ impl ClusterView {
         self.updated = Some(Instant::now());
     }
 
-    /// Forgets every node (a watcher's fresh list follows).
-    pub fn clear_nodes(&mut self) {
-        self.nodes.clear();
+    /// Keeps only the nodes `keep` names (after a watcher's fresh list).
+    pub fn retain_nodes(&mut self, keep: impl Fn(&str) -> bool) {
+        let before = self.nodes.len();
+        self.nodes.retain(|name, _| keep(name));
+        if self.nodes.len() != before {
+            self.updated = Some(Instant::now());
+        }
     }
 
-    /// Forgets every pod (a watcher's fresh list follows).
-    pub fn clear_pods(&mut self) {
-        self.pods.clear();
-        self.by_node.clear();
+    /// Keeps only the pods `keep` names by UID (after a watcher's fresh list).
+    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
+        let gone: Vec<String> = self.pods.keys().filter(|uid| !keep(uid)).cloned().collect();
+        for uid in gone {
+            self.remove_pod(&uid);
+        }
     }
 
     /// A node.

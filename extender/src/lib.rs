@@ -7,11 +7,15 @@
 //! - [`place`]: which nodes fit (the filter) and how well (the policy's score);
 //! - [`cluster`]: the nodes and pods the watchers (or kube-scheduler) report;
 //! - [`service`]: the verbs over the cluster view, and the online target workload;
-//! - [`http`]: the HTTP endpoint and its metrics.
+//! - [`http`]: the HTTP endpoint and its metrics;
+//! - [`watch`]: the Node and Pod watchers (kube-rs) that feed the cluster view;
+//! - [`run`]: all of it started together (the binary's `main` and the tests).
 
 pub mod cluster;
 pub mod demand;
 pub mod http;
 pub mod place;
 pub mod protocol;
+pub mod run;
 pub mod service;
+pub mod watch;

@@ -1,34 +1,40 @@
 //! A fake Kubernetes API server on loopback, answering the calls baleen makes the way the real
 //! one does, and able to go away and come back on the same address:
-//! - `PATCH /api/v1/nodes/{name}` with a JSON merge patch of `metadata` (what the agent's
-//!   node-state publisher sends): merges the annotations into its Node, answers the Node's
-//!   metadata (`PartialObjectMetadata`, as for kube-rs' `patch_metadata`), 404 for an unknown
-//!   node;
-//! - `GET /api/v1/nodes/{name}`: the Node.
+//! - Nodes (`/api/v1/nodes`) and Pods (`/api/v1/pods`, `/api/v1/namespaces/{ns}/pods/{name}`):
+//!   `list` (with the collection's `resourceVersion`), `watch` (`?watch=true`: newline-separated
+//!   `ADDED`/`MODIFIED`/`DELETED` events after the given `resourceVersion`, kept open) and `get`;
+//! - `PATCH /api/v1/nodes/{name}` with a JSON merge patch of `metadata.annotations` (what the
+//!   agent's node-state publisher sends): merges, answers the Node's metadata
+//!   (`PartialObjectMetadata`), and tells watchers (`MODIFIED`); 404 for an unknown node;
+//! - `POST /api/v1/namespaces/{ns}/pods/{name}/binding` (what a scheduler sends): sets the pod's
+//!   `spec.nodeName`.
 //!
-//! Every request is recorded. [`FakeApiServer::stop`] closes the listener and every connection
-//! (the API server going away); [`FakeApiServer::start_again`] serves again on the same port.
+//! Tests put and delete objects directly ([`FakeApiServer::put_node`], ...). Every request is
+//! recorded. [`FakeApiServer::stop`] closes the listener and every connection, watches included
+//! (the API server going away); [`FakeApiServer::start_again`] serves again on the same port
+//! with the same objects and resource versions.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use serde_json::{Value, json};
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
 
 /// One request the server answered.
 #[derive(Debug, Clone)]
 pub struct Recorded {
-    /// `PATCH`, `GET`.
+    /// `PATCH`, `GET`, `POST`.
     pub method: String,
-    /// The path.
+    /// The path (without the query).
     pub path: String,
     /// The `Content-Type` header.
     pub content_type: String,
@@ -38,11 +44,63 @@ pub struct Recorded {
     pub at: std::time::Instant,
 }
 
-#[derive(Default)]
+/// Which collection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Node,
+    Pod,
+}
+
+impl Kind {
+    fn list_kind(self) -> &'static str {
+        match self {
+            Kind::Node => "NodeList",
+            Kind::Pod => "PodList",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Event {
+    rv: u64,
+    kind: Kind,
+    type_: &'static str,
+    object: Value,
+}
+
 struct World {
-    /// Node name to its annotations.
-    nodes: BTreeMap<String, BTreeMap<String, String>>,
+    rv: u64,
+    objects: BTreeMap<(Kind, String), Value>,
+    log: Vec<Event>,
     requests: Vec<Recorded>,
+    events: broadcast::Sender<Event>,
+}
+
+impl World {
+    /// Stores `object` under `key` with a new resource version and tells watchers.
+    fn put(&mut self, kind: Kind, key: String, mut object: Value) -> Value {
+        self.rv += 1;
+        object["metadata"]["resourceVersion"] = Value::String(self.rv.to_string());
+        let type_ =
+            if self.objects.contains_key(&(kind, key.clone())) { "MODIFIED" } else { "ADDED" };
+        self.objects.insert((kind, key), object.clone());
+        self.emit(kind, type_, object.clone());
+        object
+    }
+
+    fn delete(&mut self, kind: Kind, key: &str) -> Option<Value> {
+        let mut object = self.objects.remove(&(kind, key.to_owned()))?;
+        self.rv += 1;
+        object["metadata"]["resourceVersion"] = Value::String(self.rv.to_string());
+        self.emit(kind, "DELETED", object.clone());
+        Some(object)
+    }
+
+    fn emit(&mut self, kind: Kind, type_: &'static str, object: Value) {
+        let event = Event { rv: self.rv, kind, type_, object };
+        self.log.push(event.clone());
+        let _ = self.events.send(event);
+    }
 }
 
 type Shared = Arc<(Mutex<World>, watch::Sender<u64>)>;
@@ -52,20 +110,38 @@ pub struct FakeApiServer {
     shared: Shared,
     address: SocketAddr,
     stop: CancellationToken,
+    listening: Option<tokio::task::JoinHandle<()>>,
+}
+
+fn key_of(kind: Kind, object: &Value) -> String {
+    let name = object["metadata"]["name"].as_str().unwrap_or_default();
+    match kind {
+        Kind::Node => name.to_owned(),
+        Kind::Pod => {
+            format!("{}/{name}", object["metadata"]["namespace"].as_str().unwrap_or("default"))
+        }
+    }
 }
 
 impl FakeApiServer {
-    /// Serves on a free loopback port, with the given nodes (no annotations).
+    /// Serves on a free loopback port, with the given nodes (no annotations, no capacity).
     pub async fn start(nodes: &[&str]) -> std::io::Result<Self> {
-        let mut world = World::default();
-        for n in nodes {
-            world.nodes.insert((*n).to_owned(), BTreeMap::new());
-        }
+        let world = World {
+            rv: 0,
+            objects: BTreeMap::new(),
+            log: Vec::new(),
+            requests: Vec::new(),
+            events: broadcast::channel(4096).0,
+        };
         let shared: Shared = Arc::new((Mutex::new(world), watch::channel(0).0));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let address = listener.local_addr()?;
-        let stop = serve(listener, shared.clone());
-        Ok(Self { shared, address, stop })
+        let (stop, listening) = serve(listener, shared.clone());
+        let server = Self { shared, address, stop, listening: Some(listening) };
+        for n in nodes {
+            server.put_node(json!({"metadata": {"name": n}}));
+        }
+        Ok(server)
     }
 
     /// Its URL, `http://127.0.0.1:<port>`.
@@ -73,15 +149,21 @@ impl FakeApiServer {
         format!("http://{}", self.address)
     }
 
-    /// Goes away: the listener and every open connection close.
-    pub fn stop(&mut self) {
+    /// Goes away: the listener and every open connection close (returns once the port is
+    /// free).
+    pub async fn stop(&mut self) {
         self.stop.cancel();
+        if let Some(listening) = self.listening.take() {
+            let _ = listening.await;
+        }
     }
 
     /// Comes back on the same address with the same state.
     pub async fn start_again(&mut self) -> std::io::Result<()> {
         let listener = tokio::net::TcpListener::bind(self.address).await?;
-        self.stop = serve(listener, self.shared.clone());
+        let (stop, listening) = serve(listener, self.shared.clone());
+        self.stop = stop;
+        self.listening = Some(listening);
         Ok(())
     }
 
@@ -89,9 +171,38 @@ impl FakeApiServer {
         self.shared.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Adds or replaces a Node (watchers see it); returns it as stored.
+    pub fn put_node(&self, node: Value) -> Value {
+        let key = key_of(Kind::Node, &node);
+        self.world().put(Kind::Node, key, node)
+    }
+
+    /// Deletes a Node.
+    pub fn delete_node(&self, name: &str) {
+        self.world().delete(Kind::Node, name);
+    }
+
+    /// Adds or replaces a Pod.
+    pub fn put_pod(&self, pod: Value) -> Value {
+        let key = key_of(Kind::Pod, &pod);
+        self.world().put(Kind::Pod, key, pod)
+    }
+
+    /// Deletes a Pod (`namespace/name`).
+    pub fn delete_pod(&self, key: &str) {
+        self.world().delete(Kind::Pod, key);
+    }
+
+    /// A Pod (`namespace/name`).
+    pub fn pod(&self, key: &str) -> Option<Value> {
+        self.world().objects.get(&(Kind::Pod, key.to_owned())).cloned()
+    }
+
     /// A node's annotation now.
     pub fn annotation(&self, node: &str, key: &str) -> Option<String> {
-        self.world().nodes.get(node).and_then(|a| a.get(key).cloned())
+        let world = self.world();
+        let n = world.objects.get(&(Kind::Node, node.to_owned()))?;
+        n["metadata"]["annotations"][key].as_str().map(str::to_owned)
     }
 
     /// Every request answered so far.
@@ -111,13 +222,26 @@ impl Drop for FakeApiServer {
     }
 }
 
-fn serve(listener: tokio::net::TcpListener, shared: Shared) -> CancellationToken {
+#[derive(Clone)]
+struct AppState {
+    shared: Shared,
+    stop: CancellationToken,
+}
+
+fn serve(
+    listener: tokio::net::TcpListener,
+    shared: Shared,
+) -> (CancellationToken, tokio::task::JoinHandle<()>) {
     let stop = CancellationToken::new();
     let app = Router::new()
+        .route("/api/v1/nodes", get(list_nodes))
         .route("/api/v1/nodes/{name}", get(get_node).patch(patch_node))
-        .with_state(shared);
+        .route("/api/v1/pods", get(list_pods))
+        .route("/api/v1/namespaces/{ns}/pods/{name}", get(get_pod))
+        .route("/api/v1/namespaces/{ns}/pods/{name}/binding", post(bind_pod))
+        .with_state(AppState { shared, stop: stop.clone() });
     let token = stop.clone();
-    tokio::spawn(async move {
+    let listening = tokio::spawn(async move {
         loop {
             let stream = tokio::select! {
                 accepted = listener.accept() => match accepted {
@@ -140,7 +264,7 @@ fn serve(listener: tokio::net::TcpListener, shared: Shared) -> CancellationToken
             });
         }
     });
-    stop
+    (stop, listening)
 }
 
 fn record(shared: &Shared, method: &str, path: String, headers: &HeaderMap, body: &Bytes) {
@@ -160,6 +284,10 @@ fn record(shared: &Shared, method: &str, path: String, headers: &HeaderMap, body
     shared.1.send_replace(n);
 }
 
+fn json_response(code: StatusCode, body: &Value) -> Response {
+    (code, [("content-type", "application/json")], body.to_string()).into_response()
+}
+
 fn status(code: StatusCode, reason: &str, message: String) -> Response {
     let body = json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -168,44 +296,120 @@ fn status(code: StatusCode, reason: &str, message: String) -> Response {
     json_response(code, &body)
 }
 
-fn json_response(code: StatusCode, body: &Value) -> Response {
-    (code, [("content-type", "application/json")], body.to_string()).into_response()
+/// The query's parameters.
+fn query(uri: &Uri) -> BTreeMap<String, String> {
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
 }
 
-fn node_meta(name: &str, annotations: &BTreeMap<String, String>) -> Value {
-    json!({
-        "kind": "PartialObjectMetadata",
-        "apiVersion": "meta.k8s.io/v1",
-        "metadata": { "name": name, "annotations": annotations }
-    })
+async fn list_nodes(State(app): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
+    list_or_watch(app, Kind::Node, uri, headers)
+}
+
+async fn list_pods(State(app): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
+    list_or_watch(app, Kind::Pod, uri, headers)
+}
+
+fn list_or_watch(app: AppState, kind: Kind, uri: Uri, headers: HeaderMap) -> Response {
+    record(&app.shared, "GET", uri.path().to_owned(), &headers, &Bytes::new());
+    let q = query(&uri);
+    let world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+    if q.get("watch").map(String::as_str) != Some("true") {
+        let items: Vec<Value> =
+            world.objects.iter().filter(|((k, _), _)| *k == kind).map(|(_, v)| v.clone()).collect();
+        let body = json!({
+            "kind": kind.list_kind(), "apiVersion": "v1",
+            "metadata": {"resourceVersion": world.rv.to_string()},
+            "items": items
+        });
+        return json_response(StatusCode::OK, &body);
+    }
+    let from: u64 = q.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(world.rv);
+    let timeout = q
+        .get("timeoutSeconds")
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_secs(300), Duration::from_secs);
+    let backlog: Vec<Event> =
+        world.log.iter().filter(|e| e.kind == kind && e.rv > from).cloned().collect();
+    let mut live = world.events.subscribe();
+    drop(world);
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(256);
+    let stop = app.stop.clone();
+    let line = |e: &Event| {
+        let mut text = json!({"type": e.type_, "object": e.object}).to_string();
+        text.push('\n');
+        Ok(Bytes::from(text))
+    };
+    tokio::spawn(async move {
+        let mut last = from;
+        for e in &backlog {
+            last = e.rv;
+            if tx.send(line(e)).await.is_err() {
+                return;
+            }
+        }
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = &mut deadline => return,
+                e = live.recv() => match e {
+                    Ok(e) if e.kind == kind && e.rv > last => {
+                        last = e.rv;
+                        if tx.send(line(&e)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    // Too far behind, or the server is gone: the client lists again.
+                    Err(_) => return,
+                },
+            }
+        }
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    (StatusCode::OK, [("content-type", "application/json")], body).into_response()
 }
 
 async fn get_node(
-    State(shared): State<Shared>,
+    State(app): State<AppState>,
     Path(name): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    record(&shared, "GET", format!("/api/v1/nodes/{name}"), &headers, &Bytes::new());
-    let world = shared.0.lock().unwrap_or_else(PoisonError::into_inner);
-    match world.nodes.get(&name) {
-        Some(a) => json_response(
-            StatusCode::OK,
-            &json!({
-                "kind": "Node", "apiVersion": "v1",
-                "metadata": { "name": name, "annotations": a }
-            }),
-        ),
+    record(&app.shared, "GET", format!("/api/v1/nodes/{name}"), &headers, &Bytes::new());
+    let world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+    match world.objects.get(&(Kind::Node, name.clone())) {
+        Some(n) => json_response(StatusCode::OK, n),
         None => status(StatusCode::NOT_FOUND, "NotFound", format!("nodes \"{name}\" not found")),
     }
 }
 
+async fn get_pod(
+    State(app): State<AppState>,
+    Path((ns, name)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let path = format!("/api/v1/namespaces/{ns}/pods/{name}");
+    record(&app.shared, "GET", path, &headers, &Bytes::new());
+    let world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+    match world.objects.get(&(Kind::Pod, format!("{ns}/{name}"))) {
+        Some(p) => json_response(StatusCode::OK, p),
+        None => status(StatusCode::NOT_FOUND, "NotFound", format!("pods \"{name}\" not found")),
+    }
+}
+
 async fn patch_node(
-    State(shared): State<Shared>,
+    State(app): State<AppState>,
     Path(name): Path<String>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    record(&shared, "PATCH", format!("/api/v1/nodes/{name}"), &headers, &body);
+    record(&app.shared, "PATCH", format!("/api/v1/nodes/{name}"), &headers, &body);
     let content_type = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
     if content_type != "application/merge-patch+json" {
         return status(
@@ -217,19 +421,20 @@ async fn patch_node(
     let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
         return status(StatusCode::BAD_REQUEST, "BadRequest", "invalid JSON".into());
     };
-    let mut world = shared.0.lock().unwrap_or_else(PoisonError::into_inner);
-    let Some(annotations) = world.nodes.get_mut(&name) else {
+    let mut world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+    let Some(mut node) = world.objects.get(&(Kind::Node, name.clone())).cloned() else {
         return status(StatusCode::NOT_FOUND, "NotFound", format!("nodes \"{name}\" not found"));
     };
     if let Some(map) = patch.pointer("/metadata/annotations").and_then(Value::as_object) {
+        if !node["metadata"]["annotations"].is_object() {
+            node["metadata"]["annotations"] = json!({});
+        }
         for (k, v) in map {
             match v {
                 Value::Null => {
-                    annotations.remove(k);
+                    node["metadata"]["annotations"].as_object_mut().map(|a| a.remove(k));
                 }
-                Value::String(s) => {
-                    annotations.insert(k.clone(), s.clone());
-                }
+                Value::String(_) => node["metadata"]["annotations"][k] = v.clone(),
                 other => {
                     return status(
                         StatusCode::BAD_REQUEST,
@@ -240,5 +445,44 @@ async fn patch_node(
             }
         }
     }
-    json_response(StatusCode::OK, &node_meta(&name, annotations))
+    let stored = world.put(Kind::Node, name.clone(), node);
+    let meta = json!({
+        "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+        "metadata": stored["metadata"]
+    });
+    json_response(StatusCode::OK, &meta)
+}
+
+async fn bind_pod(
+    State(app): State<AppState>,
+    Path((ns, name)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let path = format!("/api/v1/namespaces/{ns}/pods/{name}/binding");
+    record(&app.shared, "POST", path, &headers, &body);
+    let Ok(binding) = serde_json::from_slice::<Value>(&body) else {
+        return status(StatusCode::BAD_REQUEST, "BadRequest", "invalid JSON".into());
+    };
+    let Some(node) = binding.pointer("/target/name").and_then(Value::as_str) else {
+        return status(StatusCode::BAD_REQUEST, "BadRequest", "no target.name".into());
+    };
+    let mut world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = format!("{ns}/{name}");
+    let Some(mut pod) = world.objects.get(&(Kind::Pod, key.clone())).cloned() else {
+        return status(StatusCode::NOT_FOUND, "NotFound", format!("pods \"{name}\" not found"));
+    };
+    if pod["spec"]["nodeName"].as_str().is_some_and(|n| !n.is_empty()) {
+        return status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            format!("pod {name} is already assigned to node {}", pod["spec"]["nodeName"]),
+        );
+    }
+    pod["spec"]["nodeName"] = Value::String(node.to_owned());
+    world.put(Kind::Pod, key, pod);
+    json_response(
+        StatusCode::CREATED,
+        &json!({"kind": "Status", "apiVersion": "v1", "status": "Success"}),
+    )
 }

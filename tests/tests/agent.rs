@@ -1667,7 +1667,7 @@ async fn the_node_state_is_published_coalesced_and_survives_the_api_server_going
 
     // The API server goes away: Allocate is not held up, and the state is written once it is
     // back.
-    api.stop();
+    api.stop().await;
     let started = std::time::Instant::now();
     node.kubelet.admit_to("ns/f", "c", MEM, 2).await?;
     assert!(started.elapsed() < Duration::from_secs(2), "Allocate waited for the API server");
