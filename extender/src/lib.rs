@@ -9,11 +9,13 @@
 //! - [`service`]: the verbs over the cluster view, and the online target workload;
 //! - [`http`]: the HTTP endpoint and its metrics;
 //! - [`watch`]: the Node and Pod watchers (kube-rs) that feed the cluster view;
-//! - [`run`]: all of it started together (the binary's `main` and the tests).
+//! - [`run`]: all of it started together, and the command line (the binary's `main`);
+//! - [`kube_access`]: every Kubernetes API call it makes (the install's RBAC).
 
 pub mod cluster;
 pub mod demand;
 pub mod http;
+pub mod kube_access;
 pub mod place;
 pub mod protocol;
 pub mod run;

@@ -1,42 +1,13 @@
 //! `baleen-extender`: the kube-scheduler extender. See `baleen_extender` and docs/extender.md.
 
-use std::net::SocketAddr;
 use std::process::ExitCode;
 
+use baleen_extender::run::Args;
 use baleen_extender::run::{Config, start};
 use baleen_extender::service::Settings;
 use baleen_scheduler_core::policy::PolicyKind;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
-
-/// baleen's kube-scheduler extender: filters out nodes where a pod's GPU request cannot fit on
-/// one GPU (or MIG profile, or NVLink group) and scores the rest with the placement policy,
-/// reading each node's GPUs from its agent's gpu-state annotation.
-#[derive(Debug, Parser)]
-#[command(name = "baleen-extender", version, about)]
-struct Args {
-    /// Where to listen.
-    #[arg(long, default_value = "0.0.0.0:8888")]
-    listen: SocketAddr,
-    /// Path prefix of the verbs (the scheduler configuration's urlPrefix path).
-    #[arg(long, default_value = "")]
-    url_prefix: String,
-    /// Resource domain.
-    #[arg(long, default_value = "awesome-ai-company.com")]
-    domain: String,
-    /// Placement policy: baleen, fgd, best-fit, gpu-packing, gpu-clustering, dotprod, random.
-    #[arg(long, default_value = "baleen")]
-    policy: String,
-    /// How many recent pods the target workload is learned from.
-    #[arg(long, default_value_t = 5000)]
-    target_window: usize,
-    /// Rebuild the policy (and its LP) after this many new pods.
-    #[arg(long, default_value_t = 100)]
-    rebuild_every: usize,
-    /// Log filter (tracing), e.g. info or baleen_extender=debug.
-    #[arg(long, default_value = "info")]
-    log_level: String,
-}
 
 fn main() -> ExitCode {
     let args = Args::parse();

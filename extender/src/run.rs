@@ -3,6 +3,8 @@
 //! fake API server.
 
 use std::net::SocketAddr;
+
+use clap::Parser;
 use std::sync::Arc;
 
 use tokio::task::JoinSet;
@@ -61,4 +63,33 @@ impl Running {
     pub async fn wait(mut self) {
         while self.tasks.join_next().await.is_some() {}
     }
+}
+
+/// baleen's kube-scheduler extender: filters out nodes where a pod's GPU request cannot fit on
+/// one GPU (or MIG profile, or NVLink group) and scores the rest with the placement policy,
+/// reading each node's GPUs from its agent's gpu-state annotation.
+#[derive(Debug, Parser)]
+#[command(name = "baleen-extender", version, about)]
+pub struct Args {
+    /// Where to listen.
+    #[arg(long, default_value = "0.0.0.0:8888")]
+    pub listen: SocketAddr,
+    /// Path prefix of the verbs (the scheduler configuration's urlPrefix path).
+    #[arg(long, default_value = "")]
+    pub url_prefix: String,
+    /// Resource domain.
+    #[arg(long, default_value = "awesome-ai-company.com")]
+    pub domain: String,
+    /// Placement policy: baleen, fgd, best-fit, gpu-packing, gpu-clustering, dotprod, random.
+    #[arg(long, default_value = "baleen")]
+    pub policy: String,
+    /// How many recent pods the target workload is learned from.
+    #[arg(long, default_value_t = 5000)]
+    pub target_window: usize,
+    /// Rebuild the policy (and its LP) after this many new pods.
+    #[arg(long, default_value_t = 100)]
+    pub rebuild_every: usize,
+    /// Log filter (tracing), e.g. info or baleen_extender=debug.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
 }

@@ -17,7 +17,7 @@ use baleen_agent::inventory::GpuInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::ledger::DeviceLedger;
 use clap::Parser;
-use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, Pod, PodSpec, Service, ServiceAccount,
 };
@@ -26,7 +26,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-const OVERLAYS: [&str; 4] = ["default", "mig", "no-mps", "prometheus-operator"];
+const OVERLAYS: [&str; 5] = ["default", "mig", "no-mps", "prometheus-operator", "extender"];
 const AGENT: &str = "baleen-agent";
 const MPS: &str = "baleen-mps";
 
@@ -149,6 +149,7 @@ struct Install {
     daemon_sets: Vec<DaemonSet>,
     services: Vec<Service>,
     service_monitors: Vec<ServiceMonitor>,
+    deployments: Vec<Deployment>,
     roles: Vec<(Option<String>, Vec<PolicyRule>)>,
     bindings: Vec<(String, String, Vec<String>)>,
 }
@@ -164,6 +165,7 @@ impl Install {
                 "DaemonSet" => install.daemon_sets.push(strict(&doc)?),
                 "Service" => install.services.push(strict(&doc)?),
                 "ServiceMonitor" => install.service_monitors.push(strict(&doc)?),
+                "Deployment" => install.deployments.push(strict(&doc)?),
                 "Role" => {
                     let r: Role = strict(&doc)?;
                     install.roles.push((r.metadata.name, r.rules.unwrap_or_default()));
@@ -186,6 +188,31 @@ impl Install {
             }
         }
         Ok(install)
+    }
+
+    /// Every (API group, resource, verb) bound to service account `account`.
+    fn granted_to(&self, account: &str) -> Result<BTreeSet<(String, String, String)>> {
+        let mut granted = BTreeSet::new();
+        for (kind, role, subjects) in &self.bindings {
+            if !subjects.iter().any(|s| s == account) {
+                continue;
+            }
+            let rules = self
+                .roles
+                .iter()
+                .find(|(name, _)| name.as_deref() == Some(role.as_str()))
+                .with_context(|| format!("{kind} {role} is not in the install"))?;
+            for rule in &rules.1 {
+                for group in rule.api_groups.iter().flatten() {
+                    for resource in rule.resources.iter().flatten() {
+                        for verb in &rule.verbs {
+                            granted.insert((group.clone(), resource.clone(), verb.clone()));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(granted)
     }
 
     fn daemon_set(&self, name: &str) -> Option<&DaemonSet> {
@@ -448,26 +475,7 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     // RBAC: exactly what the agent calls.
     let sa = spec.service_account_name.clone().context("serviceAccountName")?;
     ensure!(install.service_accounts.iter().any(|s| s.metadata.name.as_deref() == Some(&sa)));
-    let mut granted: BTreeSet<(String, String, String)> = BTreeSet::new();
-    for (kind, role, subjects) in &install.bindings {
-        if !subjects.contains(&sa) {
-            continue;
-        }
-        let rules = install
-            .roles
-            .iter()
-            .find(|(name, _)| name.as_deref() == Some(role.as_str()))
-            .with_context(|| format!("{kind} {role} is not in the install"))?;
-        for rule in &rules.1 {
-            for group in rule.api_groups.iter().flatten() {
-                for resource in rule.resources.iter().flatten() {
-                    for verb in &rule.verbs {
-                        granted.insert((group.clone(), resource.clone(), verb.clone()));
-                    }
-                }
-            }
-        }
-    }
+    let granted = install.granted_to(&sa)?;
     let called: BTreeSet<(String, String, String)> = baleen_agent::kube_access::AGENT
         .iter()
         .flat_map(|r| {
@@ -559,6 +567,13 @@ fn every_overlay_renders_into_valid_objects_that_match_the_agent() -> Result<()>
                 let spec = pod_spec(agent)?;
                 let (_, s) = settings_of(&install, spec, only_container(spec)?, scratch.path())?;
                 mig.insert(overlay, s.agent.views.mig);
+                ensure!(
+                    install.deployments.is_empty() == (overlay != "extender"),
+                    "{overlay}: the extender's Deployment only in the extender overlay"
+                );
+                if overlay == "extender" {
+                    check_extender(&install)?;
+                }
                 if overlay == "prometheus-operator" {
                     ensure!(install.service_monitors.len() == 1, "one ServiceMonitor");
                 } else {
@@ -730,5 +745,103 @@ fn the_dockerfile_builds_workspace_binaries_in_stages() -> Result<()> {
     // The DaemonSets run what the image holds.
     let ignore = std::fs::read_to_string(repo().join(".dockerignore"))?;
     ensure!(ignore.lines().any(|l| l.trim() == "target/"), "the build context leaves target/ out");
+    Ok(())
+}
+
+/// The extender's Deployment, Service and RBAC, and kube-scheduler's configuration that calls
+/// it (`packaging/scheduler/kube-scheduler-config.yaml`).
+fn check_extender(install: &Install) -> Result<()> {
+    let deployment = install
+        .deployments
+        .iter()
+        .find(|d| d.metadata.name.as_deref() == Some("baleen-extender"))
+        .context("the extender's Deployment")?;
+    let spec = deployment.spec.as_ref().and_then(|s| s.template.spec.as_ref()).context("pod")?;
+    let c = only_container(spec)?;
+    let mut argv: Vec<String> = c.command.clone().unwrap_or_default();
+    ensure!(
+        argv.first().is_some_and(|b| b.ends_with("/baleen-extender")),
+        "the extender's command: {argv:?}"
+    );
+    argv.extend(c.args.iter().flatten().cloned());
+    let args =
+        baleen_extender::run::Args::try_parse_from(&argv).map_err(|e| anyhow!("{argv:?}: {e}"))?;
+    ensure!(args.policy.parse::<baleen_scheduler_core::policy::PolicyKind>().is_ok(), "policy");
+    ensure!(
+        c.image.as_deref() == Some(format!("baleen:{}", env!("CARGO_PKG_VERSION")).as_str()),
+        "one image for the agent and the extender"
+    );
+    let port = c
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("http"))
+        .context("a port named http")?;
+    ensure!(i64::from(port.container_port) == i64::from(args.listen.port()), "the listen port");
+    for probe in [&c.liveness_probe, &c.readiness_probe] {
+        let get = probe.as_ref().and_then(|p| p.http_get.as_ref()).context("an HTTP probe")?;
+        ensure!(get.path.as_deref() == Some("/healthz"), "probe path");
+    }
+    let pod_security = spec.security_context.as_ref().context("pod securityContext")?;
+    ensure!(pod_security.run_as_non_root == Some(true), "the extender runs as non-root");
+    let security = c.security_context.as_ref().context("securityContext")?;
+    ensure!(security.read_only_root_filesystem == Some(true));
+    ensure!(
+        security.capabilities.as_ref().and_then(|c| c.drop.clone()) == Some(vec!["ALL".to_owned()])
+    );
+    // RBAC: exactly what the extender calls.
+    let account = spec.service_account_name.clone().context("serviceAccountName")?;
+    let called: BTreeSet<(String, String, String)> = baleen_extender::kube_access::EXTENDER
+        .iter()
+        .flat_map(|r| {
+            r.verbs.iter().map(|v| (r.api_group.to_owned(), r.resource.to_owned(), (*v).to_owned()))
+        })
+        .collect();
+    let granted = install.granted_to(&account)?;
+    ensure!(granted == called, "RBAC grants {granted:?}, the extender calls {called:?}");
+    // The Service kube-scheduler calls.
+    let service = install
+        .services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("baleen-extender"))
+        .context("the extender's Service")?;
+    let svc = service.spec.as_ref().context("spec")?;
+    let svc_port =
+        svc.ports.iter().flatten().find(|p| p.name.as_deref() == Some("http")).context("http")?;
+    ensure!(
+        svc_port.target_port
+            == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                "http".into()
+            ))
+    );
+    let ns = service.metadata.namespace.clone().context("namespace")?;
+    // kube-scheduler's configuration names that Service, the verbs the extender serves, and
+    // every resource an agent advertises on the example nodes.
+    let text =
+        std::fs::read_to_string(repo().join("packaging/scheduler/kube-scheduler-config.yaml"))?;
+    let config = documents(&text)?.into_iter().next().context("a document")?;
+    ensure!(config["kind"] == "KubeSchedulerConfiguration");
+    ensure!(config["apiVersion"] == "kubescheduler.config.k8s.io/v1");
+    let extenders = config["extenders"].as_array().context("extenders")?;
+    ensure!(extenders.len() == 1, "one extender");
+    let e = &extenders[0];
+    let url = format!("http://baleen-extender.{ns}.svc:{}{}", svc_port.port, args.url_prefix);
+    ensure!(e["urlPrefix"] == url.as_str(), "urlPrefix {} is not {url}", e["urlPrefix"]);
+    ensure!(e["filterVerb"] == "filter" && e["prioritizeVerb"] == "prioritize");
+    ensure!(e["nodeCacheCapable"] == true, "the extender keeps a node cache");
+    ensure!(e["weight"].as_i64().is_some_and(|w| w >= 1), "a weight");
+    let managed: BTreeSet<String> = e["managedResources"]
+        .as_array()
+        .context("managedResources")?
+        .iter()
+        .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let advertised = advertised()?;
+    for name in &managed {
+        ensure!(advertised.contains(name), "{name} is managed but no agent advertises it");
+    }
+    for name in &advertised {
+        ensure!(managed.contains(name), "{name} is advertised on an example node but not managed");
+    }
     Ok(())
 }
