@@ -80,6 +80,10 @@ pub struct ClusterView {
     by_node: BTreeMap<String, BTreeSet<String>>,
     /// When a node was last added, changed or removed.
     pub updated: Option<Instant>,
+    /// Per node, the change count when it or a pod bound to it last changed (what a cached
+    /// score is valid for).
+    stamps: BTreeMap<String, u64>,
+    changes: u64,
 }
 
 impl ClusterView {
@@ -87,20 +91,31 @@ impl ClusterView {
     pub fn set_node(&mut self, name: &str, entry: NodeEntry) {
         self.nodes.insert(name.to_owned(), entry);
         self.updated = Some(Instant::now());
+        self.touch(name);
     }
 
     /// Forgets a node.
     pub fn remove_node(&mut self, name: &str) {
         self.nodes.remove(name);
         self.updated = Some(Instant::now());
+        self.touch(name);
+    }
+
+    fn touch(&mut self, node: &str) {
+        self.changes += 1;
+        self.stamps.insert(node.to_owned(), self.changes);
+    }
+
+    /// A number that changes whenever `node` or a pod bound to it changes.
+    pub fn stamp(&self, node: &str) -> u64 {
+        self.stamps.get(node).copied().unwrap_or(0)
     }
 
     /// Keeps only the nodes `keep` names (after a watcher's fresh list).
     pub fn retain_nodes(&mut self, keep: impl Fn(&str) -> bool) {
-        let before = self.nodes.len();
-        self.nodes.retain(|name, _| keep(name));
-        if self.nodes.len() != before {
-            self.updated = Some(Instant::now());
+        let gone: Vec<String> = self.nodes.keys().filter(|n| !keep(n)).cloned().collect();
+        for name in gone {
+            self.remove_node(&name);
         }
     }
 
@@ -130,8 +145,9 @@ impl ClusterView {
     /// Adds or replaces a pod by UID.
     pub fn set_pod(&mut self, uid: &str, entry: PodEntry) {
         self.remove_pod(uid);
-        if let Some(node) = entry.node.as_ref().filter(|_| !entry.finished) {
+        if let Some(node) = entry.node.clone().filter(|_| !entry.finished) {
             self.by_node.entry(node.clone()).or_default().insert(uid.to_owned());
+            self.touch(&node);
         }
         self.pods.insert(uid.to_owned(), entry);
     }
@@ -141,8 +157,9 @@ impl ClusterView {
         if let Some(old) = self.pods.remove(uid)
             && let Some(node) = old.node
             && let Some(set) = self.by_node.get_mut(&node)
+            && set.remove(uid)
         {
-            set.remove(uid);
+            self.touch(&node);
         }
     }
 

@@ -34,7 +34,7 @@ pub enum DemandError {
 }
 
 /// One container's ask of baleen resources.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Ask {
     /// `gpu-memory`: units, all on one GPU.
     GpuMemory(u32),
@@ -59,7 +59,7 @@ impl Ask {
 }
 
 /// What a pod asks of a node.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Demand {
     /// Per container (app and init), its asks of baleen resources.
     pub asks: Vec<Ask>,

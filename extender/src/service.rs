@@ -67,6 +67,10 @@ impl FailKind {
     }
 }
 
+/// One node's cached scores: the (node stamp, policy epoch) they hold for, and the score of
+/// each demand asked.
+type NodeScores = ((u64, u64), std::collections::HashMap<Demand, Option<i64>>);
+
 /// The pods seen, for the target workload.
 #[derive(Debug, Default)]
 struct Seen {
@@ -81,6 +85,11 @@ pub struct Extender {
     /// Nodes and pods (the watchers write, the verbs read).
     pub cluster: RwLock<ClusterView>,
     policy: RwLock<Arc<Policy>>,
+    /// Rebuilds of the policy so far (what a cached score is valid for).
+    epoch: std::sync::atomic::AtomicU64,
+    /// Per node: the (node stamp, policy epoch) its scores are valid for, and the scores by
+    /// demand. Only one node changes per placement, so most scores of the next call are here.
+    scores: Mutex<std::collections::HashMap<String, NodeScores>>,
     seen: Mutex<Seen>,
     rebuild: tokio::sync::Notify,
 }
@@ -94,6 +103,8 @@ impl Extender {
             settings,
             cluster: RwLock::new(ClusterView::default()),
             policy: RwLock::new(Arc::new(policy)),
+            epoch: std::sync::atomic::AtomicU64::new(0),
+            scores: Mutex::new(std::collections::HashMap::new()),
             seen: Mutex::new(Seen::default()),
             rebuild: tokio::sync::Notify::new(),
         })
@@ -168,6 +179,7 @@ impl Extender {
         let policy =
             Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default());
         *self.policy.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(policy);
+        self.epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The demands as placement requests on the cluster's most common GPU (its units).
@@ -275,18 +287,34 @@ impl Extender {
                 .map(|(host, _, _)| HostPriority { host, score: 0 })
                 .collect());
         }
-        let policy = self.policy.read().unwrap_or_else(PoisonError::into_inner).clone();
+        let (policy, epoch) = {
+            let policy = self.policy.read().unwrap_or_else(PoisonError::into_inner);
+            (policy.clone(), self.epoch.load(std::sync::atomic::Ordering::SeqCst))
+        };
         let view = self.view();
+        let score = |name: &str, entry: &NodeEntry| {
+            let state = entry.state.as_ref().ok()?;
+            let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
+            for other in view.assumed(name, state) {
+                model.assume(other, &policy);
+            }
+            model.score(&demand, &policy)
+        };
+        let mut cache = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
         let raw: Vec<Option<i64>> = candidates
             .iter()
-            .map(|(name, entry, _)| {
+            .map(|(name, entry, sent)| {
                 let entry = entry.as_ref()?;
-                let state = entry.state.as_ref().ok()?;
-                let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
-                for other in view.assumed(name, state) {
-                    model.assume(other, &policy);
+                if sent.is_some() {
+                    // A Node sent in full may differ from the cache's: scored afresh.
+                    return score(name, entry);
                 }
-                model.score(&demand, &policy)
+                let stamp = (view.stamp(name), epoch);
+                let slot = cache.entry(name.clone()).or_default();
+                if slot.0 != stamp {
+                    *slot = (stamp, std::collections::HashMap::new());
+                }
+                *slot.1.entry(demand.clone()).or_insert_with(|| score(name, entry))
             })
             .collect();
         let scores = extender_scores(&raw);

@@ -273,3 +273,45 @@ async fn bad_input_gets_a_clear_answer_and_nothing_panics() {
     assert!(body.contains("baleen_extender_bad_requests_total{verb=\"filter\"} 4"), "{body}");
     assert!(body.contains("baleen_extender_request_seconds_count{verb=\"filter\"}"), "{body}");
 }
+
+#[tokio::test]
+async fn cached_scores_follow_the_nodes_and_their_pods() {
+    let extender = Extender::new(Settings::default());
+    let set = |name: &str, free: &[u32]| {
+        let n: Node = serde_json::from_value(node(name, free)).expect("node");
+        extender.cluster.write().expect("lock").set_node(name, NodeEntry::of(&n, KEY));
+    };
+    set("a", &[100, 140]);
+    set("b", &[50, 140]);
+    let args: baleen_extender::protocol::ExtenderArgs =
+        serde_json::from_value(json!({"Pod": pod(40), "NodeNames": ["a", "b"]})).expect("args");
+    extender.filter(&args);
+    extender.rebuild_policy();
+    let scores = |e: &Extender| -> Vec<i64> {
+        e.prioritize(&args).expect("scores").into_iter().map(|h| h.score).collect()
+    };
+    let first = scores(&extender);
+    assert_eq!(first, scores(&extender), "the same answer from the cache");
+    // a fills up: its cached score is dropped, and it cannot take the pod now.
+    set("a", &[0, 0]);
+    let after = scores(&extender);
+    assert_eq!(after, [0, 10], "{first:?} then {after:?}");
+    // A pod bound to b (not yet published) takes b's idle GPU: b alone scores 10 before, 0
+    // (no room in the model) after.
+    set("b", &[30, 140]);
+    let only_b: baleen_extender::protocol::ExtenderArgs =
+        serde_json::from_value(json!({"Pod": pod(40), "NodeNames": ["b"]})).expect("args");
+    let b_score = |e: &Extender| e.prioritize(&only_b).expect("scores")[0].score;
+    assert_eq!(b_score(&extender), 10);
+    let bound: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "x", "namespace": "ns", "uid": "x"},
+        "spec": {"nodeName": "b", "containers": [{"name": "c", "resources": {"limits": {
+            "awesome-ai-company.com/gpu-memory": 140}}}]}
+    }))
+    .expect("pod");
+    let entry = baleen_extender::cluster::PodEntry::of(&bound, "awesome-ai-company.com");
+    extender.cluster.write().expect("lock").set_pod("x", entry);
+    assert_eq!(b_score(&extender), 0, "the cached score of b was not dropped");
+    extender.cluster.write().expect("lock").remove_pod("x");
+    assert_eq!(b_score(&extender), 10);
+}
