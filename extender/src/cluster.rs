@@ -152,6 +152,11 @@ impl ClusterView {
         self.pods.insert(uid.to_owned(), entry);
     }
 
+    /// Whether the pod with `uid` is known and bound to a node.
+    pub fn is_bound(&self, uid: &str) -> bool {
+        self.pods.get(uid).is_some_and(|p| p.node.is_some())
+    }
+
     /// Forgets a pod.
     pub fn remove_pod(&mut self, uid: &str) {
         if let Some(old) = self.pods.remove(uid)

@@ -354,13 +354,18 @@ impl NodeModel {
         })
     }
 
-    /// Places `demand` where `policy` would (a pod bound here, not yet in the document).
-    pub fn assume(&mut self, demand: &Demand, policy: &Policy) {
-        let Some(request) = self.request(demand) else { return };
-        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
-        if let Some(scored) = policy.score(&self.ledger, &request, &mut rng) {
+    /// Places `demand` as its node's agent does (a pod bound here, not yet in the document):
+    /// memory units on the tightest GPU that fits, whole GPUs lowest index first
+    /// (`agent::ledger::preferred`; the GPUs do not model NVLink here). `_policy` decides
+    /// nothing here: the agent, not the policy, chooses GPUs on its node.
+    pub fn assume(&mut self, demand: &Demand, _policy: &Policy) {
+        let Some(mut request) = self.request(demand) else { return };
+        // Its CPU and memory are already in the host's use (every pod bound here counts).
+        request.cpu = MilliCpu(0);
+        request.memory = MemMib(0);
+        if let Some(gpus) = baleen_scheduler_core::fit::best_fit_gpus(&self.ledger, &request) {
             self.next += 1;
-            let _ = self.ledger.allocate(AllocationId(self.next), &request, scored.gpus);
+            let _ = self.ledger.allocate(AllocationId(self.next), &request, gpus);
         }
     }
 
@@ -546,6 +551,30 @@ mod tests {
         let policy = Policy::for_requests(PolicyKind::Baleen, &seen, 0.95, Normalisers::default());
         assert_eq!(model.score(&ask(vec![Ask::GpuMemory(70)]), &policy), None, "40 free < 70");
         assert!(model.score(&ask(vec![Ask::GpuMemory(40)]), &policy).is_some());
+    }
+
+    #[test]
+    fn an_assumed_pod_takes_its_gpu_share_once_and_its_cpu_not_again() {
+        let d = doc(vec![gpu(0, GpuMode::Shared, 100), gpu(1, GpuMode::Idle, 140)]);
+        // The host's use already counts the bound pod's 8 CPUs.
+        let host = Host {
+            cpu_milli: 96_000,
+            memory_bytes: 512 << 30,
+            cpu_used_milli: 8000,
+            memory_used_bytes: 16 << 30,
+        };
+        let mut model = NodeModel::new(&d, host).expect("model");
+        let seen = [model.request(&ask(vec![Ask::GpuMemory(40)])).expect("request")];
+        let policy = Policy::for_requests(PolicyKind::Baleen, &seen, 0.95, Normalisers::default());
+        let bound =
+            Demand { asks: vec![Ask::GpuMemory(40)], cpu_milli: 8000, memory_bytes: 16 << 30 };
+        model.assume(&bound, &policy);
+        let l = model.ledger();
+        assert_eq!(l.free_cpu(), MilliCpu(88_000), "CPU counted once");
+        assert_eq!(l.free_memory(), MemMib((512 << 10) - (16 << 10)));
+        // On the tightest GPU, as the agent places it.
+        assert_eq!(l.gpus()[0].memory, MemUnits(60));
+        assert_eq!(l.gpus()[1].memory, MemUnits(140));
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            domain: "awesome-ai-company.com".into(),
+            domain: baleen_scheduler_core::gpu_state::DEFAULT_DOMAIN.into(),
             policy: PolicyKind::Baleen,
             target_window: 5000,
             rebuild_every: 100,
@@ -41,7 +41,7 @@ impl Default for Settings {
 impl Settings {
     /// The annotation the agents write, `<domain>/gpu-state`.
     pub fn annotation(&self) -> String {
-        format!("{}/gpu-state", self.domain)
+        format!("{}/{}", self.domain, baleen_scheduler_core::gpu_state::ANNOTATION_NAME)
     }
 }
 

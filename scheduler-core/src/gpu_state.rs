@@ -13,6 +13,13 @@ use serde::{Deserialize, Serialize};
 /// The version of the format this crate reads and writes.
 pub const VERSION: u32 = 1;
 
+/// The resource domain both the agent and the extender use unless configured otherwise (the
+/// agent's `crate::defaults::DOMAIN` is this one).
+pub const DEFAULT_DOMAIN: &str = "awesome-ai-company.com";
+
+/// The annotation's name in the domain: `<domain>/gpu-state`.
+pub const ANNOTATION_NAME: &str = "gpu-state";
+
 /// One node's GPUs, as its agent sees them.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -4,6 +4,8 @@
 //!   (see `../shared/kubelet-behaviour.md`): Registration on `kubelet.sock`, dial-back,
 //!   GetDevicePluginOptions, ListAndWatch kept open, GetPreferredAllocation then Allocate per
 //!   container, and a restart that wipes the directory.
+//! - [`cluster_loop`]: a trace list replayed through the extender, a fake API server and
+//!   agent ledgers (the cluster in the loop);
 //! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
 //!   which can go away and come back;
 //! - [`memory_backend`]: an in-memory device-plugin backend for tests and benchmarks;
@@ -13,6 +15,7 @@
 //! The tests themselves are in `tests/tests/`. The placement replay check against the published
 //! Alibaba results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
 
+pub mod cluster_loop;
 pub mod fake_apiserver;
 pub mod fake_kubelet;
 pub mod fake_nvml;

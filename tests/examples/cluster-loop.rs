@@ -1,0 +1,85 @@
+//! The cluster in the loop as a program: replays a trace list through the extender (over HTTP),
+//! a fake API server and one agent ledger per node (`baleen_tests::cluster_loop`), and beside it
+//! `baleen-sim --online-target` on the same list and seeds; prints both, with the admission
+//! failures of the live path.
+//!
+//! `cargo run --release -p baleen-tests --example cluster-loop -- \
+//!   --nodes ../shared/traces/alibaba-gpu-v2023/openb_node_list_gpu_node.csv \
+//!   --pods ../shared/traces/alibaba-gpu-v2023/openb_pod_list_default.csv --seeds 42,43,44`
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use baleen_scheduler_core::policy::PolicyKind;
+use baleen_scheduler_sim::replay::{ReplayOptions, Workload, replay};
+use baleen_tests::cluster_loop::{LoopOptions, run_seed};
+use clap::Parser;
+
+#[derive(Parser)]
+struct Args {
+    /// The node list (CSV).
+    #[arg(long)]
+    nodes: PathBuf,
+    /// The task list (CSV).
+    #[arg(long)]
+    pods: PathBuf,
+    /// Seeds, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "42,43,44")]
+    seeds: Vec<u64>,
+    /// A node's annotation is written this many pods after its allocations changed.
+    #[arg(long, default_value_t = 5)]
+    annotation_delay: usize,
+    /// The extender (and baleen-sim's online target) rebuild after this many pods.
+    #[arg(long, default_value_t = 100)]
+    rebuild_every: usize,
+    /// CPU-only pods by NodeResourcesFit MostAllocated (packing) instead of LeastAllocated.
+    #[arg(long)]
+    cpu_most_allocated: bool,
+    /// Keep every k-th node only (1: all), for a quicker run.
+    #[arg(long, default_value_t = 1)]
+    every: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let mut workload = Workload::load(&args.nodes, &args.pods).context("the trace")?;
+    workload.nodes = workload.nodes.into_iter().step_by(args.every.max(1)).collect();
+    let options = LoopOptions {
+        annotation_delay: args.annotation_delay,
+        rebuild_every: args.rebuild_every,
+        cpu_most_allocated: args.cpu_most_allocated,
+        ..LoopOptions::default()
+    };
+    let sim = replay(
+        &workload,
+        &[PolicyKind::Baleen],
+        &args.seeds,
+        &ReplayOptions { online_target: Some(args.rebuild_every), ..ReplayOptions::default() },
+        2,
+    )?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    println!(
+        "workload {} ({} nodes), annotation delay {} pods",
+        workload.name,
+        workload.nodes.len(),
+        args.annotation_delay
+    );
+    println!(
+        "seed  submitted  placed  admission-failures  live-unallocated-%  baleen-sim-online-%"
+    );
+    for (k, &seed) in args.seeds.iter().enumerate() {
+        let started = std::time::Instant::now();
+        let live = runtime.block_on(run_seed(&workload, seed, &options))?;
+        println!(
+            "{seed:>4}  {:>9}  {:>6}  {:>18}  {:>18.2}  {:>19.2}   ({:.0} s)",
+            live.submitted,
+            live.placed,
+            live.admission_failures,
+            live.unallocated_at_100,
+            sim[0].unallocated_pct_at_100.per_seed[k],
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,410 @@
+//! The cluster in the loop: a trace list replayed through the whole live path. A small driver
+//! plays kube-scheduler (CPU and memory fit as its NodeResourcesFit filter, then the extender's
+//! `filter` and `prioritize` over HTTP, the best score wins, ties by the replay's node
+//! priority; CPU-only pods, which kube-scheduler never sends to the extender, go where
+//! NodeResourcesFit's LeastAllocated score is highest) and binds through a fake API server;
+//! each node is an agent's device ledger (`DeviceLedger`) that answers the kubelet's
+//! GetPreferredAllocation and Allocate; each node's gpu-state annotation is written through the
+//! fake API server some pods later (the delay), and reaches the extender through its watch.
+//!
+//! Mapping of a trace task: a share of one GPU (`gpu_milli` < 1000) asks for `gpu_milli` units
+//! of `gpu-memory` on nodes whose GPUs have 1,000 units each (so a unit is a thousandth of a
+//! GPU, as in the trace); whole GPUs ask for `gpu`; CPU and memory are the pod's requests.
+//! The submission order is the replay's for the seed (`scheduler_sim::replay`), and the
+//! headline figure is the replay's: unallocated GPU % at arrived = 100 %.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use baleen_agent::inventory::{Gpu, GpuUuid, Inventory, MigState};
+use baleen_agent::kube_api::{KubeNodeApi, NodeApi as _};
+use baleen_agent::ledger::{AllocationRecord, DeviceLedger, View, ViewConfig};
+use baleen_extender::run::{Config, Running, start};
+use baleen_extender::service::Settings;
+use baleen_scheduler_core::model::{GpuDemand, NodeSpec};
+use baleen_scheduler_sim::replay::{Workload, node_ranks, submission_order};
+use rand::SeedableRng;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::fake_apiserver::FakeApiServer;
+
+const DOMAIN: &str = "awesome-ai-company.com";
+const UNITS_PER_GPU: u64 = 1000;
+/// One unit: a GPU of 1,000 units of 16 MiB.
+const UNIT_BYTES: u64 = 16 << 20;
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct LoopOptions {
+    /// Target GPU demand as a fraction of capacity (the replay's 1.3).
+    pub tune: f64,
+    /// A node's annotation is written this many pods after its allocations changed.
+    pub annotation_delay: usize,
+    /// The extender rebuilds its policy after this many new pods.
+    pub rebuild_every: usize,
+    /// CPU-only pods go where NodeResourcesFit's MostAllocated scores highest (packing CPU)
+    /// instead of its default LeastAllocated (spreading).
+    pub cpu_most_allocated: bool,
+}
+
+impl Default for LoopOptions {
+    fn default() -> Self {
+        Self { tune: 1.3, annotation_delay: 5, rebuild_every: 100, cpu_most_allocated: false }
+    }
+}
+
+/// What one seed produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoopOutcome {
+    /// The seed.
+    pub seed: u64,
+    /// Pods submitted.
+    pub submitted: usize,
+    /// Pods placed and admitted.
+    pub placed: usize,
+    /// Pods bound to a node whose Allocate (or GetPreferredAllocation) then failed.
+    pub admission_failures: usize,
+    /// Unallocated GPU % at arrived = 100 %.
+    pub unallocated_at_100: f64,
+}
+
+struct LoopNode {
+    spec: NodeSpec,
+    ledger: DeviceLedger,
+    cpu_used: u64,
+    memory_used: u64,
+    /// Device IDs (sorted, joined) to the pod holding them.
+    holders: HashMap<String, String>,
+}
+
+fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
+    let gpus = spec
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            Ok(Gpu {
+                index: u32::try_from(i)?,
+                uuid: GpuUuid::new(format!("GPU-{index:08x}-0000-4000-8000-{i:012x}"))?,
+                name: g.model.to_string(),
+                memory_bytes: UNITS_PER_GPU * UNIT_BYTES,
+                pci_bus_id: format!("00000000:{i:02X}:00.0"),
+                numa_node: None,
+                nvlink_peers: vec![],
+                mig: MigState::Disabled,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Inventory { driver_version: None, gpus })
+}
+
+fn node_json(spec: &NodeSpec) -> Value {
+    json!({
+        "metadata": {"name": spec.name},
+        "status": {"allocatable": {"cpu": format!("{}m", spec.cpu.0), "memory": format!("{}Mi", spec.memory.0)}}
+    })
+}
+
+impl LoopNode {
+    fn state(&self, generation: u64) -> String {
+        let holder = |r: &AllocationRecord| self.holders.get(&r.device_ids.join(",")).cloned();
+        self.ledger.node_state(&self.spec.name, generation, holder).to_json()
+    }
+
+    /// The kubelet's admission of one container asking `count` devices of `view`: its free
+    /// devices, GetPreferredAllocation, then Allocate.
+    fn admit(&mut self, view: &View, count: usize, pod: &str) -> Result<(), String> {
+        let resource = view.resource_name(DOMAIN);
+        let held: std::collections::HashSet<String> = self
+            .ledger
+            .records()
+            .into_iter()
+            .filter(|r| r.resource == resource)
+            .flat_map(|r| r.device_ids)
+            .collect();
+        let free: Vec<String> = self
+            .ledger
+            .devices(view)
+            .into_iter()
+            .filter(|d| d.healthy && !held.contains(&d.id))
+            .map(|d| d.id)
+            .collect();
+        if free.len() < count {
+            return Err(format!("{} free {resource}, {count} asked", free.len()));
+        }
+        let chosen = self.ledger.preferred(view, &free, &[], count).map_err(|e| e.to_string())?;
+        let grant = self.ledger.allocate(view, &chosen, 0).map_err(|e| e.to_string())?;
+        self.holders.insert(grant.device_ids.join(","), pod.to_owned());
+        Ok(())
+    }
+}
+
+async fn post(address: std::net::SocketAddr, path: &str, body: &str) -> Result<Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let (head, body) = response.split_once("\r\n\r\n").context("an HTTP answer")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("{path}: {head}: {body}");
+    }
+    Ok(serde_json::from_str(body)?)
+}
+
+/// Waits (at most 10 s) until the extender's cache satisfies `ok`.
+async fn until(
+    running: &Running,
+    what: &str,
+    ok: impl Fn(&baleen_extender::cluster::ClusterView) -> bool,
+) -> Result<()> {
+    let wait = async {
+        loop {
+            if ok(&running
+                .extender
+                .cluster
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner))
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .with_context(|| format!("waiting for the extender to see {what}"))
+}
+
+/// Replays `seed` of `workload` through the live path.
+pub async fn run_seed(
+    workload: &Workload,
+    seed: u64,
+    options: &LoopOptions,
+) -> Result<LoopOutcome> {
+    let capacity = workload.gpu_capacity_milli();
+    // The replay's order and node priority for the seed (the same random stream).
+    let mut order_rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let order = submission_order(&workload.tasks, capacity, options.tune, &mut order_rng);
+    let ranks = node_ranks(&workload.nodes, &mut order_rng);
+
+    let api = FakeApiServer::start(&[]).await?;
+    let config = ViewConfig {
+        domain: DOMAIN.into(),
+        memory_unit_bytes: UNIT_BYTES,
+        whole_gpus: true,
+        gpu_memory: true,
+        mig: false,
+        nvlink_group_sizes: vec![],
+    };
+    let mut nodes = Vec::with_capacity(workload.nodes.len());
+    for (i, spec) in workload.nodes.iter().enumerate() {
+        let ledger = DeviceLedger::new(&spec.name, &inventory(i, spec)?, config.clone())?;
+        let node = LoopNode {
+            spec: spec.clone(),
+            ledger,
+            cpu_used: 0,
+            memory_used: 0,
+            holders: HashMap::new(),
+        };
+        let mut json = node_json(spec);
+        json["metadata"]["annotations"] = json!({format!("{DOMAIN}/gpu-state"): node.state(0)});
+        api.put_node(json);
+        nodes.push(node);
+    }
+    let client = kube::Client::try_from(kube::Config::new(api.url().parse()?))?;
+    let token = CancellationToken::new();
+    let settings = Settings { rebuild_every: options.rebuild_every, ..Settings::default() };
+    let running = start(
+        Config { listen: "127.0.0.1:0".parse()?, prefix: String::new(), settings },
+        client,
+        prometheus::Registry::new(),
+        token.clone(),
+    )
+    .await?;
+    let n = nodes.len();
+    until(&running, "every node", |v| v.states().count() == n).await?;
+    let publisher = KubeNodeApi::at(&api.url())?;
+    let names: Vec<String> = nodes.iter().map(|n| n.spec.name.clone()).collect();
+    let by_name: BTreeMap<&str, usize> =
+        names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
+
+    let mut due: VecDeque<(usize, usize)> = VecDeque::new();
+    let mut generation = 0u64;
+    let (mut arrived, mut allocated) = (0u64, 0u64);
+    let (mut placed, mut admission_failures) = (0usize, 0usize);
+    let mut rows: Vec<(f64, f64)> = Vec::with_capacity(order.len());
+    for (seq, &task) in order.iter().enumerate() {
+        // Annotations due now reach the API server (and the extender's watch).
+        while due.front().is_some_and(|&(at, _)| at <= seq) {
+            let Some((_, i)) = due.pop_front() else { break };
+            generation += 1;
+            let state = nodes[i].state(generation);
+            publisher.annotate(&nodes[i].spec.name, &format!("{DOMAIN}/gpu-state"), &state).await?;
+            // The delay is counted in pods: the extender sees the annotation before the next.
+            let name = nodes[i].spec.name.clone();
+            until(&running, "the annotation", |v| {
+                v.node(&name)
+                    .and_then(|e| e.state.as_ref().ok())
+                    .is_some_and(|s| s.generation == generation)
+            })
+            .await?;
+        }
+        let request = &workload.tasks[task].request;
+        arrived += request.gpu.total_milli();
+        let pod_name = format!("t{seq}");
+        let key = format!("loop/{pod_name}");
+        let gpu_ask = match request.gpu {
+            GpuDemand::None => None,
+            GpuDemand::Shared { milli, .. } => {
+                Some((View::GpuMemory, milli.0 as usize, "gpu-memory"))
+            }
+            GpuDemand::Whole { count } => Some((View::Gpu, count as usize, "gpu")),
+        };
+        let mut limits = json!({});
+        if let Some((_, count, resource)) = &gpu_ask {
+            limits[format!("{DOMAIN}/{resource}")] = json!(count.to_string());
+        }
+        let pod = json!({
+            "metadata": {"name": pod_name, "namespace": "loop", "uid": format!("uid-{seq}")},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": limits, "requests": {
+                "cpu": format!("{}m", request.cpu.0), "memory": format!("{}Mi", request.memory.0)}}}]},
+            "status": {"phase": "Pending"}
+        });
+        api.put_pod(pod.clone());
+        // kube-scheduler's own filter: CPU and memory.
+        let fits: Vec<usize> = (0..n)
+            .filter(|&i| {
+                let s = &nodes[i].spec;
+                nodes[i].cpu_used + request.cpu.0 <= s.cpu.0
+                    && nodes[i].memory_used + request.memory.0 <= s.memory.0
+            })
+            .collect();
+        let chosen = if gpu_ask.is_some() {
+            let names_in: Vec<&str> = fits.iter().map(|&i| names[i].as_str()).collect();
+            let filtered = post(
+                running.address,
+                "/filter",
+                &json!({"Pod": pod, "NodeNames": names_in}).to_string(),
+            )
+            .await?;
+            let passed = filtered["NodeNames"].clone();
+            if passed.as_array().is_none_or(Vec::is_empty) {
+                None
+            } else {
+                let scores = post(
+                    running.address,
+                    "/prioritize",
+                    &json!({"Pod": pod, "NodeNames": passed}).to_string(),
+                )
+                .await?;
+                scores
+                    .as_array()
+                    .context("scores")?
+                    .iter()
+                    .filter_map(|s| {
+                        Some((s["Score"].as_i64()?, by_name.get(s["Host"].as_str()?).copied()?))
+                    })
+                    .max_by(|a, b| a.0.cmp(&b.0).then(ranks[b.1].cmp(&ranks[a.1])))
+                    .map(|(_, i)| i)
+            }
+        } else {
+            // NodeResourcesFit, LeastAllocated: the most free CPU and memory, in proportion.
+            fits.iter()
+                .map(|&i| {
+                    let s = &nodes[i].spec;
+                    let free = |used: u64, cap: u64, ask: u64| {
+                        (cap - used - ask) as f64 / cap.max(1) as f64
+                    };
+                    let score = (free(nodes[i].cpu_used, s.cpu.0, request.cpu.0)
+                        + free(nodes[i].memory_used, s.memory.0, request.memory.0))
+                        / 2.0;
+                    (score, i)
+                })
+                .max_by(|a, b| {
+                    let (x, y) = if options.cpu_most_allocated { (b.0, a.0) } else { (a.0, b.0) };
+                    x.total_cmp(&y).then(ranks[b.1].cmp(&ranks[a.1]))
+                })
+                .map(|(_, i)| i)
+        };
+        if let Some(i) = chosen {
+            // Bind, and let the extender's pod watch see it before the next pod.
+            let binding = json!({"target": {"name": names[i]}});
+            let address: std::net::SocketAddr = api.url().trim_start_matches("http://").parse()?;
+            post_binding(address, &key, &binding).await?;
+            let uid = format!("uid-{seq}");
+            until(&running, "the binding", |v| v.is_bound(&uid)).await?;
+            let admitted = match &gpu_ask {
+                None => Ok(()),
+                Some((view, count, _)) => nodes[i].admit(view, *count, &key),
+            };
+            match admitted {
+                Ok(()) => {
+                    nodes[i].cpu_used += request.cpu.0;
+                    nodes[i].memory_used += request.memory.0;
+                    allocated += request.gpu.total_milli();
+                    placed += 1;
+                    if gpu_ask.is_some() {
+                        due.push_back((seq + options.annotation_delay, i));
+                    }
+                }
+                Err(why) => {
+                    admission_failures += 1;
+                    tracing::warn!(pod = key, node = names[i], why, "admission failed");
+                    api.delete_pod(&key);
+                }
+            }
+        }
+        rows.push((
+            100.0 * arrived as f64 / capacity as f64,
+            100.0 - 100.0 * allocated as f64 / capacity as f64,
+        ));
+    }
+    token.cancel();
+    running.wait().await;
+    Ok(LoopOutcome {
+        seed,
+        submitted: order.len(),
+        placed,
+        admission_failures,
+        unallocated_at_100: at_100(&rows),
+    })
+}
+
+async fn post_binding(address: std::net::SocketAddr, key: &str, binding: &Value) -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (ns, name) = key.split_once('/').context("namespace/name")?;
+    let body = binding.to_string();
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    let request = format!(
+        "POST /api/v1/namespaces/{ns}/pods/{name}/binding HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    if !response.starts_with("HTTP/1.1 201") {
+        bail!("binding {key}: {response}");
+    }
+    Ok(())
+}
+
+/// The replay's headline: the mean unallocated % of the records whose arrived % rounds (half
+/// to even) to 100; if none does, of those rounding to 99 and 101.
+fn at_100(rows: &[(f64, f64)]) -> f64 {
+    let mean = |lo: f64, hi: f64| {
+        let v: Vec<f64> = rows
+            .iter()
+            .filter(|(a, _)| (lo..=hi).contains(&a.round_ties_even()))
+            .map(|(_, u)| *u)
+            .collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    mean(100.0, 100.0).or_else(|| mean(99.0, 101.0)).unwrap_or(f64::NAN)
+}
