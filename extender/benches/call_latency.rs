@@ -114,17 +114,23 @@ fn main() {
                 .expect("bind");
         tokio::spawn(server);
         let mut times = Vec::with_capacity(CALLS);
+        let mut filter_times = Vec::with_capacity(CALLS);
+        let mut sizes = Vec::with_capacity(CALLS);
         let mut first = None;
         for i in 0..CALLS {
             let units = shapes[rng.random_range(0..shapes.len())];
             let p = pod(i, units);
             let filter_body = json!({"Pod": p, "NodeNames": names}).to_string();
             let started = Instant::now();
-            let answer: Value = serde_json::from_str(&post(address, "/filter", &filter_body).await).expect("json");
+            let text = post(address, "/filter", &filter_body).await;
+            let answer: Value = serde_json::from_str(&text).expect("json");
+            let filtered = started.elapsed();
             let passed = answer["NodeNames"].clone();
             let body = json!({"Pod": p, "NodeNames": passed}).to_string();
             let scores: Value = serde_json::from_str(&post(address, "/prioritize", &body).await).expect("json");
             let elapsed = started.elapsed();
+            filter_times.push(filtered);
+            sizes.push(text.len() + body.len());
             if i == 0 {
                 first = Some((elapsed, passed.as_array().map_or(0, Vec::len)));
             } else {
@@ -152,6 +158,14 @@ fn main() {
         }
         token.cancel();
         times.sort();
+        filter_times.sort();
+        sizes.sort_unstable();
+        println!(
+            "of which filter: p50={:.2} ms p99={:.2} ms; filter answer + prioritize body: median {} KiB",
+            percentile(&filter_times, 500).as_secs_f64() * 1e3,
+            percentile(&filter_times, 990).as_secs_f64() * 1e3,
+            sizes[sizes.len() / 2] / 1024
+        );
         let (first, passed) = first.expect("a first call");
         println!(
             "filter + prioritize over {NODES} nodes: first (cold cache, {passed} passed) {:.2} ms; then n={} p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms",

@@ -2,7 +2,7 @@
 //! memory, and the pods with what they ask and where they are bound. Fed by the watchers (or by
 //! the Nodes kube-scheduler sends); read by every filter and prioritize.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 use baleen_scheduler_core::gpu_state::NodeGpuState;
@@ -74,15 +74,15 @@ impl PodEntry {
 /// Nodes and pods.
 #[derive(Debug, Default)]
 pub struct ClusterView {
-    nodes: BTreeMap<String, NodeEntry>,
-    pods: BTreeMap<String, PodEntry>,
+    nodes: HashMap<String, NodeEntry>,
+    pods: HashMap<String, PodEntry>,
     /// Per node, the UIDs of the live pods bound to it.
-    by_node: BTreeMap<String, BTreeSet<String>>,
+    by_node: HashMap<String, BTreeSet<String>>,
     /// When a node was last added, changed or removed.
     pub updated: Option<Instant>,
     /// Per node, the change count when it or a pod bound to it last changed (what a cached
     /// score is valid for).
-    stamps: BTreeMap<String, u64>,
+    stamps: HashMap<String, u64>,
     changes: u64,
 }
 
@@ -130,6 +130,11 @@ impl ClusterView {
     /// A node.
     pub fn node(&self, name: &str) -> Option<&NodeEntry> {
         self.nodes.get(name)
+    }
+
+    /// Every node.
+    pub fn nodes(&self) -> impl Iterator<Item = (&String, &NodeEntry)> {
+        self.nodes.iter()
     }
 
     /// How many nodes.

@@ -25,6 +25,8 @@ pub enum Verdict {
     Full(String),
     /// It could not fit even on the empty node (`FailedAndUnresolvableNodes`).
     Never(String),
+    /// The node has no usable gpu-state (`FailedAndUnresolvableNodes`).
+    NoState(String),
 }
 
 #[derive(Debug, Clone)]

@@ -67,9 +67,22 @@ impl FailKind {
     }
 }
 
-/// One node's cached scores: the (node stamp, policy epoch) they hold for, and the score of
-/// each demand asked.
-type NodeScores = ((u64, u64), std::collections::HashMap<Demand, Option<i64>>);
+/// How many of the most common recent demands are scored on every node after a rebuild.
+const WARM_DEMANDS: usize = 8;
+
+/// What was worked out for one node and one demand.
+#[derive(Debug, Default)]
+struct Judged {
+    verdict: Option<Verdict>,
+    score: Option<Option<i64>>,
+}
+
+/// Per node, what was worked out for one demand, with the (node stamp, policy epoch) it holds
+/// for.
+type DemandMemo = std::collections::HashMap<String, ((u64, u64), Judged)>;
+
+/// The most demands remembered; past it the memo starts afresh.
+const MEMO_DEMANDS: usize = 64;
 
 /// The pods seen, for the target workload.
 #[derive(Debug, Default)]
@@ -87,9 +100,10 @@ pub struct Extender {
     policy: RwLock<Arc<Policy>>,
     /// Rebuilds of the policy so far (what a cached score is valid for).
     epoch: std::sync::atomic::AtomicU64,
-    /// Per node: the (node stamp, policy epoch) its scores are valid for, and the scores by
-    /// demand. Only one node changes per placement, so most scores of the next call are here.
-    scores: Mutex<std::collections::HashMap<String, NodeScores>>,
+    /// Per node: the filter's verdicts and the scores by demand, valid while the node, the
+    /// pods bound to it and the policy stay the same. Only one node changes per placement, so
+    /// most of the next call's work is here.
+    memo: Mutex<std::collections::HashMap<Demand, DemandMemo>>,
     seen: Mutex<Seen>,
     rebuild: tokio::sync::Notify,
 }
@@ -104,7 +118,7 @@ impl Extender {
             cluster: RwLock::new(ClusterView::default()),
             policy: RwLock::new(Arc::new(policy)),
             epoch: std::sync::atomic::AtomicU64::new(0),
-            scores: Mutex::new(std::collections::HashMap::new()),
+            memo: Mutex::new(std::collections::HashMap::new()),
             seen: Mutex::new(Seen::default()),
             rebuild: tokio::sync::Notify::new(),
         })
@@ -119,27 +133,17 @@ impl Extender {
         self.cluster.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The candidate nodes of a call: the Nodes sent (their annotations as sent), or the
-    /// cache's entries of the names sent. A name the cache does not know has no entry.
-    fn candidates(&self, args: &ExtenderArgs) -> Vec<(String, Option<NodeEntry>, Option<usize>)> {
+    /// The Nodes a call sent in full, parsed (their annotations as sent), with their place in
+    /// the list.
+    fn sent_entries(&self, args: &ExtenderArgs) -> Vec<(String, NodeEntry, usize)> {
         let key = self.settings.annotation();
-        if let Some(list) = &args.nodes {
-            return list
-                .items
-                .iter()
-                .enumerate()
-                .map(|(i, raw)| {
-                    let node: Node = serde_json::from_value(raw.clone()).unwrap_or_default();
-                    let name = node.metadata.name.clone();
-                    (name, Some(NodeEntry::of(&node, &key)), Some(i))
-                })
-                .collect();
-        }
-        let view = self.view();
-        args.node_names
+        args.nodes
             .iter()
-            .flatten()
-            .map(|name| (name.clone(), view.node(name).cloned(), None))
+            .flat_map(|list| list.items.iter().enumerate())
+            .map(|(i, raw)| {
+                let node: Node = serde_json::from_value(raw.clone()).unwrap_or_default();
+                (node.metadata.name.clone(), NodeEntry::of(&node, &key), i)
+            })
             .collect()
     }
 
@@ -176,10 +180,50 @@ impl Extender {
             seen.recent.iter().cloned().collect()
         };
         let requests = self.requests_of(&demands);
-        let policy =
-            Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default());
-        *self.policy.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(policy);
-        self.epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let policy = Arc::new(Policy::for_requests(
+            self.settings.policy,
+            &requests,
+            0.95,
+            Normalisers::default(),
+        ));
+        // Score every node for the most common recent demands with the new policy before it
+        // replaces the old one, so that the calls after a rebuild do not pay for it.
+        let mut counts: std::collections::HashMap<&Demand, usize> =
+            std::collections::HashMap::new();
+        for d in &demands {
+            *counts.entry(d).or_default() += 1;
+        }
+        let mut common: Vec<(&Demand, usize)> = counts.into_iter().collect();
+        common.sort_by(|a, b| b.1.cmp(&a.1));
+        common.truncate(WARM_DEMANDS);
+        let view = self.view();
+        let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst) + 1;
+        let mut warm: Vec<(String, u64, Demand, Verdict, Option<i64>)> = Vec::new();
+        for (name, entry) in view.nodes() {
+            let Ok(state) = &entry.state else { continue };
+            let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable)) else {
+                continue;
+            };
+            for other in view.assumed(name, state) {
+                model.assume(other, &policy);
+            }
+            let assumed = view.assumed(name, state);
+            for (demand, _) in &common {
+                let fits = verdict(state, &assumed, demand, &self.settings.domain);
+                let score = model.score(demand, &policy);
+                warm.push((name.clone(), view.stamp(name), (*demand).clone(), fits, score));
+            }
+        }
+        drop(view);
+        let mut memo_map = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+        memo_map.clear();
+        *self.policy.write().unwrap_or_else(PoisonError::into_inner) = policy;
+        self.epoch.store(epoch, std::sync::atomic::Ordering::SeqCst);
+        for (name, stamp, demand, fits, score) in warm {
+            let judged = memo(demand_memo(&mut memo_map, &demand), &name, (stamp, epoch));
+            judged.verdict = Some(fits);
+            judged.score = Some(score);
+        }
     }
 
     /// The demands as placement requests on the cluster's most common GPU (its units).
@@ -226,41 +270,59 @@ impl Extender {
             }
         };
         self.see(&args.pod.metadata.uid, &demand);
-        let candidates = self.candidates(args);
+        let sent = self.sent_entries(args);
+        let view = self.view();
+        let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst);
+        let mut memo_map = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+        let cache = demand_memo(&mut memo_map, &demand);
+        let mut judge = |name: &str, entry: Option<&NodeEntry>, cached: bool| -> Verdict {
+            if demand.is_empty() {
+                // Not ours to judge: every node passes.
+                return Verdict::Fits;
+            }
+            let Some(entry) = entry else {
+                return Verdict::NoState("unknown to the extender's node cache".into());
+            };
+            let compute = || match &entry.state {
+                Err(why) => Verdict::NoState(why.clone()),
+                Ok(state) => {
+                    verdict(state, &view.assumed(name, state), &demand, &self.settings.domain)
+                }
+            };
+            if !cached {
+                return compute();
+            }
+            memo(cache, name, (view.stamp(name), epoch)).verdict.get_or_insert_with(compute).clone()
+        };
         let mut passed = Vec::new();
-        {
-            let view = self.view();
-            for (name, entry, index) in &candidates {
-                if demand.is_empty() {
-                    // Not ours to judge: every node passes.
-                    passed.push((name.clone(), *index));
-                    continue;
-                }
-                let outcome = match entry.as_ref().map(|e| &e.state) {
-                    None => Err((FailKind::NoState, "unknown to the extender's node cache".into())),
-                    Some(Err(why)) => Err((FailKind::NoState, why.clone())),
-                    Some(Ok(state)) => {
-                        let assumed = view.assumed(name, state);
-                        match verdict(state, &assumed, &demand, &self.settings.domain) {
-                            Verdict::Fits => Ok(()),
-                            Verdict::Full(why) => Err((FailKind::Full, why)),
-                            Verdict::Never(why) => Err((FailKind::Never, why)),
-                        }
-                    }
-                };
-                match outcome {
-                    Ok(()) => passed.push((name.clone(), *index)),
-                    Err((FailKind::Full, why)) => {
-                        kinds.push(FailKind::Full);
-                        result.failed_nodes.insert(name.clone(), why);
-                    }
-                    Err((kind, why)) => {
-                        kinds.push(kind);
-                        result.failed_and_unresolvable_nodes.insert(name.clone(), why);
-                    }
-                }
+        let mut judged = |name: &str, verdict: Verdict, index: Option<usize>| match verdict {
+            Verdict::Fits => passed.push((name.to_owned(), index)),
+            Verdict::Full(why) => {
+                kinds.push(FailKind::Full);
+                result.failed_nodes.insert(name.to_owned(), why);
+            }
+            Verdict::Never(why) => {
+                kinds.push(FailKind::Never);
+                result.failed_and_unresolvable_nodes.insert(name.to_owned(), why);
+            }
+            Verdict::NoState(why) => {
+                kinds.push(FailKind::NoState);
+                result.failed_and_unresolvable_nodes.insert(name.to_owned(), why);
+            }
+        };
+        if args.nodes.is_some() {
+            for (name, entry, i) in &sent {
+                let v = judge(name, Some(entry), false);
+                judged(name, v, Some(*i));
+            }
+        } else {
+            for name in args.node_names.iter().flatten() {
+                let v = judge(name, view.node(name), true);
+                judged(name, v, None);
             }
         }
+        drop(memo_map);
+        drop(view);
         if let Some(list) = &args.nodes {
             result.nodes = Some(NodeListOut {
                 metadata: list.metadata.clone().unwrap_or_else(|| serde_json::json!({})),
@@ -279,12 +341,17 @@ impl Extender {
     pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, String> {
         let demand = Demand::of(&args.pod, &self.settings.domain)
             .map_err(|e| format!("pod {}: {e}", pod_name(args)))?;
-        let candidates = self.candidates(args);
+        let sent = self.sent_entries(args);
+        let names: Vec<&str> = if args.nodes.is_some() {
+            sent.iter().map(|(n, _, _)| n.as_str()).collect()
+        } else {
+            args.node_names.iter().flatten().map(String::as_str).collect()
+        };
         if demand.is_empty() {
             // Unscored: every node the same.
-            return Ok(candidates
+            return Ok(names
                 .into_iter()
-                .map(|(host, _, _)| HostPriority { host, score: 0 })
+                .map(|host| HostPriority { host: host.to_owned(), score: 0 })
                 .collect());
         }
         let (policy, epoch) = {
@@ -300,30 +367,57 @@ impl Extender {
             }
             model.score(&demand, &policy)
         };
-        let mut cache = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
-        let raw: Vec<Option<i64>> = candidates
-            .iter()
-            .map(|(name, entry, sent)| {
-                let entry = entry.as_ref()?;
-                if sent.is_some() {
-                    // A Node sent in full may differ from the cache's: scored afresh.
-                    return score(name, entry);
-                }
-                let stamp = (view.stamp(name), epoch);
-                let slot = cache.entry(name.clone()).or_default();
-                if slot.0 != stamp {
-                    *slot = (stamp, std::collections::HashMap::new());
-                }
-                *slot.1.entry(demand.clone()).or_insert_with(|| score(name, entry))
-            })
-            .collect();
+        let mut memo_map = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+        let cache = demand_memo(&mut memo_map, &demand);
+        let raw: Vec<Option<i64>> = if args.nodes.is_some() {
+            // Nodes sent in full may differ from the cache's: scored afresh.
+            sent.iter().map(|(name, entry, _)| score(name, entry)).collect()
+        } else {
+            names
+                .iter()
+                .map(|name| {
+                    let entry = view.node(name)?;
+                    *memo(cache, name, (view.stamp(name), epoch))
+                        .score
+                        .get_or_insert_with(|| score(name, entry))
+                })
+                .collect()
+        };
+        drop(memo_map);
         let scores = extender_scores(&raw);
-        Ok(candidates
+        Ok(names
             .into_iter()
             .zip(scores)
-            .map(|((host, _, _), score)| HostPriority { host, score })
+            .map(|(host, score)| HostPriority { host: host.to_owned(), score })
             .collect())
     }
+}
+
+/// The memo of `demand` (a fresh memo when too many demands are remembered).
+fn demand_memo<'a>(
+    memo: &'a mut std::collections::HashMap<Demand, DemandMemo>,
+    demand: &Demand,
+) -> &'a mut DemandMemo {
+    if !memo.contains_key(demand) {
+        if memo.len() >= MEMO_DEMANDS {
+            memo.clear();
+        }
+        memo.insert(demand.clone(), DemandMemo::new());
+    }
+    memo.get_mut(demand).expect("just inserted")
+}
+
+/// What was worked out for `node`, emptied first if the node, a pod bound to it or the policy
+/// changed since (`stamp`).
+fn memo<'a>(memo: &'a mut DemandMemo, node: &str, stamp: (u64, u64)) -> &'a mut Judged {
+    if !memo.contains_key(node) {
+        memo.insert(node.to_owned(), (stamp, Judged::default()));
+    }
+    let slot = memo.get_mut(node).expect("just inserted");
+    if slot.0 != stamp {
+        *slot = (stamp, Judged::default());
+    }
+    &mut slot.1
 }
 
 fn pod_name(args: &ExtenderArgs) -> String {

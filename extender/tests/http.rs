@@ -292,6 +292,14 @@ async fn cached_scores_follow_the_nodes_and_their_pods() {
     };
     let first = scores(&extender);
     assert_eq!(first, scores(&extender), "the same answer from the cache");
+    // The scores warmed at the rebuild are the ones computed afresh from the same nodes.
+    let sent: baleen_extender::protocol::ExtenderArgs = serde_json::from_value(json!({
+        "Pod": pod(40), "Nodes": {"items": [node("a", &[100, 140]), node("b", &[50, 140])]}
+    }))
+    .expect("args");
+    let fresh: Vec<i64> =
+        extender.prioritize(&sent).expect("scores").into_iter().map(|h| h.score).collect();
+    assert_eq!(first, fresh);
     // a fills up: its cached score is dropped, and it cannot take the pod now.
     set("a", &[0, 0]);
     let after = scores(&extender);
