@@ -194,7 +194,7 @@ impl Extender {
             *counts.entry(d).or_default() += 1;
         }
         let mut common: Vec<(&Demand, usize)> = counts.into_iter().collect();
-        common.sort_by(|a, b| b.1.cmp(&a.1));
+        common.sort_by_key(|c| std::cmp::Reverse(c.1));
         common.truncate(WARM_DEMANDS);
         let view = self.view();
         let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst) + 1;
