@@ -2,7 +2,8 @@
 //! holding 5,000 annotated 8-GPU nodes) then one `prioritize` (the nodes that passed), over HTTP
 //! on loopback, timed from connect to the last byte of the second answer. Between two pods the
 //! cluster moves as in a live one: the pod is bound to the best node (a pod the annotation does
-//! not show yet) and one node's annotation changes. Run:
+//! not show yet) and one node's annotation changes; the policy is rebuilt every 100 pods
+//! beside the calls, as the running extender does. Run:
 //! `cargo bench -p baleen-extender --bench call_latency`.
 
 use std::net::SocketAddr;
@@ -113,6 +114,8 @@ fn main() {
                 .await
                 .expect("bind");
         tokio::spawn(server);
+        // The policy is rebuilt every 100 new pods beside the calls, as in the extender.
+        tokio::spawn(extender.clone().run_rebuilder(token.clone()));
         let mut times = Vec::with_capacity(CALLS);
         let mut filter_times = Vec::with_capacity(CALLS);
         let mut sizes = Vec::with_capacity(CALLS);

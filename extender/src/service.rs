@@ -70,16 +70,14 @@ impl FailKind {
 /// How many of the most common recent demands are scored on every node after a rebuild.
 const WARM_DEMANDS: usize = 8;
 
-/// What was worked out for one node and one demand.
-#[derive(Debug, Default)]
-struct Judged {
-    verdict: Option<Verdict>,
-    score: Option<Option<i64>>,
-}
+/// Per demand and node, the filter's verdict and the node stamp it holds for.
+type Verdicts = Memo<u64, Verdict>;
 
-/// Per node, what was worked out for one demand, with the (node stamp, policy epoch) it holds
-/// for.
-type DemandMemo = std::collections::HashMap<String, ((u64, u64), Judged)>;
+/// Per demand and node, the policy's score and the (node stamp, policy epoch) it holds for.
+type Scores = Memo<(u64, u64), Option<i64>>;
+
+/// Per demand, per node: a value and what it holds for.
+type Memo<K, V> = std::collections::HashMap<Demand, std::collections::HashMap<String, (K, V)>>;
 
 /// The most demands remembered; past it the memo starts afresh.
 const MEMO_DEMANDS: usize = 64;
@@ -103,7 +101,8 @@ pub struct Extender {
     /// Per node: the filter's verdicts and the scores by demand, valid while the node, the
     /// pods bound to it and the policy stay the same. Only one node changes per placement, so
     /// most of the next call's work is here.
-    memo: Mutex<std::collections::HashMap<Demand, DemandMemo>>,
+    verdicts: Mutex<Verdicts>,
+    scores: Mutex<Scores>,
     seen: Mutex<Seen>,
     rebuild: tokio::sync::Notify,
 }
@@ -118,7 +117,8 @@ impl Extender {
             cluster: RwLock::new(ClusterView::default()),
             policy: RwLock::new(Arc::new(policy)),
             epoch: std::sync::atomic::AtomicU64::new(0),
-            memo: Mutex::new(std::collections::HashMap::new()),
+            verdicts: Mutex::new(Verdicts::new()),
+            scores: Mutex::new(Scores::new()),
             seen: Mutex::new(Seen::default()),
             rebuild: tokio::sync::Notify::new(),
         })
@@ -198,7 +198,7 @@ impl Extender {
         common.truncate(WARM_DEMANDS);
         let view = self.view();
         let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst) + 1;
-        let mut warm: Vec<(String, u64, Demand, Verdict, Option<i64>)> = Vec::new();
+        let mut warm = Scores::new();
         for (name, entry) in view.nodes() {
             let Ok(state) = &entry.state else { continue };
             let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable)) else {
@@ -207,23 +207,21 @@ impl Extender {
             for other in view.assumed(name, state) {
                 model.assume(other, &policy);
             }
-            let assumed = view.assumed(name, state);
             for (demand, _) in &common {
-                let fits = verdict(state, &assumed, demand, &self.settings.domain);
                 let score = model.score(demand, &policy);
-                warm.push((name.clone(), view.stamp(name), (*demand).clone(), fits, score));
+                let per_node = warm.entry((*demand).clone()).or_default();
+                per_node.insert(name.clone(), ((view.stamp(name), epoch), score));
             }
         }
         drop(view);
-        let mut memo_map = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
-        memo_map.clear();
-        *self.policy.write().unwrap_or_else(PoisonError::into_inner) = policy;
-        self.epoch.store(epoch, std::sync::atomic::Ordering::SeqCst);
-        for (name, stamp, demand, fits, score) in warm {
-            let judged = memo(demand_memo(&mut memo_map, &demand), &name, (stamp, epoch));
-            judged.verdict = Some(fits);
-            judged.score = Some(score);
-        }
+        // The old scores are all stale now: swapped out whole, dropped outside the lock.
+        let old = {
+            let mut scores = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
+            *self.policy.write().unwrap_or_else(PoisonError::into_inner) = policy;
+            self.epoch.store(epoch, std::sync::atomic::Ordering::SeqCst);
+            std::mem::replace(&mut *scores, warm)
+        };
+        drop(old);
     }
 
     /// The demands as placement requests on the cluster's most common GPU (its units).
@@ -272,8 +270,7 @@ impl Extender {
         self.see(&args.pod.metadata.uid, &demand);
         let sent = self.sent_entries(args);
         let view = self.view();
-        let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst);
-        let mut memo_map = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, &demand);
         let mut judge = |name: &str, entry: Option<&NodeEntry>, cached: bool| -> Verdict {
             if demand.is_empty() {
@@ -292,7 +289,7 @@ impl Extender {
             if !cached {
                 return compute();
             }
-            memo(cache, name, (view.stamp(name), epoch)).verdict.get_or_insert_with(compute).clone()
+            remembered(cache, name, view.stamp(name), compute)
         };
         let mut passed = Vec::new();
         let mut judged = |name: &str, verdict: Verdict, index: Option<usize>| match verdict {
@@ -367,7 +364,7 @@ impl Extender {
             }
             model.score(&demand, &policy)
         };
-        let mut memo_map = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, &demand);
         let raw: Vec<Option<i64>> = if args.nodes.is_some() {
             // Nodes sent in full may differ from the cache's: scored afresh.
@@ -377,9 +374,7 @@ impl Extender {
                 .iter()
                 .map(|name| {
                     let entry = view.node(name)?;
-                    *memo(cache, name, (view.stamp(name), epoch))
-                        .score
-                        .get_or_insert_with(|| score(name, entry))
+                    remembered(cache, name, (view.stamp(name), epoch), || score(name, entry))
                 })
                 .collect()
         };
@@ -394,30 +389,34 @@ impl Extender {
 }
 
 /// The memo of `demand` (a fresh memo when too many demands are remembered).
-fn demand_memo<'a>(
-    memo: &'a mut std::collections::HashMap<Demand, DemandMemo>,
+fn demand_memo<'a, K, V>(
+    memo: &'a mut Memo<K, V>,
     demand: &Demand,
-) -> &'a mut DemandMemo {
+) -> &'a mut std::collections::HashMap<String, (K, V)> {
     if !memo.contains_key(demand) {
         if memo.len() >= MEMO_DEMANDS {
             memo.clear();
         }
-        memo.insert(demand.clone(), DemandMemo::new());
+        memo.insert(demand.clone(), std::collections::HashMap::new());
     }
     memo.get_mut(demand).expect("just inserted")
 }
 
-/// What was worked out for `node`, emptied first if the node, a pod bound to it or the policy
-/// changed since (`stamp`).
-fn memo<'a>(memo: &'a mut DemandMemo, node: &str, stamp: (u64, u64)) -> &'a mut Judged {
-    if !memo.contains_key(node) {
-        memo.insert(node.to_owned(), (stamp, Judged::default()));
+/// `node`'s remembered value if it holds for `stamp`, else `compute`'s, remembered.
+fn remembered<K: PartialEq + Copy, V: Clone>(
+    memo: &mut std::collections::HashMap<String, (K, V)>,
+    node: &str,
+    stamp: K,
+    compute: impl FnOnce() -> V,
+) -> V {
+    if let Some((k, v)) = memo.get(node)
+        && *k == stamp
+    {
+        return v.clone();
     }
-    let slot = memo.get_mut(node).expect("just inserted");
-    if slot.0 != stamp {
-        *slot = (stamp, Judged::default());
-    }
-    &mut slot.1
+    let v = compute();
+    memo.insert(node.to_owned(), (stamp, v.clone()));
+    v
 }
 
 fn pod_name(args: &ExtenderArgs) -> String {
