@@ -180,12 +180,22 @@ impl Extender {
             seen.recent.iter().cloned().collect()
         };
         let requests = self.requests_of(&demands);
-        let policy = Arc::new(Policy::for_requests(
-            self.settings.policy,
-            &requests,
-            0.95,
-            Normalisers::default(),
-        ));
+        let (cpu, gpus) = {
+            let view = self.view();
+            let mut cpu = 0u64;
+            let mut gpus = 0usize;
+            for (_, entry) in view.nodes() {
+                if let Ok(state) = &entry.state {
+                    cpu = cpu.saturating_add(entry.allocatable.0);
+                    gpus += state.gpus.len();
+                }
+            }
+            (cpu, gpus)
+        };
+        let policy = Arc::new(
+            Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default())
+                .for_cluster(baleen_scheduler_core::units::MilliCpu(cpu), gpus),
+        );
         // Score every node for the most common recent demands with the new policy before it
         // replaces the old one, so that the calls after a rebuild do not pay for it.
         let mut counts: std::collections::HashMap<&Demand, usize> =

@@ -119,7 +119,16 @@ pub struct BaleenParams {
     /// trace the result stops changing from about 12 up (`docs/benchmarks.md`); it is not a
     /// strict filter, as the fragmentation drop of two nodes can differ by more.
     pub pattern_weight: f64,
+    /// How much [`Self::shape_host_weight`] grows with the cluster's CPU scarcity `s` (the CPU
+    /// the target workload asks per milli-GPU, times the cluster's GPUs, over its CPU): by
+    /// `1 + scarcity_gain * (s - 1)` when `s > 1` (CPU runs out before the GPUs), at most
+    /// [`MAX_SCARCITY_FACTOR`] times ([`Policy::for_cluster`]). On the Alibaba trace only
+    /// `cpu250` and `cpu300` have `s > 1` (`docs/benchmarks.md`).
+    pub scarcity_gain: f64,
 }
+
+/// The most [`BaleenParams::scarcity_gain`] may multiply the shape host weight by.
+pub const MAX_SCARCITY_FACTOR: f64 = 8.0;
 
 impl Default for BaleenParams {
     fn default() -> Self {
@@ -130,8 +139,23 @@ impl Default for BaleenParams {
             host_weight: 3.0,
             score_levels: 25.0,
             pattern_weight: 12.0,
+            scarcity_gain: 50.0,
         }
     }
+}
+
+/// The CPU a workload asks per milli-GPU (CPU-only tasks included), times the cluster's
+/// milli-GPUs, over the cluster's CPU: above 1, the CPU runs out before the GPUs do.
+pub fn cpu_scarcity(target: &TargetWorkload, cpu: MilliCpu, gpus: usize) -> f64 {
+    let (mut asked_cpu, mut asked_gpu) = (0.0, 0.0);
+    for (shape, p) in target.shapes() {
+        asked_cpu += p * shape.cpu.0 as f64;
+        asked_gpu += p * f64::from(shape.milli_per_gpu.0) * f64::from(shape.gpu_count);
+    }
+    if asked_gpu == 0.0 || cpu.0 == 0 {
+        return 0.0;
+    }
+    asked_cpu / asked_gpu * gpus as f64 * 1000.0 / cpu.0 as f64
 }
 
 /// An unknown policy name.
@@ -224,6 +248,24 @@ impl Policy {
     pub fn with_baleen_params(mut self, params: BaleenParams) -> Self {
         self.baleen = params;
         self
+    }
+
+    /// The same policy for a cluster of `cpu` and `gpus` GPUs: `baleen` weighs the GPU that
+    /// free CPU cannot feed more when the target workload needs more CPU than the cluster has
+    /// for its GPUs ([`BaleenParams::scarcity_gain`]); the other policies are unchanged.
+    pub fn for_cluster(mut self, cpu: MilliCpu, gpus: usize) -> Self {
+        if self.kind == PolicyKind::Baleen {
+            let s = cpu_scarcity(&self.target, cpu, gpus);
+            let factor =
+                (1.0 + self.baleen.scarcity_gain * (s - 1.0).max(0.0)).min(MAX_SCARCITY_FACTOR);
+            self.baleen.shape_host_weight *= factor;
+        }
+        self
+    }
+
+    /// The `baleen` knobs in use.
+    pub fn baleen_params(&self) -> BaleenParams {
+        self.baleen
     }
 
     /// Which policy this is.
@@ -561,6 +603,33 @@ mod tests {
     fn place(node: &mut NodeLedger, id: u64, request: &Request, gpus: &[usize]) {
         let set = GpuSet::from_indices(gpus.iter().copied()).expect("small indices");
         node.allocate(AllocationId(id), request, set).expect("fits");
+    }
+
+    #[test]
+    fn the_shape_host_weight_grows_only_where_cpu_runs_out_before_the_gpus() {
+        // Half the tasks take a whole GPU and 8 cores, half are CPU-only with 8 cores: 16 cores
+        // per GPU of demand.
+        let requests = [whole(8000, 1), cpu_only(8000)];
+        let target = TargetWorkload::from_requests(&requests, 1.0, true);
+        assert!((cpu_scarcity(&target, MilliCpu(160_000), 10) - 1.0).abs() < 1e-12);
+        assert!((cpu_scarcity(&target, MilliCpu(80_000), 10) - 2.0).abs() < 1e-12);
+        assert_eq!(cpu_scarcity(&target, MilliCpu(0), 10), 0.0);
+        let baleen =
+            || Policy::for_requests(PolicyKind::Baleen, &requests, 0.95, Normalisers::default());
+        let base = baleen().baleen_params().shape_host_weight;
+        // Enough CPU (s <= 1): unchanged.
+        let roomy = baleen().for_cluster(MilliCpu(320_000), 10);
+        assert_eq!(roomy.baleen_params().shape_host_weight, base);
+        // s = 1.02: 1 + 50 x 0.02 = 2 times.
+        let tight = baleen().for_cluster(MilliCpu(156_863), 10);
+        assert!((tight.baleen_params().shape_host_weight / base - 2.0).abs() < 1e-3);
+        // Far short: at most MAX_SCARCITY_FACTOR times.
+        let short = baleen().for_cluster(MilliCpu(80_000), 10);
+        assert_eq!(short.baleen_params().shape_host_weight, base * MAX_SCARCITY_FACTOR);
+        // Other policies are untouched.
+        let fgd = Policy::for_requests(PolicyKind::Fgd, &requests, 0.95, Normalisers::default());
+        let before = fgd.baleen_params();
+        assert_eq!(fgd.for_cluster(MilliCpu(80_000), 10).baleen_params(), before);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use baleen_scheduler_core::frag::{self, TargetWorkload};
 use baleen_scheduler_core::ledger::{AllocationId, LedgerError, NodeLedger};
 use baleen_scheduler_core::model::{NodeSpec, Request};
 use baleen_scheduler_core::policy::{Normalisers, Policy, PolicyKind};
+use baleen_scheduler_core::units::MilliCpu;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -66,6 +67,12 @@ impl Workload {
         let stem = tasks.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let name = stem.strip_prefix("openb_pod_list_").unwrap_or(&stem).to_owned();
         Ok(Self { name, nodes: trace::read_nodes(nodes)?, tasks: trace::read_tasks(tasks)? })
+    }
+
+    /// Total CPU and GPU count of the cluster (what [`Policy::for_cluster`] adapts to).
+    pub fn cluster_capacity(&self) -> (MilliCpu, usize) {
+        let cpu = self.nodes.iter().map(|n| n.cpu.0).sum();
+        (MilliCpu(cpu), self.nodes.iter().map(|n| n.gpus.len()).sum())
     }
 
     /// Total GPU compute of the cluster in milli-GPU.
@@ -288,12 +295,11 @@ pub fn replay_seed(
     for (seq, &task) in order.iter().enumerate() {
         if options.online_target.is_some_and(|every| every > 0 && seq % every == 0) {
             let seen = order[..seq].iter().map(|&t| &workload.tasks[t].request);
-            cluster.set_policy(Policy::for_requests(
-                kind,
-                seen,
-                options.coverage,
-                options.normalisers,
-            ));
+            let (cpu, gpus) = workload.cluster_capacity();
+            cluster.set_policy(
+                Policy::for_requests(kind, seen, options.coverage, options.normalisers)
+                    .for_cluster(cpu, gpus),
+            );
         }
         let request = &workload.tasks[task].request;
         let choice = cluster.choose(request, &mut decision_rng);
@@ -577,7 +583,9 @@ pub fn replay(
     let policies: Vec<Policy> = kinds
         .iter()
         .map(|&k| {
+            let (cpu, gpus) = workload.cluster_capacity();
             Policy::for_requests(k, requests.iter().copied(), options.coverage, options.normalisers)
+                .for_cluster(cpu, gpus)
         })
         .collect();
     let jobs: Vec<(&Policy, u64)> =
