@@ -50,6 +50,8 @@ pub const METRICS_INTERVAL: Duration = Duration::from_secs(10);
 pub const ANNOTATION_MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// The node-state annotation's name in the resource domain: `<domain>/gpu-state`.
 pub const ANNOTATION_NAME: &str = baleen_scheduler_core::gpu_state::ANNOTATION_NAME;
+/// The node-state annotation is written again after this long without a change.
+pub const ANNOTATION_REFRESH: Duration = Duration::from_secs(300);
 /// The first and the longest wait before writing the annotation again after a failed write.
 pub const ANNOTATION_RETRY: (Duration, Duration) =
     (Duration::from_millis(500), Duration::from_secs(30));

@@ -98,7 +98,11 @@ impl ClusterView {
     pub fn remove_node(&mut self, name: &str) {
         self.nodes.remove(name);
         self.updated = Some(Instant::now());
-        self.touch(name);
+        // A node that comes back gets a new, higher stamp; nothing of the old one is kept.
+        self.stamps.remove(name);
+        if self.by_node.get(name).is_some_and(BTreeSet::is_empty) {
+            self.by_node.remove(name);
+        }
     }
 
     fn touch(&mut self, node: &str) {

@@ -47,6 +47,13 @@ pub enum Ask {
 }
 
 impl Ask {
+    /// How many devices of its resource it asks.
+    pub fn count(&self) -> u64 {
+        u64::from(match self {
+            Ask::GpuMemory(n) | Ask::Gpus(n) | Ask::Mig(_, n) | Ask::NvlinkGroups(_, n) => *n,
+        })
+    }
+
     /// The resource's name in `domain`.
     pub fn resource(&self, domain: &str) -> String {
         match self {
@@ -77,19 +84,45 @@ impl Demand {
 
     /// The pod's demand, reading resources in `domain`.
     pub fn of(pod: &Pod, domain: &str) -> Result<Self, DemandError> {
-        let app = pod.spec.containers.as_deref().unwrap_or_default();
-        let init = pod.spec.init_containers.as_deref().unwrap_or_default();
+        let all_init = pod.spec.init_containers.as_deref().unwrap_or_default();
+        // Sidecars (init containers that keep running) count as app containers.
+        let sidecar = |c: &&Container| c.restart_policy.as_deref() == Some("Always");
+        let app: Vec<&Container> = pod
+            .spec
+            .containers
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .chain(all_init.iter().filter(sidecar))
+            .collect();
+        let init: Vec<&Container> = all_init.iter().filter(|c| !sidecar(c)).collect();
         let mut asks = Vec::new();
-        for c in app.iter().chain(init) {
+        for c in &app {
             asks.extend(asks_of(c, domain)?);
         }
+        // An init container runs alone, and the kubelet hands its devices on to the app
+        // containers: a resource needs the larger of the apps' sum and the largest init ask
+        // (as kube-scheduler counts it), not both.
+        for c in &init {
+            for ask in asks_of(c, domain)? {
+                let same = |a: &Ask| {
+                    std::mem::discriminant(a) == std::mem::discriminant(&ask)
+                        && a.resource(domain) == ask.resource(domain)
+                };
+                let apps: u64 = asks.iter().filter(|a| same(a)).map(Ask::count).sum();
+                if ask.count() > apps {
+                    asks.retain(|a| !same(a));
+                    asks.push(ask);
+                }
+            }
+        }
         let (mut cpu, mut memory) = (0u64, 0u64);
-        for c in app {
+        for c in &app {
             let (c_cpu, c_mem) = host_requests(c)?;
             cpu = cpu.saturating_add(c_cpu);
             memory = memory.saturating_add(c_mem);
         }
-        for c in init {
+        for c in &init {
             let (c_cpu, c_mem) = host_requests(c)?;
             cpu = cpu.max(c_cpu);
             memory = memory.max(c_mem);
@@ -212,7 +245,7 @@ pub fn quantity_milli(value: &Value) -> Option<i128> {
     } else {
         den = den.checked_mul(10i128.checked_pow(exponent.unsigned_abs())?)?;
     }
-    let value = (num + den - 1) / den;
+    let value = num.checked_add(den - 1)? / den;
     Some(if negative { -value } else { value })
 }
 
@@ -279,6 +312,47 @@ mod tests {
             pod(json!([{"name": "a", "resources": {"requests": {"cpu": "1"}}}]), json!(null));
         assert!(Demand::of(&none, "awesome-ai-company.com").expect("reads").is_empty());
         assert!(Demand::of(&Pod::default(), "awesome-ai-company.com").expect("reads").is_empty());
+    }
+
+    #[test]
+    fn init_containers_hand_their_devices_on_and_sidecars_add_theirs() {
+        let gpu = |n: u32| json!({"limits": {"awesome-ai-company.com/gpu": n}});
+        let mem = |n: u32| json!({"limits": {"awesome-ai-company.com/gpu-memory": n}});
+        let d = |apps: Value, init: Value| {
+            Demand::of(&pod(apps, init), "awesome-ai-company.com").expect("reads").asks
+        };
+        // The app reuses the init container's GPU: one GPU, not two.
+        assert_eq!(
+            d(
+                json!([{"name": "a", "resources": gpu(1)}]),
+                json!([{"name": "i", "resources": gpu(1)}])
+            ),
+            [Ask::Gpus(1)]
+        );
+        // A larger init ask wins.
+        assert_eq!(
+            d(
+                json!([{"name": "a", "resources": gpu(1)}]),
+                json!([{"name": "i", "resources": gpu(2)}])
+            ),
+            [Ask::Gpus(2)]
+        );
+        // Another resource in the init container is asked as well.
+        assert_eq!(
+            d(
+                json!([{"name": "a", "resources": gpu(1)}]),
+                json!([{"name": "i", "resources": mem(4)}])
+            ),
+            [Ask::Gpus(1), Ask::GpuMemory(4)]
+        );
+        // A sidecar runs beside the app: both asks.
+        assert_eq!(
+            d(
+                json!([{"name": "a", "resources": mem(8)}]),
+                json!([{"name": "s", "restartPolicy": "Always", "resources": mem(4)}])
+            ),
+            [Ask::GpuMemory(8), Ask::GpuMemory(4)]
+        );
     }
 
     #[test]

@@ -78,6 +78,9 @@ impl Metrics {
     }
 }
 
+/// The largest request body accepted (5,000 Nodes of about 20 KiB each fit).
+pub const MAX_BODY_BYTES: usize = 256 << 20;
+
 struct App {
     extender: Arc<Extender>,
     metrics: Metrics,
@@ -91,7 +94,11 @@ pub fn router(extender: Arc<Extender>, metrics: Metrics, prefix: &str) -> Router
         .route(&format!("{prefix}/filter"), post(filter))
         .route(&format!("{prefix}/prioritize"), post(prioritize))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
         .route("/metrics", get(render_metrics))
+        // Nodes sent in full (nodeCacheCapable: false) are tens of KiB each: far past axum's
+        // default 2 MB on a large cluster.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app)
 }
 
@@ -151,6 +158,9 @@ async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     };
     let answer = match app.extender.prioritize(&args) {
         Ok(scores) => json(StatusCode::OK, serde_json::to_string(&scores).unwrap_or_default()),
+        Err(why) if why == crate::service::NOT_SYNCED => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
+        }
         Err(why) => {
             app.metrics.bad_requests.with_label_values(&["prioritize"]).inc();
             tracing::warn!(error = why, "prioritize refused the pod");
@@ -159,6 +169,16 @@ async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     };
     app.metrics.latency.with_label_values(&["prioritize"]).observe(started.elapsed().as_secs_f64());
     answer
+}
+
+/// Ready once the watchers have listed the cluster (kube-scheduler's calls fail before).
+async fn ready(State(app): State<Arc<App>>) -> Response {
+    if app.extender.synced() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("{}\n", crate::service::NOT_SYNCED))
+            .into_response()
+    }
 }
 
 async fn render_metrics(State(app): State<Arc<App>>) -> Response {

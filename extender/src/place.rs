@@ -203,7 +203,7 @@ impl Capacity {
 fn ordered(demand: &Demand) -> Vec<&Ask> {
     let mut asks: Vec<&Ask> = demand.asks.iter().collect();
     asks.sort_by_key(|a| match a {
-        Ask::NvlinkGroups(size, n) => (0, u64::MAX - u64::from(size * n)),
+        Ask::NvlinkGroups(size, n) => (0, u64::MAX - u64::from(*size) * u64::from(*n)),
         Ask::Gpus(n) => (1, u64::MAX - u64::from(*n)),
         Ask::Mig(_, n) => (2, u64::MAX - u64::from(*n)),
         Ask::GpuMemory(n) => (3, u64::MAX - u64::from(*n)),
@@ -337,7 +337,7 @@ impl NodeModel {
     pub fn request(&self, demand: &Demand) -> Option<Request> {
         let gpu = ordered(demand).into_iter().find_map(|ask| match ask {
             Ask::Gpus(n) => Some(GpuDemand::Whole { count: *n }),
-            Ask::NvlinkGroups(size, n) => Some(GpuDemand::Whole { count: size * n }),
+            Ask::NvlinkGroups(size, n) => Some(GpuDemand::Whole { count: size.saturating_mul(*n) }),
             Ask::GpuMemory(n) => {
                 let units = self.units_per_gpu.max(1);
                 let milli = (u64::from(*n) * 1000 / u64::from(units)).clamp(1, 999);

@@ -133,6 +133,8 @@ pub struct Container {
     pub name: String,
     /// Requests and limits.
     pub resources: Resources,
+    /// `Always` for a sidecar (an init container that keeps running).
+    pub restart_policy: Option<String>,
 }
 
 /// Requests and limits, quantities as they came (a string or a number).

@@ -41,6 +41,7 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> Result<Running, std::io::Error> {
     let extender = Extender::new(config.settings);
+    extender.await_watchers();
     let metrics = Metrics::new(registry).map_err(std::io::Error::other)?;
     let (address, serve) =
         bind(config.listen, router(extender.clone(), metrics, &config.prefix), shutdown.clone())

@@ -67,6 +67,10 @@ impl FailKind {
     }
 }
 
+/// The answer while the watchers have not listed yet.
+pub const NOT_SYNCED: &str =
+    "baleen-extender has not listed the cluster's nodes and pods yet; try again shortly";
+
 /// How many of the most common recent demands are scored on every node after a rebuild.
 const WARM_DEMANDS: usize = 8;
 
@@ -105,6 +109,17 @@ pub struct Extender {
     scores: Mutex<Scores>,
     seen: Mutex<Seen>,
     rebuild: tokio::sync::Notify,
+    /// Whether the Node and the Pod watchers have each listed once (true when none runs).
+    synced: [std::sync::atomic::AtomicBool; 2],
+}
+
+/// Which watcher has listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Watched {
+    /// Nodes.
+    Nodes = 0,
+    /// Pods.
+    Pods = 1,
 }
 
 impl Extender {
@@ -121,7 +136,29 @@ impl Extender {
             scores: Mutex::new(Scores::new()),
             seen: Mutex::new(Seen::default()),
             rebuild: tokio::sync::Notify::new(),
+            synced: [
+                std::sync::atomic::AtomicBool::new(true),
+                std::sync::atomic::AtomicBool::new(true),
+            ],
         })
+    }
+
+    /// From now on the verbs answer only once both watchers have listed ([`Self::listed`]).
+    pub fn await_watchers(&self) {
+        for s in &self.synced {
+            s.store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// A watcher has listed everything once.
+    pub fn listed(&self, what: Watched) {
+        self.synced[what as usize].store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the caches can be trusted: every watcher has listed once. Before that, a node
+    /// would look unknown and a bound pod would be missed.
+    pub fn synced(&self) -> bool {
+        self.synced.iter().all(|s| s.load(std::sync::atomic::Ordering::SeqCst))
     }
 
     /// The settings.
@@ -192,10 +229,16 @@ impl Extender {
             }
             (cpu, gpus)
         };
-        let policy = Arc::new(
-            Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default())
-                .for_cluster(baleen_scheduler_core::units::MilliCpu(cpu), gpus),
-        );
+        let policy =
+            Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default());
+        // The cluster's CPU scarcity is read from the target only once it holds enough pods:
+        // the first pod's CPU per GPU alone says little (it cost 1.2 points on a tenth of the
+        // trace's nodes, docs/benchmarks.md).
+        let policy = Arc::new(if demands.len() >= self.settings.rebuild_every {
+            policy.for_cluster(baleen_scheduler_core::units::MilliCpu(cpu), gpus)
+        } else {
+            policy
+        });
         // Score every node for the most common recent demands with the new policy before it
         // replaces the old one, so that the calls after a rebuild do not pay for it.
         let mut counts: std::collections::HashMap<&Demand, usize> =
@@ -270,6 +313,10 @@ impl Extender {
     pub fn filter(&self, args: &ExtenderArgs) -> (ExtenderFilterResult, Vec<FailKind>) {
         let mut result = ExtenderFilterResult::default();
         let mut kinds = Vec::new();
+        if !self.synced() {
+            result.error = NOT_SYNCED.into();
+            return (result, kinds);
+        }
         let demand = match Demand::of(&args.pod, &self.settings.domain) {
             Ok(d) => d,
             Err(e) => {
@@ -346,6 +393,9 @@ impl Extender {
 
     /// The prioritize verb.
     pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, String> {
+        if !self.synced() {
+            return Err(NOT_SYNCED.into());
+        }
         let demand = Demand::of(&args.pod, &self.settings.domain)
             .map_err(|e| format!("pod {}: {e}", pod_name(args)))?;
         let sent = self.sent_entries(args);

@@ -61,6 +61,7 @@ pub async fn nodes(client: kube::Client, extender: Arc<Extender>, shutdown: Canc
                 if let Some(seen) = listing.take() {
                     view.retain_nodes(|name| seen.contains(name));
                 }
+                extender.listed(crate::service::Watched::Nodes);
             }
             Event::Apply(node) => {
                 apply(&mut view, &node);
@@ -116,6 +117,7 @@ pub async fn pods(client: kube::Client, extender: Arc<Extender>, shutdown: Cance
                 if let Some(seen) = listing.take() {
                     view.retain_pods(|uid| seen.contains(uid));
                 }
+                extender.listed(crate::service::Watched::Pods);
             }
             Event::Apply(pod) => {
                 apply(&mut view, &pod);

@@ -323,3 +323,24 @@ async fn cached_scores_follow_the_nodes_and_their_pods() {
     extender.cluster.write().expect("lock").remove_pod("x");
     assert_eq!(b_score(&extender), 10);
 }
+
+#[tokio::test]
+async fn nothing_is_answered_before_the_watchers_have_listed() {
+    let extender = Extender::new(Settings::default());
+    extender.await_watchers();
+    let (address, _token) = serve(extender.clone()).await;
+    assert_eq!(call(address, "GET", "/readyz", "").await.0, 503);
+    assert_eq!(call(address, "GET", "/healthz", "").await.0, 200, "alive all the same");
+    let args = json!({"Pod": pod(4), "NodeNames": ["a"]}).to_string();
+    let (status, body) = call(address, "POST", "/baleen/filter", &args).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("has not listed"), "{body}");
+    assert!(body.contains("\"NodeNames\":null"), "no node passes: {body}");
+    assert_eq!(call(address, "POST", "/baleen/prioritize", &args).await.0, 503);
+    extender.listed(baleen_extender::service::Watched::Nodes);
+    assert_eq!(call(address, "GET", "/readyz", "").await.0, 503, "pods not listed yet");
+    extender.listed(baleen_extender::service::Watched::Pods);
+    assert_eq!(call(address, "GET", "/readyz", "").await.0, 200);
+    let (_, body) = call(address, "POST", "/baleen/filter", &args).await;
+    assert!(!body.contains("has not listed"), "{body}");
+}

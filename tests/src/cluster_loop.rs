@@ -230,6 +230,8 @@ pub async fn run_seed(
     .await?;
     let n = nodes.len();
     until(&running, "every node", |v| v.states().count() == n).await?;
+    let extender = running.extender.clone();
+    until(&running, "both watchers listed", move |_| extender.synced()).await?;
     let publisher = KubeNodeApi::at(&api.url())?;
     let names: Vec<String> = nodes.iter().map(|n| n.spec.name.clone()).collect();
     let by_name: BTreeMap<&str, usize> =

@@ -778,9 +778,9 @@ fn check_extender(install: &Install) -> Result<()> {
         .find(|p| p.name.as_deref() == Some("http"))
         .context("a port named http")?;
     ensure!(i64::from(port.container_port) == i64::from(args.listen.port()), "the listen port");
-    for probe in [&c.liveness_probe, &c.readiness_probe] {
+    for (probe, path) in [(&c.liveness_probe, "/healthz"), (&c.readiness_probe, "/readyz")] {
         let get = probe.as_ref().and_then(|p| p.http_get.as_ref()).context("an HTTP probe")?;
-        ensure!(get.path.as_deref() == Some("/healthz"), "probe path");
+        ensure!(get.path.as_deref() == Some(path), "probe path {:?} is not {path}", get.path);
     }
     let pod_security = spec.security_context.as_ref().context("pod securityContext")?;
     ensure!(pod_security.run_as_non_root == Some(true), "the extender runs as non-root");

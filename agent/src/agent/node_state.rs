@@ -64,6 +64,9 @@ pub async fn run(
                     written = Some(text);
                 }
                 Err(e) => {
+                    // A write that failed on our side may still have reached the API server:
+                    // whatever it holds now, the next state is written.
+                    written = None;
                     if !failing {
                         tracing::warn!(
                             node,
@@ -86,6 +89,9 @@ pub async fn run(
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
+            // Written again now and then, even unchanged: an annotation someone removed or
+            // overwrote comes back.
+            () = tokio::time::sleep(defaults::ANNOTATION_REFRESH) => written = None,
         }
         // Coalesce: changes during the interval are written together, as the state at its end.
         tokio::select! {
