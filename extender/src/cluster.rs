@@ -182,14 +182,32 @@ impl ClusterView {
         self.by_node.get(node).into_iter().flatten().filter_map(|uid| self.pods.get(uid))
     }
 
-    /// The pods bound to `node` with baleen asks that its document does not show yet.
-    pub fn assumed(&self, node: &str, state: &NodeGpuState) -> Vec<&Demand> {
+    /// What the pods bound to `node` ask that its document does not count yet: pods no GPU
+    /// of the document names, less the asks that match its unnamed grants (granted, counted,
+    /// not yet listed with their pod), one grant per ask of the same resource and size.
+    pub fn assumed(&self, node: &str, state: &NodeGpuState, domain: &str) -> Vec<Demand> {
         let published: BTreeSet<&str> =
             state.gpus.iter().flat_map(|g| g.pods.iter().map(String::as_str)).collect();
-        self.pods_on(node)
+        let mut pods: Vec<&PodEntry> = self
+            .pods_on(node)
             .filter(|p| !p.demand.is_empty() && !published.contains(p.key.as_str()))
-            .map(|p| &p.demand)
-            .collect()
+            .collect();
+        // Oldest first is not known here; any order gives the same capacity.
+        pods.sort_by(|a, b| a.key.cmp(&b.key));
+        let mut demands: Vec<Demand> = pods.into_iter().map(|p| p.demand.clone()).collect();
+        for grant in &state.unnamed {
+            let matched = demands.iter_mut().find_map(|d| {
+                let i = d.asks.iter().position(|a| {
+                    a.resource(domain) == grant.resource && a.count() == u64::from(grant.devices)
+                })?;
+                Some((d, i))
+            });
+            if let Some((d, i)) = matched {
+                d.asks.remove(i);
+            }
+        }
+        demands.retain(|d| !d.is_empty());
+        demands
     }
 
     /// `node`'s allocatable CPU and memory with what its live pods request.

@@ -456,6 +456,7 @@ mod tests {
                 })
                 .collect(),
             gpus,
+            unnamed: vec![],
         }
     }
 

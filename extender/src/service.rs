@@ -257,7 +257,7 @@ impl Extender {
             let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable)) else {
                 continue;
             };
-            for other in view.assumed(name, state) {
+            for other in &view.assumed(name, state, &self.settings.domain) {
                 model.assume(other, &policy);
             }
             for (demand, _) in &common {
@@ -340,7 +340,9 @@ impl Extender {
             let compute = || match &entry.state {
                 Err(why) => Verdict::NoState(why.clone()),
                 Ok(state) => {
-                    verdict(state, &view.assumed(name, state), &demand, &self.settings.domain)
+                    let assumed = view.assumed(name, state, &self.settings.domain);
+                    let assumed: Vec<&Demand> = assumed.iter().collect();
+                    verdict(state, &assumed, &demand, &self.settings.domain)
                 }
             };
             if !cached {
@@ -419,7 +421,7 @@ impl Extender {
         let score = |name: &str, entry: &NodeEntry| {
             let state = entry.state.as_ref().ok()?;
             let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
-            for other in view.assumed(name, state) {
+            for other in &view.assumed(name, state, &self.settings.domain) {
                 model.assume(other, &policy);
             }
             model.score(&demand, &policy)

@@ -57,6 +57,7 @@ fn node(name: &str, free: &[u32]) -> Value {
             .map(|(i, &f)| gpu(u32::try_from(i).expect("few"), f))
             .collect(),
         nvlink_groups: vec![],
+        unnamed: vec![],
     };
     json!({
         "metadata": {"name": name, "uid": format!("uid-{name}"), "resourceVersion": "12",
@@ -343,4 +344,47 @@ async fn nothing_is_answered_before_the_watchers_have_listed() {
     assert_eq!(call(address, "GET", "/readyz", "").await.0, 200);
     let (_, body) = call(address, "POST", "/baleen/filter", &args).await;
     assert!(!body.contains("has not listed"), "{body}");
+}
+
+#[tokio::test]
+async fn a_grant_published_without_its_pod_is_not_counted_twice() {
+    let extender = Extender::new(Settings::default());
+    // GPU 0 idle; GPU 1 holds 100 units of a pod the kubelet has not listed yet.
+    let mut with_grant: Value = node("a", &[140, 40]);
+    let mut state = NodeGpuState::parse(
+        with_grant["metadata"]["annotations"][KEY].as_str().expect("annotation"),
+    )
+    .expect("state");
+    state.unnamed.push(baleen_scheduler_core::gpu_state::UnnamedGrant {
+        resource: "awesome-ai-company.com/gpu-memory".into(),
+        devices: 100,
+    });
+    with_grant["metadata"]["annotations"][KEY] = json!(state.to_json());
+    let n: Node = serde_json::from_value(with_grant).expect("node");
+    extender.cluster.write().expect("lock").set_node("a", NodeEntry::of(&n, KEY));
+    // That pod, bound to a: the watch has it, the annotation does not name it.
+    let bound: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "x", "namespace": "ns", "uid": "x"},
+        "spec": {"nodeName": "a", "containers": [{"name": "c", "resources": {"limits": {
+            "awesome-ai-company.com/gpu-memory": 100}}}]}
+    }))
+    .expect("pod");
+    let entry = baleen_extender::cluster::PodEntry::of(&bound, "awesome-ai-company.com");
+    extender.cluster.write().expect("lock").set_pod("x", entry);
+    // A 140-unit pod still fits GPU 0: the bound pod is the unnamed grant on GPU 1.
+    let args: baleen_extender::protocol::ExtenderArgs =
+        serde_json::from_value(json!({"Pod": pod(140), "NodeNames": ["a"]})).expect("args");
+    let (result, _) = extender.filter(&args);
+    assert_eq!(result.node_names, Some(vec!["a".to_owned()]), "{result:?}");
+    // Another bound pod that no grant matches is counted: now GPU 0 is taken.
+    let other: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "y", "namespace": "ns", "uid": "y"},
+        "spec": {"nodeName": "a", "containers": [{"name": "c", "resources": {"limits": {
+            "awesome-ai-company.com/gpu-memory": 100}}}]}
+    }))
+    .expect("pod");
+    let entry = baleen_extender::cluster::PodEntry::of(&other, "awesome-ai-company.com");
+    extender.cluster.write().expect("lock").set_pod("y", entry);
+    let (result, _) = extender.filter(&args);
+    assert_eq!(result.node_names, Some(vec![]), "{result:?}");
 }

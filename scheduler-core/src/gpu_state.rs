@@ -41,6 +41,21 @@ pub struct NodeGpuState {
     /// The NVLink groups (each a device of `<domain>/nvlink-group-<size>`).
     #[serde(default)]
     pub nvlink_groups: Vec<NvlinkGroupEntry>,
+    /// Grants already counted in `gpus` whose pod the kubelet has not listed yet (it lists on
+    /// the agent's next reconciliation): a reader matches them with the pods bound to the node
+    /// that no GPU names, so that such a pod is not counted twice.
+    #[serde(default)]
+    pub unnamed: Vec<UnnamedGrant>,
+}
+
+/// One grant without its pod yet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UnnamedGrant {
+    /// The resource, e.g. `awesome-ai-company.com/gpu-memory`.
+    pub resource: String,
+    /// How many of its devices (one container's).
+    pub devices: u32,
 }
 
 /// How a GPU serves now.
@@ -226,6 +241,7 @@ mod tests {
                 pods: vec!["ns/a".into()],
             }],
             nvlink_groups: vec![],
+            unnamed: vec![],
         }
     }
 

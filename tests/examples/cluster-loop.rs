@@ -29,6 +29,9 @@ struct Args {
     /// A node's annotation is written this many pods after its allocations changed.
     #[arg(long, default_value_t = 5)]
     annotation_delay: usize,
+    /// A grant's pod is named in the annotation this many pods after the grant.
+    #[arg(long, default_value_t = 20)]
+    listing_delay: usize,
     /// The extender (and baleen-sim's online target) rebuild after this many pods.
     #[arg(long, default_value_t = 100)]
     rebuild_every: usize,
@@ -47,6 +50,7 @@ fn main() -> anyhow::Result<()> {
     let options = LoopOptions {
         annotation_delay: args.annotation_delay,
         rebuild_every: args.rebuild_every,
+        listing_delay: args.listing_delay,
         cpu_most_allocated: args.cpu_most_allocated,
         ..LoopOptions::default()
     };
@@ -60,10 +64,11 @@ fn main() -> anyhow::Result<()> {
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     println!(
-        "workload {} ({} nodes), annotation delay {} pods",
+        "workload {} ({} nodes), annotation delay {} pods, pods named {} pods after their grant",
         workload.name,
         workload.nodes.len(),
-        args.annotation_delay
+        args.annotation_delay,
+        args.listing_delay
     );
     println!(
         "seed  submitted  placed  admission-failures  live-unallocated-%  baleen-sim-online-%"

@@ -44,6 +44,10 @@ pub struct LoopOptions {
     pub annotation_delay: usize,
     /// The extender rebuilds its policy after this many new pods.
     pub rebuild_every: usize,
+    /// A grant's pod is named in its node's annotation only this many pods after it was
+    /// granted (the kubelet's pod-resources list, read at the agent's reconciliation); until
+    /// then the annotation carries it as an unnamed grant.
+    pub listing_delay: usize,
     /// CPU-only pods go where NodeResourcesFit's MostAllocated scores highest (packing CPU)
     /// instead of its default LeastAllocated (spreading).
     pub cpu_most_allocated: bool,
@@ -51,7 +55,13 @@ pub struct LoopOptions {
 
 impl Default for LoopOptions {
     fn default() -> Self {
-        Self { tune: 1.3, annotation_delay: 5, rebuild_every: 100, cpu_most_allocated: false }
+        Self {
+            tune: 1.3,
+            annotation_delay: 5,
+            listing_delay: 20,
+            rebuild_every: 100,
+            cpu_most_allocated: false,
+        }
     }
 }
 
@@ -75,8 +85,8 @@ struct LoopNode {
     ledger: DeviceLedger,
     cpu_used: u64,
     memory_used: u64,
-    /// Device IDs (sorted, joined) to the pod holding them.
-    holders: HashMap<String, String>,
+    /// Device IDs (sorted, joined) to the pod holding them and the pod's sequence number.
+    holders: HashMap<String, (String, usize)>,
 }
 
 fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
@@ -108,14 +118,19 @@ fn node_json(spec: &NodeSpec) -> Value {
 }
 
 impl LoopNode {
-    fn state(&self, generation: u64) -> String {
-        let holder = |r: &AllocationRecord| self.holders.get(&r.device_ids.join(",")).cloned();
+    /// The node's annotation after pod `seq`: holders listed `listing_delay` pods after their
+    /// grant.
+    fn state(&self, generation: u64, seq: usize, listing_delay: usize) -> String {
+        let holder = |r: &AllocationRecord| {
+            let (pod, at) = self.holders.get(&r.device_ids.join(","))?;
+            (seq >= at + listing_delay).then(|| pod.clone())
+        };
         self.ledger.node_state(&self.spec.name, generation, holder).to_json()
     }
 
     /// The kubelet's admission of one container asking `count` devices of `view`: its free
     /// devices, GetPreferredAllocation, then Allocate.
-    fn admit(&mut self, view: &View, count: usize, pod: &str) -> Result<(), String> {
+    fn admit(&mut self, view: &View, count: usize, pod: &str, seq: usize) -> Result<(), String> {
         let resource = view.resource_name(DOMAIN);
         let held: std::collections::HashSet<String> = self
             .ledger
@@ -136,7 +151,7 @@ impl LoopNode {
         }
         let chosen = self.ledger.preferred(view, &free, &[], count).map_err(|e| e.to_string())?;
         let grant = self.ledger.allocate(view, &chosen, 0).map_err(|e| e.to_string())?;
-        self.holders.insert(grant.device_ids.join(","), pod.to_owned());
+        self.holders.insert(grant.device_ids.join(","), (pod.to_owned(), seq));
         Ok(())
     }
 }
@@ -214,7 +229,8 @@ pub async fn run_seed(
             holders: HashMap::new(),
         };
         let mut json = node_json(spec);
-        json["metadata"]["annotations"] = json!({format!("{DOMAIN}/gpu-state"): node.state(0)});
+        json["metadata"]["annotations"] =
+            json!({format!("{DOMAIN}/gpu-state"): node.state(0, 0, options.listing_delay)});
         api.put_node(json);
         nodes.push(node);
     }
@@ -247,7 +263,7 @@ pub async fn run_seed(
         while due.front().is_some_and(|&(at, _)| at <= seq) {
             let Some((_, i)) = due.pop_front() else { break };
             generation += 1;
-            let state = nodes[i].state(generation);
+            let state = nodes[i].state(generation, seq, options.listing_delay);
             publisher.annotate(&nodes[i].spec.name, &format!("{DOMAIN}/gpu-state"), &state).await?;
             // The delay is counted in pods: the extender sees the annotation before the next.
             let name = nodes[i].spec.name.clone();
@@ -344,7 +360,7 @@ pub async fn run_seed(
             until(&running, "the binding", |v| v.is_bound(&uid)).await?;
             let admitted = match &gpu_ask {
                 None => Ok(()),
-                Some((view, count, _)) => nodes[i].admit(view, *count, &key),
+                Some((view, count, _)) => nodes[i].admit(view, *count, &key, seq),
             };
             match admitted {
                 Ok(()) => {
@@ -354,6 +370,12 @@ pub async fn run_seed(
                     placed += 1;
                     if gpu_ask.is_some() {
                         due.push_back((seq + options.annotation_delay, i));
+                        // And again once the kubelet lists the pod.
+                        due.push_back((
+                            seq + options.listing_delay.max(options.annotation_delay),
+                            i,
+                        ));
+                        due.make_contiguous().sort_unstable();
                     }
                 }
                 Err(why) => {

@@ -45,6 +45,7 @@ fn state(name: &str, free: &[u32], pods: &[&str]) -> String {
             })
             .collect(),
         nvlink_groups: vec![],
+        unnamed: vec![],
     }
     .to_json()
 }

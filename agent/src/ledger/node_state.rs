@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use baleen_scheduler_core::gpu_state::{
-    self, GpuEntry, GpuMode as StateMode, MigEntry, NodeGpuState, NvlinkGroupEntry,
+    self, GpuEntry, GpuMode as StateMode, MigEntry, NodeGpuState, NvlinkGroupEntry, UnnamedGrant,
 };
 
 use super::{AllocationRecord, DeviceLedger, View, count};
@@ -35,8 +35,15 @@ impl DeviceLedger {
         let domain = &self.config.domain;
         let views = self.views();
         let mut pods: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+        let mut unnamed = Vec::new();
         for h in self.held.values() {
-            let Some(pod) = holder(&h.record) else { continue };
+            let Some(pod) = holder(&h.record) else {
+                unnamed.push(UnnamedGrant {
+                    resource: h.record.resource.clone(),
+                    devices: count(h.record.device_ids.len()),
+                });
+                continue;
+            };
             let gpus = h.gpus.iter().chain(h.units.iter().map(|&(i, _)| i));
             for i in gpus {
                 pods.entry(i).or_default().insert(pod.clone());
@@ -130,6 +137,7 @@ impl DeviceLedger {
             resources: views.iter().map(|v| v.resource_name(domain)).collect(),
             gpus,
             nvlink_groups,
+            unnamed,
         }
     }
 }

@@ -434,6 +434,16 @@ fn the_node_state_document_says_what_is_free_and_who_holds_it() {
     assert!(g[0].shares_offered);
     assert_eq!((g[1].mode, g[1].compute_free_milli, g[1].shares_offered), (M::Exclusive, 0, false));
     assert!(g[1].pods.is_empty(), "the holder says only gpu-memory grants here");
+    // The grants whose pod is not listed yet are published without it.
+    let unnamed: Vec<(String, u32)> =
+        doc.unnamed.iter().map(|u| (u.resource.clone(), u.devices)).collect();
+    assert_eq!(
+        unnamed,
+        [
+            ("awesome-ai-company.com/gpu".to_owned(), 1),
+            ("awesome-ai-company.com/nvlink-group-2".to_owned(), 1)
+        ]
+    );
     assert_eq!((g[2].mode, g[3].mode), (M::Exclusive, M::Exclusive));
     assert_eq!((g[4].mode, g[4].units_free, g[4].compute_free_milli), (M::Idle, 140, 1000));
     assert!(!g[7].healthy && !g[7].shares_offered && g[7].compute_free_milli == 0);
