@@ -3,6 +3,7 @@
 //! per-container memory [`watchdog`] for what MPS does not enforce; the cgroup classes grow here. Called by the device-plugin adapter
 //! (`crate::resources`) when it answers Allocate.
 
+pub mod cgroups;
 pub mod mps;
 pub mod watchdog;
 

@@ -1,0 +1,462 @@
+//! Where a pod's cgroup is, and what the co-location policy writes there (issue 16, first
+//! part: the layouts and the writes, tested on cgroup trees; not yet wired into the agent).
+//!
+//! Layouts, under a configured root (`/sys/fs/cgroup` on a host):
+//! - cgroup v2 (unified: `cgroup.controllers` at the root) and v1 (one hierarchy per
+//!   controller: `<root>/cpu/...`, `<root>/memory/...`);
+//! - the kubelet's systemd driver (`kubepods.slice/kubepods-burstable.slice/
+//!   kubepods-burstable-pod<uid>.slice`, the UID's dashes as underscores) and its cgroupfs
+//!   driver (`kubepods/burstable/pod<uid>`); Guaranteed pods sit directly under the top
+//!   (`kubepods.slice/kubepods-pod<uid>.slice`, `kubepods/pod<uid>`).
+//!
+//! The files are written directly rather than through cgroups-rs: cgroups-rs finds its
+//! hierarchies in the process's mount table (`/proc/self/mountinfo`), so it cannot address a
+//! tree under a configured root (the host's cgroupfs mounted elsewhere in the agent's
+//! container, or a temp dir in tests).
+
+use std::path::{Path, PathBuf};
+
+/// The cgroup version of a tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupVersion {
+    /// One hierarchy per controller.
+    V1,
+    /// The unified hierarchy.
+    V2,
+}
+
+/// The kubelet's cgroup driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Driver {
+    /// systemd slices.
+    Systemd,
+    /// Plain directories.
+    Cgroupfs,
+}
+
+/// A pod's QoS class, as the kubelet files its cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Qos {
+    /// Requests equal limits for every container.
+    Guaranteed,
+    /// Some requests.
+    Burstable,
+    /// No requests.
+    BestEffort,
+}
+
+impl Qos {
+    fn name(self) -> &'static str {
+        match self {
+            Qos::Guaranteed => "guaranteed",
+            Qos::Burstable => "burstable",
+            Qos::BestEffort => "besteffort",
+        }
+    }
+}
+
+/// Why a cgroup could not be found, read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// The root holds neither a v2 nor a v1 tree.
+    #[error("{} is not a cgroup tree (no cgroup.controllers for v2, no cpu/ hierarchy for v1)", root.display())]
+    NoTree {
+        /// The root.
+        root: PathBuf,
+    },
+    /// A file could not be read or written.
+    #[error("cannot {action} {}", path.display())]
+    Io {
+        /// `read` or `write`.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where the cgroups of a node are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The cgroup root.
+    pub root: PathBuf,
+    /// Its version.
+    pub version: CgroupVersion,
+    /// The kubelet's driver.
+    pub driver: Driver,
+}
+
+impl Layout {
+    /// The layout under `root`, its version read from the tree.
+    pub fn detect(root: &Path, driver: Driver) -> Result<Self, CgroupError> {
+        let version = if root.join("cgroup.controllers").is_file() {
+            CgroupVersion::V2
+        } else if root.join("cpu").is_dir() {
+            CgroupVersion::V1
+        } else {
+            return Err(CgroupError::NoTree { root: root.to_path_buf() });
+        };
+        Ok(Self { root: root.to_path_buf(), version, driver })
+    }
+
+    /// The pod's directory for `controller` (`cpu`, `memory`; v2 ignores it).
+    pub fn pod_dir(&self, controller: &str, qos: Qos, uid: &str) -> PathBuf {
+        let base = match self.version {
+            CgroupVersion::V2 => self.root.clone(),
+            CgroupVersion::V1 => self.root.join(controller),
+        };
+        match (self.driver, qos) {
+            (Driver::Systemd, Qos::Guaranteed) => base
+                .join("kubepods.slice")
+                .join(format!("kubepods-pod{}.slice", uid.replace('-', "_"))),
+            (Driver::Systemd, q) => base
+                .join("kubepods.slice")
+                .join(format!("kubepods-{}.slice", q.name()))
+                .join(format!("kubepods-{}-pod{}.slice", q.name(), uid.replace('-', "_"))),
+            (Driver::Cgroupfs, Qos::Guaranteed) => base.join("kubepods").join(format!("pod{uid}")),
+            (Driver::Cgroupfs, q) => base.join("kubepods").join(q.name()).join(format!("pod{uid}")),
+        }
+    }
+}
+
+/// What the policy gives one pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodSettings {
+    /// CPU weight on cgroup v2's scale (1..=10000, default 100); v1's `cpu.shares` is
+    /// `weight * 1024 / 100`.
+    pub cpu_weight: u64,
+    /// A CPU cap in millicores, or none.
+    pub cpu_cap_milli: Option<u64>,
+    /// Memory kept from reclaim (`memory.low`, v2 only), in bytes, or none.
+    pub memory_low_bytes: Option<u64>,
+}
+
+/// One value written, with the one it replaced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    /// The file.
+    pub path: PathBuf,
+    /// What it held before.
+    pub previous: String,
+    /// What was written.
+    pub value: String,
+}
+
+/// The CFS period the caps are written with, in microseconds (the kernel's default).
+const PERIOD_US: u64 = 100_000;
+
+fn read(path: &Path) -> Result<String, CgroupError> {
+    std::fs::read_to_string(path).map(|s| s.trim().to_owned()).map_err(|source| CgroupError::Io {
+        action: "read",
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn write(path: &Path, value: &str, done: &mut Vec<Written>) -> Result<(), CgroupError> {
+    let previous = read(path)?;
+    if previous == value {
+        return Ok(());
+    }
+    std::fs::write(path, value).map_err(|source| CgroupError::Io {
+        action: "write",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    done.push(Written { path: path.to_path_buf(), previous, value: value.to_owned() });
+    Ok(())
+}
+
+/// Writes `settings` into the pod's cgroup; returns what changed, to [`restore`] later. On an
+/// error, what was already written is put back before the error is returned.
+pub fn apply(
+    layout: &Layout,
+    qos: Qos,
+    uid: &str,
+    settings: PodSettings,
+) -> Result<Vec<Written>, CgroupError> {
+    let mut done = Vec::new();
+    let outcome = (|| {
+        let cpu = layout.pod_dir("cpu", qos, uid);
+        match layout.version {
+            CgroupVersion::V2 => {
+                write(
+                    &cpu.join("cpu.weight"),
+                    &settings.cpu_weight.clamp(1, 10_000).to_string(),
+                    &mut done,
+                )?;
+                let max = settings.cpu_cap_milli.map_or_else(
+                    || format!("max {PERIOD_US}"),
+                    |m| format!("{} {PERIOD_US}", (m * PERIOD_US / 1000).max(1000)),
+                );
+                write(&cpu.join("cpu.max"), &max, &mut done)?;
+                if let Some(low) = settings.memory_low_bytes {
+                    write(&cpu.join("memory.low"), &low.to_string(), &mut done)?;
+                }
+            }
+            CgroupVersion::V1 => {
+                let shares = (settings.cpu_weight * 1024 / 100).clamp(2, 262_144);
+                write(&cpu.join("cpu.shares"), &shares.to_string(), &mut done)?;
+                let quota = settings.cpu_cap_milli.map_or_else(
+                    || "-1".to_owned(),
+                    |m| (m * PERIOD_US / 1000).max(1000).to_string(),
+                );
+                if settings.cpu_cap_milli.is_some() {
+                    write(&cpu.join("cpu.cfs_period_us"), &PERIOD_US.to_string(), &mut done)?;
+                }
+                write(&cpu.join("cpu.cfs_quota_us"), &quota, &mut done)?;
+            }
+        }
+        Ok(())
+    })();
+    match outcome {
+        Ok(()) => Ok(done),
+        Err(e) => {
+            let _ = restore(&done);
+            Err(e)
+        }
+    }
+}
+
+/// Puts back what [`apply`] changed, newest first; a cgroup that is gone (its pod ended) is
+/// not an error.
+pub fn restore(written: &[Written]) -> Result<(), CgroupError> {
+    for w in written.iter().rev() {
+        if !w.path.exists() {
+            continue;
+        }
+        std::fs::write(&w.path, &w.previous).map_err(|source| CgroupError::Io {
+            action: "write",
+            path: w.path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
+
+    /// A tree shaped like a kubelet's: the pod's directory with the files the kernel keeps,
+    /// at their defaults.
+    fn tree(version: CgroupVersion, driver: Driver, qos: Qos) -> (tempfile::TempDir, Layout) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().to_path_buf();
+        let files: &[(&str, &str, &str)] = match version {
+            CgroupVersion::V2 => {
+                std::fs::write(root.join("cgroup.controllers"), "cpuset cpu io memory pids\n")
+                    .expect("write");
+                &[
+                    ("cpu", "cpu.weight", "100\n"),
+                    ("cpu", "cpu.max", "max 100000\n"),
+                    ("cpu", "memory.low", "0\n"),
+                ]
+            }
+            CgroupVersion::V1 => &[
+                ("cpu", "cpu.shares", "1024\n"),
+                ("cpu", "cpu.cfs_quota_us", "-1\n"),
+                ("cpu", "cpu.cfs_period_us", "100000\n"),
+                ("memory", "memory.limit_in_bytes", "9223372036854771712\n"),
+            ],
+        };
+        if version == CgroupVersion::V1 {
+            std::fs::create_dir_all(root.join("cpu")).expect("cpu hierarchy");
+        }
+        let layout = Layout::detect(&root, driver).expect("a tree");
+        assert_eq!(layout.version, version);
+        for (controller, file, value) in files {
+            let pod = layout.pod_dir(controller, qos, UID);
+            std::fs::create_dir_all(&pod).expect("pod dir");
+            std::fs::write(pod.join(file), value).expect("write");
+        }
+        (dir, layout)
+    }
+
+    fn get(layout: &Layout, qos: Qos, file: &str) -> String {
+        read(&layout.pod_dir("cpu", qos, UID).join(file)).expect("readable")
+    }
+
+    #[test]
+    fn pod_directories_follow_the_kubelets_drivers() {
+        let v2 = Layout {
+            root: "/sys/fs/cgroup".into(),
+            version: CgroupVersion::V2,
+            driver: Driver::Systemd,
+        };
+        assert_eq!(
+            v2.pod_dir("cpu", Qos::Burstable, UID),
+            PathBuf::from(
+                "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0f1e2d3c_4b5a_6978_8796_a5b4c3d2e1f0.slice"
+            )
+        );
+        assert_eq!(
+            v2.pod_dir("cpu", Qos::Guaranteed, UID),
+            PathBuf::from(
+                "/sys/fs/cgroup/kubepods.slice/kubepods-pod0f1e2d3c_4b5a_6978_8796_a5b4c3d2e1f0.slice"
+            )
+        );
+        let v1 = Layout {
+            root: "/sys/fs/cgroup".into(),
+            version: CgroupVersion::V1,
+            driver: Driver::Cgroupfs,
+        };
+        assert_eq!(
+            v1.pod_dir("memory", Qos::BestEffort, UID),
+            PathBuf::from(
+                "/sys/fs/cgroup/memory/kubepods/besteffort/pod0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+            )
+        );
+        assert_eq!(
+            v1.pod_dir("cpu", Qos::Guaranteed, UID),
+            PathBuf::from("/sys/fs/cgroup/cpu/kubepods/pod0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")
+        );
+        let err =
+            Layout::detect(Path::new("/nonexistent/cgroup"), Driver::Systemd).expect_err("no tree");
+        assert!(err.to_string().contains("is not a cgroup tree"), "{err}");
+    }
+
+    #[test]
+    fn settings_are_written_and_restored_on_every_layout() {
+        let inference =
+            PodSettings { cpu_weight: 1000, cpu_cap_milli: None, memory_low_bytes: Some(8 << 30) };
+        let training =
+            PodSettings { cpu_weight: 10, cpu_cap_milli: Some(1500), memory_low_bytes: None };
+        for version in [CgroupVersion::V2, CgroupVersion::V1] {
+            for driver in [Driver::Systemd, Driver::Cgroupfs] {
+                for qos in [Qos::Guaranteed, Qos::Burstable, Qos::BestEffort] {
+                    let (_dir, layout) = tree(version, driver, qos);
+                    let what = format!("{version:?} {driver:?} {qos:?}");
+                    let on_inference = apply(&layout, qos, UID, inference).expect("applied");
+                    match version {
+                        CgroupVersion::V2 => {
+                            assert_eq!(get(&layout, qos, "cpu.weight"), "1000", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.max"), "max 100000", "{what}");
+                            assert_eq!(
+                                get(&layout, qos, "memory.low"),
+                                (8u64 << 30).to_string(),
+                                "{what}"
+                            );
+                            assert_eq!(on_inference.len(), 2, "cpu.max was already max: {what}");
+                        }
+                        CgroupVersion::V1 => {
+                            assert_eq!(get(&layout, qos, "cpu.shares"), "10240", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.cfs_quota_us"), "-1", "{what}");
+                        }
+                    }
+                    restore(&on_inference).expect("restored");
+                    let on_training = apply(&layout, qos, UID, training).expect("applied");
+                    match version {
+                        CgroupVersion::V2 => {
+                            assert_eq!(get(&layout, qos, "cpu.weight"), "10", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.max"), "150000 100000", "{what}");
+                        }
+                        CgroupVersion::V1 => {
+                            assert_eq!(get(&layout, qos, "cpu.shares"), "102", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.cfs_quota_us"), "150000", "{what}");
+                        }
+                    }
+                    restore(&on_training).expect("restored");
+                    // Back to the kernel's defaults.
+                    match version {
+                        CgroupVersion::V2 => {
+                            assert_eq!(get(&layout, qos, "cpu.weight"), "100", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.max"), "max 100000", "{what}");
+                            assert_eq!(get(&layout, qos, "memory.low"), "0", "{what}");
+                        }
+                        CgroupVersion::V1 => {
+                            assert_eq!(get(&layout, qos, "cpu.shares"), "1024", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.cfs_quota_us"), "-1", "{what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_cgroup_is_an_error_naming_it_and_leaves_nothing_half_written() {
+        let (_dir, layout) = tree(CgroupVersion::V2, Driver::Systemd, Qos::Burstable);
+        // memory.low missing: the weight and cap written before it are put back.
+        std::fs::remove_file(layout.pod_dir("cpu", Qos::Burstable, UID).join("memory.low"))
+            .expect("rm");
+        let settings =
+            PodSettings { cpu_weight: 1000, cpu_cap_milli: Some(2000), memory_low_bytes: Some(1) };
+        let err = apply(&layout, Qos::Burstable, UID, settings).expect_err("no memory.low");
+        assert!(err.to_string().contains("memory.low"), "{err}");
+        assert_eq!(get(&layout, Qos::Burstable, "cpu.weight"), "100");
+        assert_eq!(get(&layout, Qos::Burstable, "cpu.max"), "max 100000");
+        // A pod that ended (its cgroup gone): restoring is not an error.
+        let on =
+            apply(&layout, Qos::Burstable, UID, PodSettings { memory_low_bytes: None, ..settings })
+                .expect("applied");
+        std::fs::remove_dir_all(layout.pod_dir("cpu", Qos::Burstable, UID)).expect("rm");
+        restore(&on).expect("nothing to restore");
+    }
+}
+
+/// On this machine's real cgroup v1 `cpu` hierarchy: a pod cgroup made under a test directory,
+/// the settings written and read back from the kernel, and restored. Needs root and a writable
+/// `/sys/fs/cgroup/cpu` (cgroup v1); it fails saying so otherwise, unless
+/// `BALEEN_SKIP_REAL_CGROUP=1` skips it explicitly (documented in docs/agent.md).
+#[cfg(test)]
+mod real {
+    use super::*;
+
+    #[test]
+    fn settings_reach_the_kernel_on_the_real_v1_hierarchy() {
+        let cpu = Path::new("/sys/fs/cgroup/cpu");
+        if std::env::var_os("BALEEN_SKIP_REAL_CGROUP").is_some() {
+            eprintln!("skipped: BALEEN_SKIP_REAL_CGROUP is set");
+            return;
+        }
+        let base = cpu.join(format!("baleen-test-{}", std::process::id()));
+        if let Err(e) = std::fs::create_dir(&base) {
+            panic!(
+                "this test needs root and a writable cgroup v1 cpu hierarchy at {} ({e}); \
+                 run as root, or set BALEEN_SKIP_REAL_CGROUP=1 to skip it",
+                cpu.display()
+            );
+        }
+        // The layout's root is a directory whose `cpu` is the test's real cgroup.
+        let root = tempfile::tempdir().expect("tempdir");
+        std::os::unix::fs::symlink(&base, root.path().join("cpu")).expect("symlink");
+        let layout = Layout {
+            root: root.path().to_path_buf(),
+            version: CgroupVersion::V1,
+            driver: Driver::Cgroupfs,
+        };
+        let uid = "11111111-2222-3333-4444-555555555555";
+        let pod = layout.pod_dir("cpu", Qos::Burstable, uid);
+        // mkdir in cgroupfs makes a cgroup, with the kernel's files.
+        std::fs::create_dir_all(&pod).expect("a real cgroup");
+        let outcome = std::panic::catch_unwind(|| {
+            let before = read(&pod.join("cpu.shares")).expect("cpu.shares");
+            let settings =
+                PodSettings { cpu_weight: 10, cpu_cap_milli: Some(500), memory_low_bytes: None };
+            let written = apply(&layout, Qos::Burstable, uid, settings).expect("applied");
+            assert_eq!(read(&pod.join("cpu.shares")).expect("read"), "102");
+            assert_eq!(read(&pod.join("cpu.cfs_quota_us")).expect("read"), "50000");
+            assert_eq!(read(&pod.join("cpu.cfs_period_us")).expect("read"), "100000");
+            restore(&written).expect("restored");
+            assert_eq!(read(&pod.join("cpu.shares")).expect("read"), before);
+            assert_eq!(read(&pod.join("cpu.cfs_quota_us")).expect("read"), "-1");
+        });
+        // Cgroups are removed innermost first.
+        for dir in [
+            pod.clone(),
+            pod.parent().map(Path::to_path_buf).unwrap_or_default(),
+            base.join("kubepods"),
+            base.clone(),
+        ] {
+            let _ = std::fs::remove_dir(&dir);
+        }
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+    }
+}
