@@ -4,6 +4,7 @@
 //! (`crate::resources`) when it answers Allocate.
 
 pub mod cgroups;
+pub mod colocation;
 pub mod mps;
 pub mod watchdog;
 
