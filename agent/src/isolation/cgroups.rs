@@ -401,8 +401,8 @@ mod tests {
 
 /// On this machine's real cgroup v1 `cpu` hierarchy: a pod cgroup made under a test directory,
 /// the settings written and read back from the kernel, and restored. Needs root and a writable
-/// `/sys/fs/cgroup/cpu` (cgroup v1); it fails saying so otherwise, unless
-/// `BALEEN_SKIP_REAL_CGROUP=1` skips it explicitly (documented in docs/agent.md).
+/// `/sys/fs/cgroup/cpu` (cgroup v1); where that is missing it is skipped with a message saying
+/// so (as issue 16 asks), and `BALEEN_SKIP_REAL_CGROUP=1` skips it explicitly.
 #[cfg(test)]
 mod real {
     use super::*;
@@ -416,11 +416,13 @@ mod real {
         }
         let base = cpu.join(format!("baleen-test-{}", std::process::id()));
         if let Err(e) = std::fs::create_dir(&base) {
-            panic!(
-                "this test needs root and a writable cgroup v1 cpu hierarchy at {} ({e}); \
-                 run as root, or set BALEEN_SKIP_REAL_CGROUP=1 to skip it",
+            // Issue 16: skipped where the hierarchy is not writable, saying so.
+            eprintln!(
+                "SKIPPED settings_reach_the_kernel_on_the_real_v1_hierarchy: it needs root and a \
+                 writable cgroup v1 cpu hierarchy at {} ({e})",
                 cpu.display()
             );
+            return;
         }
         // The layout's root is a directory whose `cpu` is the test's real cgroup.
         let root = tempfile::tempdir().expect("tempdir");
