@@ -156,21 +156,13 @@ impl LoopNode {
     }
 }
 
+/// POSTs `body` to the extender and reads its JSON answer (200 only).
 async fn post(address: std::net::SocketAddr, path: &str, body: &str) -> Result<Value> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let (head, body) = response.split_once("\r\n\r\n").context("an HTTP answer")?;
-    if !head.starts_with("HTTP/1.1 200") {
-        bail!("{path}: {head}: {body}");
+    let (status, answer) = crate::http::request(address, "POST", path, body).await?;
+    if status != 200 {
+        bail!("{path}: {status}: {answer}");
     }
-    Ok(serde_json::from_str(body)?)
+    Ok(serde_json::from_str(&answer)?)
 }
 
 /// Waits (at most 10 s) until the extender's cache satisfies `ok`.
@@ -401,20 +393,14 @@ pub async fn run_seed(
     })
 }
 
+/// Binds the pod `key` (`namespace/name`) as a scheduler does (201 only).
 async fn post_binding(address: std::net::SocketAddr, key: &str, binding: &Value) -> Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (ns, name) = key.split_once('/').context("namespace/name")?;
-    let body = binding.to_string();
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    let request = format!(
-        "POST /api/v1/namespaces/{ns}/pods/{name}/binding HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    if !response.starts_with("HTTP/1.1 201") {
-        bail!("binding {key}: {response}");
+    let path = format!("/api/v1/namespaces/{ns}/pods/{name}/binding");
+    let (status, answer) =
+        crate::http::request(address, "POST", &path, &binding.to_string()).await?;
+    if status != 201 {
+        bail!("binding {key}: {status}: {answer}");
     }
     Ok(())
 }

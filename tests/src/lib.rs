@@ -8,6 +8,7 @@
 //!   agent ledgers (the cluster in the loop);
 //! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
 //!   which can go away and come back;
+//! - [`http`]: a plain HTTP/1.1 client for the tests;
 //! - [`memory_backend`]: an in-memory device-plugin backend for tests and benchmarks;
 //! - [`tools`]: outside programs the tests use (promtool), or how to install them;
 //! - the `fake-mps-control` binary: a fake `nvidia-cuda-mps-control`.
@@ -19,5 +20,6 @@ pub mod cluster_loop;
 pub mod fake_apiserver;
 pub mod fake_kubelet;
 pub mod fake_nvml;
+pub mod http;
 pub mod memory_backend;
 pub mod tools;

@@ -1205,15 +1205,7 @@ fn inventory_says_whether_each_mps_daemon_answers() -> Result<()> {
 
 /// A plain HTTP/1.1 GET on loopback: the status code and the body.
 async fn http_get(address: std::net::SocketAddr, path: &str) -> Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::time::timeout(WAIT, tokio::net::TcpStream::connect(address)).await??;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    tokio::time::timeout(WAIT, stream.read_to_string(&mut response)).await??;
-    let status = response.split_whitespace().nth(1).context("status")?.parse()?;
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    Ok((status, body))
+    Ok(tokio::time::timeout(WAIT, baleen_tests::http::request(address, "GET", path, "")).await??)
 }
 
 /// The value of the series whose line starts with `prefix` (`name{labels}`), if any.
