@@ -55,19 +55,19 @@ impl DeviceLedger {
             .flat_map(|h| h.record.device_ids.iter().map(String::as_str))
             .collect();
         let states = self.gpu_states();
+        let mig_views: BTreeSet<&str> = views
+            .iter()
+            .filter_map(|v| match v {
+                View::Mig(p) => Some(p.as_str()),
+                _ => None,
+            })
+            .collect();
         let gpus = self
             .slots
             .iter()
             .zip(states)
             .enumerate()
             .map(|(i, (s, state))| {
-                let mig_views: BTreeSet<&str> = views
-                    .iter()
-                    .filter_map(|v| match v {
-                        View::Mig(p) => Some(p.as_str()),
-                        _ => None,
-                    })
-                    .collect();
                 let mig = s
                     .gpu
                     .mig
