@@ -476,12 +476,8 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     let sa = spec.service_account_name.clone().context("serviceAccountName")?;
     ensure!(install.service_accounts.iter().any(|s| s.metadata.name.as_deref() == Some(&sa)));
     let granted = install.granted_to(&sa)?;
-    let called: BTreeSet<(String, String, String)> = baleen_agent::kube_access::AGENT
-        .iter()
-        .flat_map(|r| {
-            r.verbs.iter().map(|v| (r.api_group.to_owned(), r.resource.to_owned(), (*v).to_owned()))
-        })
-        .collect();
+    let called =
+        calls(baleen_agent::kube_access::AGENT.iter().map(|r| (r.api_group, r.resource, r.verbs)));
     ensure!(granted == called, "RBAC grants {granted:?}, the agent calls {called:?}");
     if called.is_empty() {
         ensure!(
@@ -748,6 +744,17 @@ fn the_dockerfile_builds_workspace_binaries_in_stages() -> Result<()> {
     Ok(())
 }
 
+/// Every (API group, resource, verb) of a program's declared API calls.
+fn calls<'a>(
+    rules: impl Iterator<Item = (&'a str, &'a str, &'a [&'a str])>,
+) -> BTreeSet<(String, String, String)> {
+    rules
+        .flat_map(|(group, resource, verbs)| {
+            verbs.iter().map(move |v| (group.to_owned(), resource.to_owned(), (*v).to_owned()))
+        })
+        .collect()
+}
+
 /// The extender's Deployment, Service and RBAC, and kube-scheduler's configuration that calls
 /// it (`packaging/scheduler/kube-scheduler-config.yaml`).
 fn check_extender(install: &Install) -> Result<()> {
@@ -791,12 +798,9 @@ fn check_extender(install: &Install) -> Result<()> {
     );
     // RBAC: exactly what the extender calls.
     let account = spec.service_account_name.clone().context("serviceAccountName")?;
-    let called: BTreeSet<(String, String, String)> = baleen_extender::kube_access::EXTENDER
-        .iter()
-        .flat_map(|r| {
-            r.verbs.iter().map(|v| (r.api_group.to_owned(), r.resource.to_owned(), (*v).to_owned()))
-        })
-        .collect();
+    let called = calls(
+        baleen_extender::kube_access::EXTENDER.iter().map(|r| (r.api_group, r.resource, r.verbs)),
+    );
     let granted = install.granted_to(&account)?;
     ensure!(granted == called, "RBAC grants {granted:?}, the extender calls {called:?}");
     // The Service kube-scheduler calls.
