@@ -111,9 +111,14 @@ impl Capacity {
     /// Marks GPU `i` as held whole: no units, no group containing it.
     fn hold_whole(&mut self, i: usize) {
         let g = &mut self.gpus[i];
-        g.whole = false;
         g.shares = false;
         g.units_free = 0;
+        self.not_whole(i);
+    }
+
+    /// GPU `i` can no longer be taken whole, nor any group containing it.
+    fn not_whole(&mut self, i: usize) {
+        self.gpus[i].whole = false;
         for group in &mut self.groups {
             if group.1.contains(&i) {
                 group.2 = false;
@@ -140,12 +145,7 @@ impl Capacity {
                     ));
                 };
                 self.gpus[i].units_free -= n;
-                self.gpus[i].whole = false;
-                for group in &mut self.groups {
-                    if group.1.contains(&i) {
-                        group.2 = false;
-                    }
-                }
+                self.not_whole(i);
                 Ok(())
             }
             Ask::Gpus(count) => {
