@@ -213,28 +213,30 @@ impl Checkpoint {
         let envelope = Envelope { checksum: checksum(&contents), contents };
         let bytes =
             serde_json::to_vec_pretty(&envelope).map_err(|e| io_err(io::Error::other(e)))?;
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        fs::create_dir_all(dir).map_err(io_err)?;
-        let tmp = self.path.with_extension("json.tmp");
-        match fs::remove_file(&tmp) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err(e)),
-            _ => {}
-        }
-        {
-            // create_new: O_EXCL, which never follows a symbolic link planted at the path.
-            let mut file = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(io_err)?;
-            file.write_all(&bytes).map_err(io_err)?;
-            file.sync_all().map_err(io_err)?;
-        }
-        fs::rename(&tmp, &self.path).map_err(io_err)?;
-        File::open(dir).and_then(|d| d.sync_all()).map_err(io_err)?;
-        Ok(())
+        write_atomically(&self.path, &bytes).map_err(io_err)
     }
+}
+
+/// Replaces `path` with `bytes` so that a crash leaves either the old or the new file, whole:
+/// a temporary file beside it (created anew, mode 0600), fsync, rename, fsync of the directory.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir)?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    match fs::remove_file(&tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    {
+        // create_new: O_EXCL, which never follows a symbolic link planted at the path.
+        let mut file = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    File::open(dir).and_then(|d| d.sync_all())
 }
 
 /// The kernel's boot ID from `path` (normally `/proc/sys/kernel/random/boot_id`).

@@ -55,6 +55,23 @@ pub const ANNOTATION_REFRESH: Duration = Duration::from_secs(300);
 /// The first and the longest wait before writing the annotation again after a failed write.
 pub const ANNOTATION_RETRY: (Duration, Duration) =
     (Duration::from_millis(500), Duration::from_secs(30));
+/// Where the host's cgroup tree is (mounted at the same path in the agent's container).
+pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+/// The kubelet's cgroup driver (`systemd`, the kubelet's default since kubeadm 1.22).
+pub const CGROUP_DRIVER: &str = "systemd";
+/// The class of a pod without the class label that is not Guaranteed.
+pub const COLOCATION_DEFAULT_CLASS: &str = "training";
+/// CPU weight of inference pods (cgroup v2 scale: 1..10000, the kernel's default 100).
+pub const INFERENCE_CPU_WEIGHT: u64 = 1000;
+/// CPU weight of training pods.
+pub const TRAINING_CPU_WEIGHT: u64 = 10;
+/// How long an Allocate waits for the API's view to show the pod it is for.
+pub const IDENTIFY_WAIT: Duration = Duration::from_secs(1);
+/// Time between two co-location reconciliations when no pod changes (values the kubelet
+/// rewrote are found and written again).
+pub const COLOCATION_RESYNC: Duration = Duration::from_secs(30);
+/// The file in the state directory that keeps what co-location must put back.
+pub const COLOCATION_STATE_FILE: &str = "colocation.json";
 /// Where the kernel publishes the boot ID.
 pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 /// Where the kernel publishes the host name (the node name's last fallback).
@@ -123,6 +140,8 @@ mod tests {
             format!("{MPS_CONTROL_BINARY:?}"),
             format!("{PROC_ROOT:?}"),
             format!("{SYSFS_ROOT:?}"),
+            format!("{CGROUP_ROOT:?}"),
+            format!("{COLOCATION_STATE_FILE:?}"),
             format!("{DEVICE_PLUGIN_DIR:?}"),
             format!("{POD_RESOURCES_SOCKET:?}"),
         ];

@@ -4,8 +4,15 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Node;
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::WatchStreamExt as _;
+use kube::runtime::watcher::{self, Event};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::node_pods::{NodePods, PodInfo};
 
 /// Why a call to the API server failed.
 #[derive(Debug, thiserror::Error)]
@@ -18,15 +25,30 @@ pub enum ApiError {
     Call(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// What the agent writes to its Node.
+/// What the agent asks of the API server about its own node.
 #[async_trait::async_trait]
 pub trait NodeApi: Send + Sync {
     /// Sets annotation `key` to `value` on node `node`, leaving every other field as it is.
     async fn annotate(&self, node: &str, key: &str, value: &str) -> Result<(), ApiError>;
+
+    /// The node's allocatable CPU (`status.allocatable.cpu`), millicores.
+    async fn allocatable_cpu_milli(&self, node: &str) -> Result<u64, ApiError>;
+
+    /// Follows the pods bound to `node` into `view` until `shutdown`: the whole view is sent
+    /// after the first list and after every change; after the API server went away and came
+    /// back, the pods listed again replace the old view. Errors are logged and retried with
+    /// backoff.
+    async fn follow_pods(
+        &self,
+        node: &str,
+        view: watch::Sender<NodePods>,
+        shutdown: CancellationToken,
+    );
 }
 
 /// [`NodeApi`] over kube-rs.
 pub struct KubeNodeApi {
+    client: kube::Client,
     nodes: Api<Node>,
 }
 
@@ -41,7 +63,7 @@ impl KubeNodeApi {
 
     /// Over `client`.
     pub fn new(client: kube::Client) -> Self {
-        Self { nodes: Api::all(client) }
+        Self { nodes: Api::all(client.clone()), client }
     }
 
     /// A client of the API server at `url` without credentials (tests, and `kubectl proxy`).
@@ -63,5 +85,84 @@ impl NodeApi for KubeNodeApi {
             .await
             .map(drop)
             .map_err(|e| ApiError::Call(Box::new(e)))
+    }
+
+    async fn allocatable_cpu_milli(&self, node: &str) -> Result<u64, ApiError> {
+        let n = self.nodes.get(node).await.map_err(|e| ApiError::Call(Box::new(e)))?;
+        let cpu = n.status.and_then(|s| s.allocatable).and_then(|a| a.get("cpu").cloned());
+        let Some(cpu) = cpu else {
+            return Err(ApiError::Call(format!("node {node} has no allocatable CPU").into()));
+        };
+        baleen_scheduler_core::quantity::quantity_milli(&serde_json::Value::String(cpu.0.clone()))
+            .and_then(|m| u64::try_from(m).ok())
+            .ok_or_else(|| {
+                ApiError::Call(
+                    format!("node {node}: allocatable CPU {} is not a quantity", cpu.0).into(),
+                )
+            })
+    }
+
+    async fn follow_pods(
+        &self,
+        node: &str,
+        view: watch::Sender<NodePods>,
+        shutdown: CancellationToken,
+    ) {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let stream = watcher::watcher(pods, config).default_backoff();
+        futures::pin_mut!(stream);
+        let mut listing: Option<NodePods> = None;
+        let mut failing = false;
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return,
+                event = stream.next() => match event {
+                    Some(e) => e,
+                    None => return,
+                },
+            };
+            let event = match event {
+                Ok(e) => e,
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(node, error = %e, "cannot follow the node's pods; retrying with backoff (the co-location policy keeps its last view meanwhile)");
+                    }
+                    failing = true;
+                    continue;
+                }
+            };
+            if failing {
+                tracing::info!(node, "following the node's pods again");
+                failing = false;
+            }
+            match event {
+                Event::Init => listing = Some(NodePods { synced: true, ..NodePods::default() }),
+                Event::InitApply(pod) => {
+                    if let (Some(list), Some(p)) = (listing.as_mut(), PodInfo::of(&pod)) {
+                        list.pods.insert(p.uid.clone(), p);
+                    }
+                }
+                Event::InitDone => {
+                    if let Some(list) = listing.take() {
+                        view.send_replace(list);
+                    }
+                }
+                Event::Apply(pod) => {
+                    if let Some(p) = PodInfo::of(&pod) {
+                        view.send_modify(|v| {
+                            v.pods.insert(p.uid.clone(), p);
+                        });
+                    }
+                }
+                Event::Delete(pod) => {
+                    if let Some(uid) = pod.metadata.uid {
+                        view.send_modify(|v| {
+                            v.pods.remove(&uid);
+                        });
+                    }
+                }
+            }
+        }
     }
 }

@@ -10,16 +10,17 @@
 //! - [`resources`]: the device-plugin adapter (views as resources, Allocate answers);
 //! - [`metrics`] and [`instruments`]: the Prometheus endpoint (`/metrics`, `/healthz`,
 //!   `/readyz`) and the agent's own measurements;
-//! - [`isolation`]: what a container needs for its share to be enforced (MPS client setup);
+//! - [`isolation`]: what a container needs for its share to be enforced (MPS client setup), and
+//!   the co-location classes (cgroups, MPS client priority);
 //! - [`ledger`]: the device ledger (device IDs, views, grants), pure bookkeeping;
 //! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
 //! - [`error_chain`]: an error and its causes on one line, for logs and gRPC messages;
 //! - [`inventory`]: the node's GPUs from NVML or a simulated topology;
 //! - [`quantity`]: sizes like `1GiB` in configuration and topology files;
-//! - [`kube_access`]: every Kubernetes API call the agent makes (the install's RBAC).
+//! - [`kube_api`] and [`node_pods`]: the Kubernetes API (the node-state annotation, the node's
+//!   pods); [`kube_access`]: every call the agent makes (the install's RBAC).
 //!
-//! Placement decisions live in `baleen-scheduler-core`. Not built yet: cgroup classes and
-//! node-state publishing.
+//! Placement decisions live in `baleen-scheduler-core`.
 
 pub mod agent;
 pub mod bootstrap;
@@ -35,6 +36,7 @@ pub mod kube_access;
 pub mod kube_api;
 pub mod ledger;
 pub mod metrics;
+pub mod node_pods;
 pub mod quantity;
 pub mod reconcile;
 pub mod resources;

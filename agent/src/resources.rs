@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use crate::checkpoint::Checkpoint;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
+use crate::isolation::pod_identity::{self, PodIdentifier};
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{
     AllocationRecord, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal, View,
@@ -46,8 +47,12 @@ pub struct ResponseConfig {
 
 /// The kubelet's Allocate answer for one container's grant: the GPUs it sees
 /// (`NVIDIA_VISIBLE_DEVICES`, and CDI names when configured) and, for a gpu-memory share, the MPS
-/// client setup.
-pub fn container_response(grant: &Grant, config: &ResponseConfig) -> ContainerAllocation {
+/// client setup, with the client `priority` of its co-location class when given (and MPS runs).
+pub fn container_response(
+    grant: &Grant,
+    config: &ResponseConfig,
+    priority: Option<u8>,
+) -> ContainerAllocation {
     let mut a = ContainerAllocation::default();
     a.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), grant.visible.join(","));
     if let Some(kind) = &config.cdi_kind {
@@ -62,6 +67,9 @@ pub fn container_response(grant: &Grant, config: &ResponseConfig) -> ContainerAl
         );
         let ContainerSetup { envs, mounts } = mps::client_setup(&config.mps, share);
         a.envs.extend(envs);
+        if let Some(p) = priority.filter(|_| config.mps.enabled) {
+            a.envs.insert(pod_identity::PRIORITY_VARIABLE.into(), p.to_string());
+        }
         a.mounts.extend(mounts.into_iter().map(|m| Mount {
             container_path: m.container.display().to_string(),
             host_path: m.host.display().to_string(),
@@ -147,6 +155,8 @@ pub struct NodeResources {
     state_changes: watch::Sender<u64>,
     pod_resources: Option<PathBuf>,
     responses: ResponseConfig,
+    /// Finds the pod of an Allocate for its MPS client priority, once co-location runs.
+    identifier: std::sync::OnceLock<Arc<PodIdentifier>>,
 }
 
 impl NodeResources {
@@ -192,7 +202,28 @@ impl NodeResources {
             pod_resources,
             responses,
             instruments: std::sync::OnceLock::new(),
+            identifier: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Whether gpu-memory shares are enforced by MPS (not accounting only).
+    pub fn mps_enforced(&self) -> bool {
+        self.responses.mps.enabled
+    }
+
+    /// Gives MPS clients the priority of their pod's class from now on (co-location).
+    pub fn set_pod_identifier(&self, identifier: Arc<PodIdentifier>) {
+        let _ = self.identifier.set(identifier);
+    }
+
+    /// How many containers of each pod (`namespace/name`) the kubelet's last pod-resources list
+    /// shows holding `resource`.
+    fn listed_holders(&self, resource: &str) -> BTreeMap<String, usize> {
+        let mut holders = BTreeMap::new();
+        for k in self.lock().listed.iter().filter(|k| k.resource == resource) {
+            *holders.entry(format!("{}/{}", k.namespace, k.pod)).or_default() += 1;
+        }
+        holders
     }
 
     /// Records the agent's own measurements in `instruments` from now on, labelled `node`.
@@ -638,7 +669,29 @@ impl ViewBackend {
         })
         .await
         .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;
-        Ok(grants.iter().map(|g| container_response(g, &self.resources.responses)).collect())
+        // The MPS client priority of the pod's class, when co-location runs: the pod is found
+        // after the grant (its identity never decides a device).
+        let mut answers = Vec::with_capacity(grants.len());
+        let identifier =
+            self.resources.identifier.get().filter(|_| self.resources.responses.mps.enabled);
+        let listed = match identifier {
+            Some(_) if grants.iter().any(|g| g.share.is_some()) => {
+                self.resources.listed_holders(&self.resource)
+            }
+            _ => BTreeMap::new(),
+        };
+        for g in &grants {
+            let priority = match (identifier, &g.share) {
+                (Some(id), Some(_)) => {
+                    let count = u64::try_from(g.device_ids.len()).unwrap_or(u64::MAX);
+                    let identity = id.identify(&self.resource, count, &listed).await;
+                    Some(pod_identity::mps_priority(identity.class()))
+                }
+                _ => None,
+            };
+            answers.push(container_response(g, &self.resources.responses, priority));
+        }
+        Ok(answers)
     }
 }
 

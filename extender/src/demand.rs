@@ -8,6 +8,9 @@ use serde_json::Value;
 
 use crate::protocol::{Container, Pod};
 
+/// Kubernetes quantities are read by the one parser in scheduler-core (the agent reads pods too).
+pub use baleen_scheduler_core::quantity::quantity_milli;
+
 /// Why a pod's resources cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DemandError {
@@ -193,88 +196,10 @@ fn host_requests(c: &Container) -> Result<(u64, u64), DemandError> {
     Ok((cpu, memory))
 }
 
-/// A Kubernetes quantity (`2`, `500m`, `1.5`, `16Gi`, `1e3`, or a JSON number) in thousandths,
-/// rounded up; `None` if it is not one. Memory in bytes comes out times 1000.
-pub fn quantity_milli(value: &Value) -> Option<i128> {
-    let text = match value {
-        Value::String(s) => s.trim().to_owned(),
-        Value::Number(n) => n.to_string(),
-        _ => return None,
-    };
-    const SUFFIXES: [(&str, i128, i128); 13] = [
-        ("Ki", 1 << 10, 1),
-        ("Mi", 1 << 20, 1),
-        ("Gi", 1 << 30, 1),
-        ("Ti", 1 << 40, 1),
-        ("Pi", 1 << 50, 1),
-        ("Ei", 1 << 60, 1),
-        ("m", 1, 1000),
-        ("k", 1_000, 1),
-        ("M", 1_000_000, 1),
-        ("G", 1_000_000_000, 1),
-        ("T", 1_000_000_000_000, 1),
-        ("P", 1_000_000_000_000_000, 1),
-        ("E", 1_000_000_000_000_000_000, 1),
-    ];
-    let suffixed = SUFFIXES
-        .iter()
-        .find_map(|&(suffix, num, den)| text.strip_suffix(suffix).map(|n| (n, num, den)));
-    let (number, scale_num, scale_den, exponent) = match suffixed {
-        Some((n, num, den)) => (n, num, den, 0),
-        // An exponent form (`1e3`), or a plain number.
-        None => match text.find(['e', 'E']) {
-            Some(i) => (&text[..i], 1, 1, text[i + 1..].parse::<i32>().ok()?),
-            None => (text.as_str(), 1, 1, 0),
-        },
-    };
-    let negative = number.starts_with('-');
-    let number = number.trim_start_matches(['+', '-']);
-    let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
-    if whole.is_empty() && frac.is_empty()
-        || !whole.bytes().chain(frac.bytes()).all(|b| b.is_ascii_digit())
-        || frac.len() > 18
-    {
-        return None;
-    }
-    // mantissa / 10^frac_len * 10^exponent * scale * 1000, rounded up.
-    let mantissa: i128 = format!("{whole}{frac}").parse().ok()?;
-    let mut num = mantissa.checked_mul(scale_num)?.checked_mul(1000)?;
-    let mut den = scale_den.checked_mul(10i128.checked_pow(u32::try_from(frac.len()).ok()?)?)?;
-    if exponent >= 0 {
-        num = num.checked_mul(10i128.checked_pow(u32::try_from(exponent).ok()?)?)?;
-    } else {
-        den = den.checked_mul(10i128.checked_pow(exponent.unsigned_abs())?)?;
-    }
-    let value = num.checked_add(den - 1)? / den;
-    Some(if negative { -value } else { value })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
-
-    #[test]
-    fn quantities_read_as_kubernetes_writes_them() {
-        let q = |v: Value| quantity_milli(&v);
-        assert_eq!(q(json!("2")), Some(2000));
-        assert_eq!(q(json!(8)), Some(8000));
-        assert_eq!(q(json!("500m")), Some(500));
-        assert_eq!(q(json!("1.5")), Some(1500));
-        assert_eq!(q(json!("0.1m")), Some(1), "rounded up, as the API server does");
-        assert_eq!(q(json!("16Gi")), Some(16 * (1 << 30) * 1000));
-        assert_eq!(q(json!("1e3")), Some(1_000_000));
-        assert_eq!(q(json!("1k")), Some(1_000_000));
-        assert_eq!(q(json!("128974848")), Some(128_974_848_000));
-        assert_eq!(q(json!("2E")), Some(2_000_000_000_000_000_000_000));
-        assert_eq!(q(json!("1Ei")), Some((1i128 << 60) * 1000));
-        assert_eq!(q(json!("-1")), Some(-1000));
-        for bad in
-            [json!("x"), json!("1Gb"), json!(""), json!("1.2.3"), json!(true), json!("1e3Gi")]
-        {
-            assert_eq!(q(bad.clone()), None, "{bad}");
-        }
-    }
 
     fn pod(containers: Value, init: Value) -> Pod {
         serde_json::from_value(json!({

@@ -9,6 +9,7 @@
 //! - [`packing`]: prices of GPU shares from the bin-packing LP of the target workload;
 //! - [`policy`]: score a node for a request and choose its GPUs;
 //! - [`cluster`]: choose a node across a cluster with a fixed tie-break order.
+//! - [`quantity`]: Kubernetes resource quantities, as pods carry them.
 //!
 //! The trace reader and the paper's replay protocol (`baleen-sim`) live in `baleen-scheduler-sim`.
 //!
@@ -54,4 +55,5 @@ pub mod model;
 pub mod node_choice;
 pub mod packing;
 pub mod policy;
+pub mod quantity;
 pub mod units;

@@ -70,6 +70,7 @@ fn main() -> anyhow::Result<()> {
                 interval: Duration::from_secs(1),
             },
             annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
+            colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
             reconcile_interval: Duration::from_secs(1),
             reconcile_grace: Duration::from_secs(600),
         };

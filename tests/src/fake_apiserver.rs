@@ -3,6 +3,9 @@
 //! - Nodes (`/api/v1/nodes`) and Pods (`/api/v1/pods`, `/api/v1/namespaces/{ns}/pods/{name}`):
 //!   `list` (with the collection's `resourceVersion`), `watch` (`?watch=true`: newline-separated
 //!   `ADDED`/`MODIFIED`/`DELETED` events after the given `resourceVersion`, kept open) and `get`;
+//!   A `fieldSelector` of `spec.nodeName=<node>` (pods) or `metadata.name=<name>` is honoured as
+//!   the real server does: a watch sees an object that comes to match as `ADDED` and one that
+//!   stops matching as `DELETED`; any other field selector is refused (400);
 //! - `PATCH /api/v1/nodes/{name}` with a JSON merge patch of `metadata.annotations` (what the
 //!   agent's node-state publisher sends): merges, answers the Node's metadata
 //!   (`PartialObjectMetadata`), and tells watchers (`MODIFIED`); 404 for an unknown node;
@@ -66,6 +69,8 @@ struct Event {
     kind: Kind,
     type_: &'static str,
     object: Value,
+    /// The object before a `MODIFIED`.
+    previous: Option<Value>,
 }
 
 struct World {
@@ -81,10 +86,9 @@ impl World {
     fn put(&mut self, kind: Kind, key: String, mut object: Value) -> Value {
         self.rv += 1;
         object["metadata"]["resourceVersion"] = Value::String(self.rv.to_string());
-        let type_ =
-            if self.objects.contains_key(&(kind, key.clone())) { "MODIFIED" } else { "ADDED" };
-        self.objects.insert((kind, key), object.clone());
-        self.emit(kind, type_, object.clone());
+        let previous = self.objects.insert((kind, key), object.clone());
+        let type_ = if previous.is_some() { "MODIFIED" } else { "ADDED" };
+        self.emit(kind, type_, object.clone(), previous);
         object
     }
 
@@ -92,12 +96,12 @@ impl World {
         let mut object = self.objects.remove(&(kind, key.to_owned()))?;
         self.rv += 1;
         object["metadata"]["resourceVersion"] = Value::String(self.rv.to_string());
-        self.emit(kind, "DELETED", object.clone());
+        self.emit(kind, "DELETED", object.clone(), None);
         Some(object)
     }
 
-    fn emit(&mut self, kind: Kind, type_: &'static str, object: Value) {
-        let event = Event { rv: self.rv, kind, type_, object };
+    fn emit(&mut self, kind: Kind, type_: &'static str, object: Value, previous: Option<Value>) {
+        let event = Event { rv: self.rv, kind, type_, object, previous };
         self.log.push(event.clone());
         let _ = self.events.send(event);
     }
@@ -296,14 +300,78 @@ fn status(code: StatusCode, reason: &str, message: String) -> Response {
     json_response(code, &body)
 }
 
-/// The query's parameters.
+/// The query's parameters, percent-decoded.
 fn query(uri: &Uri) -> BTreeMap<String, String> {
     uri.query()
         .unwrap_or_default()
         .split('&')
         .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .map(|(k, v)| (decode(k), decode(v)))
         .collect()
+}
+
+fn decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A field selector the server can answer: `(JSON pointer, value)`.
+type Selector = Option<(&'static str, String)>;
+
+fn selector(kind: Kind, q: &BTreeMap<String, String>) -> Result<Selector, Response> {
+    let Some(text) = q.get("fieldSelector").filter(|s| !s.is_empty()) else { return Ok(None) };
+    let (field, value) = text.split_once('=').unwrap_or((text, ""));
+    let pointer = match (kind, field) {
+        (Kind::Pod, "spec.nodeName") => "/spec/nodeName",
+        (_, "metadata.name") => "/metadata/name",
+        _ => {
+            return Err(status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                format!("field label not supported: {field}"),
+            ));
+        }
+    };
+    Ok(Some((pointer, value.to_owned())))
+}
+
+fn matches(selector: &Selector, object: &Value) -> bool {
+    selector.as_ref().is_none_or(|(pointer, value)| {
+        object.pointer(pointer).and_then(Value::as_str).unwrap_or_default() == value
+    })
+}
+
+/// The event a watch with `selector` sees for `e`, if any.
+fn seen(selector: &Selector, e: &Event) -> Option<&'static str> {
+    let now = matches(selector, &e.object);
+    let before = e.previous.as_ref().is_some_and(|p| matches(selector, p));
+    match (e.type_, before, now) {
+        ("MODIFIED", true, true) => Some("MODIFIED"),
+        ("MODIFIED", false, true) => Some("ADDED"),
+        ("MODIFIED", true, false) => Some("DELETED"),
+        ("MODIFIED", false, false) => None,
+        (other, _, true) => Some(other),
+        _ => None,
+    }
 }
 
 async fn list_nodes(State(app): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
@@ -317,10 +385,18 @@ async fn list_pods(State(app): State<AppState>, uri: Uri, headers: HeaderMap) ->
 fn list_or_watch(app: AppState, kind: Kind, uri: Uri, headers: HeaderMap) -> Response {
     record(&app.shared, "GET", uri.path().to_owned(), &headers, &Bytes::new());
     let q = query(&uri);
+    let selector = match selector(kind, &q) {
+        Ok(s) => s,
+        Err(refused) => return refused,
+    };
     let world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
     if q.get("watch").map(String::as_str) != Some("true") {
-        let items: Vec<Value> =
-            world.objects.iter().filter(|((k, _), _)| *k == kind).map(|(_, v)| v.clone()).collect();
+        let items: Vec<Value> = world
+            .objects
+            .iter()
+            .filter(|((k, _), v)| *k == kind && matches(&selector, v))
+            .map(|(_, v)| v.clone())
+            .collect();
         let body = json!({
             "kind": kind.list_kind(), "apiVersion": "v1",
             "metadata": {"resourceVersion": world.rv.to_string()},
@@ -339,16 +415,19 @@ fn list_or_watch(app: AppState, kind: Kind, uri: Uri, headers: HeaderMap) -> Res
     drop(world);
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(256);
     let stop = app.stop.clone();
-    let line = |e: &Event| {
-        let mut text = json!({"type": e.type_, "object": e.object}).to_string();
+    let line = move |e: &Event| {
+        let type_ = seen(&selector, e)?;
+        let mut text = json!({"type": type_, "object": e.object}).to_string();
         text.push('\n');
-        Ok(Bytes::from(text))
+        Some(Ok(Bytes::from(text)))
     };
     tokio::spawn(async move {
         let mut last = from;
         for e in &backlog {
             last = e.rv;
-            if tx.send(line(e)).await.is_err() {
+            if let Some(l) = line(e)
+                && tx.send(l).await.is_err()
+            {
                 return;
             }
         }
@@ -361,7 +440,9 @@ fn list_or_watch(app: AppState, kind: Kind, uri: Uri, headers: HeaderMap) -> Res
                 e = live.recv() => match e {
                     Ok(e) if e.kind == kind && e.rv > last => {
                         last = e.rv;
-                        if tx.send(line(&e)).await.is_err() {
+                        if let Some(l) = line(&e)
+                            && tx.send(l).await.is_err()
+                        {
                             return;
                         }
                     }

@@ -84,6 +84,7 @@ impl Node {
                 interval: Duration::from_millis(100),
             },
             annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
+            colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),

@@ -97,6 +97,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
             interval: Duration::from_millis(100),
         },
         annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
+        colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };
@@ -191,6 +192,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
             interval: Duration::from_millis(100),
         },
         annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
+        colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
     };

@@ -10,6 +10,8 @@
 //! | reconciliation with pod-resources | [`reconciler`] | one |
 //! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
 //! | per-container GPU memory against the grant | `crate::isolation::watchdog` | one |
+//! | co-location: the node's pods, their cgroup classes, MPS client priorities | [`colocation`] | two (watcher, policy) |
+//! | the node-state annotation for the extender | [`node_state`] | one |
 //!
 //! A new subsystem is a module here and one line in [`Agent::start`].
 //!
@@ -18,6 +20,7 @@
 //! either [`Agent::wait`] after cancelling the token (a clean stop) or drop the agent (a crash:
 //! tasks aborted, nothing flushed beyond what every change already wrote).
 
+pub mod colocation;
 pub mod health;
 pub mod lock;
 pub mod mps;
@@ -68,6 +71,8 @@ pub struct AgentConfig {
     pub metrics: MetricsConfig,
     /// The node-state annotation for the scheduler extender.
     pub annotation: node_state::AnnotationConfig,
+    /// Co-location classes (cgroups, MPS client priority).
+    pub colocation: colocation::ColocationConfig,
     /// Time between reconciliations with pod-resources.
     pub reconcile_interval: Duration,
     /// How long an allocation the kubelet's pod-resources list has never shown is kept (an
@@ -83,8 +88,8 @@ pub struct Dependencies {
     pub inventory: Arc<dyn GpuInventory>,
     /// The registry the metric families are registered in (`main` makes it; no global one).
     pub registry: prometheus::Registry,
-    /// Where the node-state annotation is written (`main`: the Kubernetes API through kube-rs);
-    /// required when `annotation.enabled`.
+    /// The Kubernetes API (`main`: kube-rs): where the node-state annotation is written and the
+    /// node's pods are followed; required when `annotation.enabled` or `colocation.enabled`.
     pub node_api: Option<Arc<dyn crate::kube_api::NodeApi>>,
 }
 
@@ -103,9 +108,15 @@ pub enum AgentError {
     /// GPU discovery failed.
     #[error(transparent)]
     Inventory(#[from] InventoryError),
-    /// The node-state annotation is on but the agent was given no Kubernetes API to write to.
-    #[error("annotation.enabled but no Kubernetes API client was given to the agent")]
-    NoNodeApi,
+    /// A subsystem that needs the Kubernetes API is on but the agent was given no client.
+    #[error("{what} but no Kubernetes API client was given to the agent")]
+    NoNodeApi {
+        /// The setting.
+        what: &'static str,
+    },
+    /// Co-location cannot start.
+    #[error(transparent)]
+    Colocation(#[from] colocation::ColocationError),
     /// The inventory cannot be made into a device ledger.
     #[error(transparent)]
     Ledger(#[from] BuildError),
@@ -259,10 +270,23 @@ impl Agent {
         };
         let mut tasks = Tasks::default();
         mps::start(&mut tasks, &config, &resources, &shutdown).await;
+        // Before the plugins: their first Allocate already finds its pod's class.
+        colocation::start(
+            &mut tasks,
+            &config.colocation,
+            &config.state_dir,
+            &resources,
+            deps.node_api.clone(),
+            &config.node_name,
+            &shutdown,
+        )?;
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
         let reconcile = reconciler::Settings::of(&config);
         if config.annotation.enabled {
-            let api = deps.node_api.clone().ok_or(AgentError::NoNodeApi)?;
+            let api = deps
+                .node_api
+                .clone()
+                .ok_or(AgentError::NoNodeApi { what: "annotation.enabled" })?;
             let publish = node_state::run(
                 api,
                 resources.clone(),

@@ -45,6 +45,38 @@ pub struct FileConfig {
     /// `annotation:`: the node-state annotation for the scheduler extender.
     #[serde(default)]
     pub annotation: AnnotationFile,
+    /// `colocation:`: inference and training classes (cgroups, MPS client priority).
+    #[serde(default)]
+    pub colocation: ColocationFile,
+}
+
+/// `colocation:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ColocationFile {
+    /// Apply the classes (default: true inside a pod, false outside).
+    pub enabled: Option<bool>,
+    /// The host's cgroup tree (default `/sys/fs/cgroup`).
+    pub cgroup_root: Option<PathBuf>,
+    /// The kubelet's cgroup driver: `systemd` (default) or `cgroupfs`.
+    pub cgroup_driver: Option<String>,
+    /// Class of pods without the label that are not Guaranteed: `training` (default) or
+    /// `inference`.
+    pub default_class: Option<String>,
+    /// CPU weight of inference pods, 1..10000 (cgroup v2 scale; default 1000).
+    pub inference_cpu_weight: Option<u64>,
+    /// CPU weight of training pods, 1..10000 (default 10).
+    pub training_cpu_weight: Option<u64>,
+    /// `memory.low` = the memory request of inference pods (cgroup v2; default true).
+    pub protect_inference_memory: Option<bool>,
+    /// Cap training pods while inference runs (default true).
+    pub cap_training: Option<bool>,
+    /// MPS client priority by class (default true).
+    pub mps_priority: Option<bool>,
+    /// How long an Allocate waits for its pod to appear, e.g. `1s` (default).
+    pub identify_wait: Option<String>,
+    /// Time between reconciliations without pod changes, e.g. `30s` (default).
+    pub resync: Option<String>,
 }
 
 /// `resources:` in the file.

@@ -263,6 +263,16 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
     );
     let watchdog_interval =
         duration("watchdog interval", file.watchdog.interval.as_ref(), defaults::WATCHDOG_INTERVAL);
+    let colocation_resync =
+        duration("colocation resync", file.colocation.resync.as_ref(), defaults::COLOCATION_RESYNC);
+    let identify_wait = match file.colocation.identify_wait.as_ref().map(|t| parse_duration(t)) {
+        None => defaults::IDENTIFY_WAIT,
+        Some(Ok(d)) => d,
+        Some(Err(e)) => {
+            problems.push(format!("colocation identifyWait: {e}"));
+            defaults::IDENTIFY_WAIT
+        }
+    };
     if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
         problems.push(format!(
             "reconcile grace {reconcile_grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
@@ -316,6 +326,14 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             DaemonPlacement::Agent
         }
     };
+
+    let colocation = colocation_config(
+        &file.colocation,
+        env.in_pod,
+        &mut problems,
+        identify_wait,
+        colocation_resync,
+    );
 
     let log_format = match args
         .log_format
@@ -419,6 +437,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             key: format!("{}/{}", views_domain, defaults::ANNOTATION_NAME),
             min_interval: annotation_interval,
         },
+        colocation,
         reconcile_interval,
         reconcile_grace,
     };
@@ -436,6 +455,73 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         node_name: Some(node_name),
     };
     Ok(Settings { agent, inventory, log_format, log_level })
+}
+
+/// `colocation:` of the file, its problems added to `problems`.
+fn colocation_config(
+    file: &file::ColocationFile,
+    in_pod: bool,
+    problems: &mut Vec<String>,
+    identify_wait: Duration,
+    resync: Duration,
+) -> crate::agent::colocation::ColocationConfig {
+    use crate::isolation::cgroups::Driver;
+    use crate::isolation::colocation::{Class, ClassPolicy};
+    let driver = match file.cgroup_driver.as_deref().unwrap_or(defaults::CGROUP_DRIVER) {
+        "systemd" => Driver::Systemd,
+        "cgroupfs" => Driver::Cgroupfs,
+        other => {
+            problems.push(format!("colocation cgroupDriver {other:?} is not systemd or cgroupfs"));
+            Driver::Systemd
+        }
+    };
+    let default_class =
+        match file.default_class.as_deref().unwrap_or(defaults::COLOCATION_DEFAULT_CLASS) {
+            "training" => Class::Training,
+            "inference" => Class::Inference,
+            other => {
+                problems.push(format!(
+                    "colocation defaultClass {other:?} is not training or inference"
+                ));
+                Class::Training
+            }
+        };
+    let mut weight = |what: &str, value: Option<u64>, default: u64| match value {
+        None => default,
+        Some(w @ 1..=10_000) => w,
+        Some(w) => {
+            problems.push(format!("colocation {what} {w} is not between 1 and 10000"));
+            default
+        }
+    };
+    let policy = ClassPolicy {
+        default_class,
+        inference_weight: weight(
+            "inferenceCpuWeight",
+            file.inference_cpu_weight,
+            defaults::INFERENCE_CPU_WEIGHT,
+        ),
+        training_weight: weight(
+            "trainingCpuWeight",
+            file.training_cpu_weight,
+            defaults::TRAINING_CPU_WEIGHT,
+        ),
+        protect_memory: file.protect_inference_memory.unwrap_or(true),
+        cap_training: file.cap_training.unwrap_or(true),
+    };
+    crate::agent::colocation::ColocationConfig {
+        // As the annotation: inside a pod the API server is there; outside one, only when asked.
+        enabled: file.enabled.unwrap_or(in_pod),
+        cgroup_root: file
+            .cgroup_root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(defaults::CGROUP_ROOT)),
+        cgroup_driver: driver,
+        policy,
+        mps_priority: file.mps_priority.unwrap_or(true),
+        identify_wait,
+        resync,
+    }
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, String> {
@@ -553,6 +639,47 @@ mod tests {
         );
         let err = resolve(&args, &Environment::default()).expect_err("three problems");
         assert_eq!(err.problems.len(), 3, "{err}");
+    }
+
+    #[test]
+    fn colocation_settings_defaults_and_bad_values() {
+        use crate::isolation::cgroups::Driver;
+        use crate::isolation::colocation::Class;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        std::fs::write(&file, "nodeName: n\n").expect("write");
+        let outside = resolve(&args, &Environment::default()).expect("valid");
+        let c = &outside.agent.colocation;
+        assert!(!c.enabled, "off outside a pod");
+        assert_eq!(c.cgroup_root, PathBuf::from("/sys/fs/cgroup"));
+        assert_eq!(c.cgroup_driver, Driver::Systemd);
+        assert_eq!(c.policy, crate::isolation::colocation::ClassPolicy::default());
+        assert!(c.mps_priority);
+        assert_eq!((c.identify_wait, c.resync), (Duration::from_secs(1), Duration::from_secs(30)));
+        let inside =
+            resolve(&args, &Environment { in_pod: true, ..Environment::default() }).expect("valid");
+        assert!(inside.agent.colocation.enabled, "on in a pod");
+        std::fs::write(
+            &file,
+            "nodeName: n\ncolocation:\n  enabled: true\n  cgroupRoot: /host/cgroup\n  cgroupDriver: cgroupfs\n  defaultClass: inference\n  inferenceCpuWeight: 500\n  trainingCpuWeight: 1\n  protectInferenceMemory: false\n  capTraining: false\n  mpsPriority: false\n  identifyWait: 0s\n  resync: 5s\n",
+        )
+        .expect("write");
+        let c = resolve(&args, &Environment::default()).expect("valid").agent.colocation;
+        assert!(c.enabled && !c.mps_priority);
+        assert_eq!(c.cgroup_root, PathBuf::from("/host/cgroup"));
+        assert_eq!(c.cgroup_driver, Driver::Cgroupfs);
+        assert_eq!(c.policy.default_class, Class::Inference);
+        assert_eq!((c.policy.inference_weight, c.policy.training_weight), (500, 1));
+        assert!(!c.policy.protect_memory && !c.policy.cap_training);
+        assert_eq!((c.identify_wait, c.resync), (Duration::ZERO, Duration::from_secs(5)));
+        std::fs::write(
+            &file,
+            "nodeName: n\ncolocation:\n  cgroupDriver: docker\n  defaultClass: batch\n  trainingCpuWeight: 0\n  inferenceCpuWeight: 20000\n  resync: 0s\n  identifyWait: soon\n",
+        )
+        .expect("write");
+        let err = resolve(&args, &Environment::default()).expect_err("six problems");
+        assert_eq!(err.problems.len(), 6, "{err}");
     }
 
     #[test]

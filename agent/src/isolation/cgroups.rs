@@ -1,5 +1,5 @@
-//! Where a pod's cgroup is, and what the co-location policy writes there (issue 16, first
-//! part: the layouts and the writes, tested on cgroup trees; not yet wired into the agent).
+//! Where a pod's cgroup is, and what the co-location policy (`super::colocation`) writes
+//! there.
 //!
 //! Layouts, under a configured root (`/sys/fs/cgroup` on a host):
 //! - cgroup v2 (unified: `cgroup.controllers` at the root) and v1 (one hierarchy per
@@ -147,7 +147,8 @@ pub struct Written {
 /// The CFS period the caps are written with, in microseconds (the kernel's default).
 const PERIOD_US: u64 = 100_000;
 
-fn read(path: &Path) -> Result<String, CgroupError> {
+/// A cgroup file's value, trimmed.
+pub fn read(path: &Path) -> Result<String, CgroupError> {
     std::fs::read_to_string(path).map(|s| s.trim().to_owned()).map_err(|source| CgroupError::Io {
         action: "read",
         path: path.to_path_buf(),
@@ -155,69 +156,88 @@ fn read(path: &Path) -> Result<String, CgroupError> {
     })
 }
 
-fn write(path: &Path, value: &str, done: &mut Vec<Written>) -> Result<(), CgroupError> {
+/// Adds the write of `value` to `path` unless it holds it already.
+fn plan(path: &Path, value: &str, writes: &mut Vec<Written>) -> Result<(), CgroupError> {
     let previous = read(path)?;
-    if previous == value {
-        return Ok(());
+    if previous != value {
+        writes.push(Written { path: path.to_path_buf(), previous, value: value.to_owned() });
     }
+    Ok(())
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     std::fs::write(path, value).map_err(|source| CgroupError::Io {
         action: "write",
         path: path.to_path_buf(),
         source,
-    })?;
-    done.push(Written { path: path.to_path_buf(), previous, value: value.to_owned() });
+    })
+}
+
+/// What writing `settings` into the pod's cgroup would change, each file with the value it
+/// holds now (read, nothing written): kept before [`write_all`] so that a crash between the two
+/// cannot lose what to put back.
+pub fn prepare(
+    layout: &Layout,
+    qos: Qos,
+    uid: &str,
+    settings: PodSettings,
+) -> Result<Vec<Written>, CgroupError> {
+    let mut writes = Vec::new();
+    let cpu = layout.pod_dir("cpu", qos, uid);
+    match layout.version {
+        CgroupVersion::V2 => {
+            plan(
+                &cpu.join("cpu.weight"),
+                &settings.cpu_weight.clamp(1, 10_000).to_string(),
+                &mut writes,
+            )?;
+            let max = settings.cpu_cap_milli.map_or_else(
+                || format!("max {PERIOD_US}"),
+                |m| format!("{} {PERIOD_US}", (m * PERIOD_US / 1000).max(1000)),
+            );
+            plan(&cpu.join("cpu.max"), &max, &mut writes)?;
+            if let Some(low) = settings.memory_low_bytes {
+                plan(&cpu.join("memory.low"), &low.to_string(), &mut writes)?;
+            }
+        }
+        CgroupVersion::V1 => {
+            let shares = (settings.cpu_weight * 1024 / 100).clamp(2, 262_144);
+            plan(&cpu.join("cpu.shares"), &shares.to_string(), &mut writes)?;
+            let quota = settings
+                .cpu_cap_milli
+                .map_or_else(|| "-1".to_owned(), |m| (m * PERIOD_US / 1000).max(1000).to_string());
+            if settings.cpu_cap_milli.is_some() {
+                plan(&cpu.join("cpu.cfs_period_us"), &PERIOD_US.to_string(), &mut writes)?;
+            }
+            plan(&cpu.join("cpu.cfs_quota_us"), &quota, &mut writes)?;
+        }
+    }
+    Ok(writes)
+}
+
+/// Writes what [`prepare`] planned, in order; on an error, what was already written is put
+/// back before the error is returned.
+pub fn write_all(writes: &[Written]) -> Result<(), CgroupError> {
+    for (i, w) in writes.iter().enumerate() {
+        if let Err(e) = write(&w.path, &w.value) {
+            let _ = restore(&writes[..i]);
+            return Err(e);
+        }
+    }
     Ok(())
 }
 
-/// Writes `settings` into the pod's cgroup; returns what changed, to [`restore`] later. On an
-/// error, what was already written is put back before the error is returned.
+/// Writes `settings` into the pod's cgroup ([`prepare`], then [`write_all`]); returns what
+/// changed, to [`restore`] later.
 pub fn apply(
     layout: &Layout,
     qos: Qos,
     uid: &str,
     settings: PodSettings,
 ) -> Result<Vec<Written>, CgroupError> {
-    let mut done = Vec::new();
-    let outcome = (|| {
-        let cpu = layout.pod_dir("cpu", qos, uid);
-        match layout.version {
-            CgroupVersion::V2 => {
-                write(
-                    &cpu.join("cpu.weight"),
-                    &settings.cpu_weight.clamp(1, 10_000).to_string(),
-                    &mut done,
-                )?;
-                let max = settings.cpu_cap_milli.map_or_else(
-                    || format!("max {PERIOD_US}"),
-                    |m| format!("{} {PERIOD_US}", (m * PERIOD_US / 1000).max(1000)),
-                );
-                write(&cpu.join("cpu.max"), &max, &mut done)?;
-                if let Some(low) = settings.memory_low_bytes {
-                    write(&cpu.join("memory.low"), &low.to_string(), &mut done)?;
-                }
-            }
-            CgroupVersion::V1 => {
-                let shares = (settings.cpu_weight * 1024 / 100).clamp(2, 262_144);
-                write(&cpu.join("cpu.shares"), &shares.to_string(), &mut done)?;
-                let quota = settings.cpu_cap_milli.map_or_else(
-                    || "-1".to_owned(),
-                    |m| (m * PERIOD_US / 1000).max(1000).to_string(),
-                );
-                if settings.cpu_cap_milli.is_some() {
-                    write(&cpu.join("cpu.cfs_period_us"), &PERIOD_US.to_string(), &mut done)?;
-                }
-                write(&cpu.join("cpu.cfs_quota_us"), &quota, &mut done)?;
-            }
-        }
-        Ok(())
-    })();
-    match outcome {
-        Ok(()) => Ok(done),
-        Err(e) => {
-            let _ = restore(&done);
-            Err(e)
-        }
-    }
+    let writes = prepare(layout, qos, uid, settings)?;
+    write_all(&writes)?;
+    Ok(writes)
 }
 
 /// Puts back what [`apply`] changed, newest first; a cgroup that is gone (its pod ended) is
@@ -227,11 +247,7 @@ pub fn restore(written: &[Written]) -> Result<(), CgroupError> {
         if !w.path.exists() {
             continue;
         }
-        std::fs::write(&w.path, &w.previous).map_err(|source| CgroupError::Io {
-            action: "write",
-            path: w.path.clone(),
-            source,
-        })?;
+        write(&w.path, &w.previous)?;
     }
     Ok(())
 }

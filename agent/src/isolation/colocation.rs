@@ -1,6 +1,5 @@
-//! Co-location classes on the CPU side (issue 16, second part: the policy and its
-//! reconciliation on a cgroup tree; not yet wired into the agent, which does not watch its
-//! node's pods yet).
+//! Co-location classes on the CPU side: the policy and its reconciliation on a cgroup tree
+//! (run by `crate::agent::colocation` over the node's pods).
 //!
 //! A pod is `inference` or `training`: its label `awesome-ai-company.com/workload-class`
 //! says so, else Guaranteed pods are inference and the rest training (the default class of
@@ -67,8 +66,8 @@ impl Default for ClassPolicy {
     fn default() -> Self {
         Self {
             default_class: Class::Training,
-            inference_weight: 1000,
-            training_weight: 10,
+            inference_weight: crate::defaults::INFERENCE_CPU_WEIGHT,
+            training_weight: crate::defaults::TRAINING_CPU_WEIGHT,
             protect_memory: true,
             cap_training: true,
         }
@@ -157,17 +156,24 @@ pub struct Colocation {
 }
 
 impl Colocation {
-    /// Applies the plan for `pods`: pods whose settings are unchanged are left alone; a pod
-    /// whose settings changed gets its earlier values back, then the new ones; a pod no longer
-    /// planned (ended, or not running) gets its earlier values back where its cgroup still
-    /// exists. A failure on one pod does not stop the others.
-    pub fn reconcile(
+    /// Applies the plan for `pods`: a pod whose settings are unchanged is left alone unless
+    /// its files no longer hold what was written (the kubelet rewrote them: written again, the
+    /// kubelet's value now the one to put back); a pod whose settings changed gets its earlier
+    /// values back, then the new ones; a pod no longer planned (ended, or not running) gets its
+    /// earlier values back where its cgroup still exists. A failure on one pod does not stop the
+    /// others.
+    ///
+    /// `save` is called with what must be put back before any value is written, and again at
+    /// the end: a crash between a write and the save can then never lose an original value.
+    /// A save that fails stops the reconciliation before it writes anything more.
+    pub fn reconcile<E>(
         &mut self,
         layout: &Layout,
         pods: &[NodePod],
         allocatable_cpu_milli: u64,
         policy: &ClassPolicy,
-    ) -> Report {
+        mut save: impl FnMut(&Self) -> Result<(), E>,
+    ) -> Result<Report, E> {
         let mut report = Report::default();
         let planned = plan(pods, allocatable_cpu_milli, policy);
         let qos_of: BTreeMap<&str, Qos> = pods.iter().map(|p| (p.uid.as_str(), p.qos)).collect();
@@ -176,10 +182,13 @@ impl Colocation {
         let gone: Vec<String> =
             self.applied.keys().filter(|u| !planned_uids.contains(u.as_str())).cloned().collect();
         for uid in gone {
-            if let Some(a) = self.applied.remove(&uid) {
-                match cgroups::restore(&written_of(&a)) {
-                    Ok(()) => report.restored.push(uid),
-                    Err(e) => report.failed.push((uid, e.to_string())),
+            if let Some(a) = self.applied.get(&uid) {
+                match cgroups::restore(&written_of(a)) {
+                    Ok(()) => {
+                        self.applied.remove(&uid);
+                        report.restored.push(uid);
+                    }
+                    Err(e) => report.failed.push((uid, error_text(&e))),
                 }
             }
         }
@@ -192,42 +201,66 @@ impl Colocation {
                     && a.low == settings.memory_low_bytes
             });
             if same {
+                if let Some(a) = self.applied.get_mut(&uid) {
+                    match rewrite_drifted(a) {
+                        Ok(true) => report.applied.push(uid),
+                        Ok(false) => {}
+                        Err(e) => report.failed.push((uid, error_text(&e))),
+                    }
+                }
                 continue;
             }
-            if let Some(old) = self.applied.remove(&uid) {
-                if let Err(e) = cgroups::restore(&written_of(&old)) {
-                    report.failed.push((uid.clone(), e.to_string()));
+            if let Some(old) = self.applied.get(&uid) {
+                if let Err(e) = cgroups::restore(&written_of(old)) {
+                    report.failed.push((uid.clone(), error_text(&e)));
                     continue;
                 }
+                self.applied.remove(&uid);
                 report.restored.push(uid.clone());
             }
-            match cgroups::apply(layout, qos, &uid, settings) {
-                Ok(written) => {
-                    self.applied.insert(
-                        uid.clone(),
-                        Applied {
-                            class,
-                            weight: settings.cpu_weight,
-                            cap: settings.cpu_cap_milli,
-                            low: settings.memory_low_bytes,
-                            written: written
-                                .into_iter()
-                                .map(|w| (w.path, w.previous, w.value))
-                                .collect(),
-                        },
-                    );
-                    report.applied.push(uid);
+            let writes = match cgroups::prepare(layout, qos, &uid, settings) {
+                Ok(w) => w,
+                Err(e) => {
+                    report.failed.push((uid, error_text(&e)));
+                    continue;
                 }
-                Err(e) => report.failed.push((uid, error_text(&e))),
+            };
+            self.applied.insert(
+                uid.clone(),
+                Applied {
+                    class,
+                    weight: settings.cpu_weight,
+                    cap: settings.cpu_cap_milli,
+                    low: settings.memory_low_bytes,
+                    written: writes
+                        .iter()
+                        .map(|w| (w.path.clone(), w.previous.clone(), w.value.clone()))
+                        .collect(),
+                },
+            );
+            // What to put back is on disk before the first write.
+            save(self)?;
+            match cgroups::write_all(&writes) {
+                Ok(()) => report.applied.push(uid),
+                Err(e) => {
+                    self.applied.remove(&uid);
+                    report.failed.push((uid, error_text(&e)));
+                }
             }
         }
-        report
+        save(self)?;
+        Ok(report)
     }
 
-    /// Puts back everything it changed (the policy switched off, or the agent uninstalled).
+    /// Puts back everything it changed (the policy switched off); what could not be put back
+    /// stays, to be tried again.
     pub fn restore_all(&mut self) -> Result<(), CgroupError> {
-        for (_, a) in std::mem::take(&mut self.applied) {
-            cgroups::restore(&written_of(&a))?;
+        let uids: Vec<String> = self.applied.keys().cloned().collect();
+        for uid in uids {
+            if let Some(a) = self.applied.get(&uid) {
+                cgroups::restore(&written_of(a))?;
+                self.applied.remove(&uid);
+            }
         }
         Ok(())
     }
@@ -236,6 +269,33 @@ impl Colocation {
     pub fn pods(&self) -> Vec<String> {
         self.applied.keys().cloned().collect()
     }
+
+    /// Whether it has nothing to put back.
+    pub fn is_empty(&self) -> bool {
+        self.applied.is_empty()
+    }
+}
+
+/// Writes again the values of `a` that its files no longer hold; the value found there becomes
+/// the one to put back. Whether anything was written.
+fn rewrite_drifted(a: &mut Applied) -> Result<bool, CgroupError> {
+    let mut any = false;
+    for (path, previous, value) in &mut a.written {
+        if !path.exists() {
+            continue;
+        }
+        let now = cgroups::read(path)?;
+        if now != *value {
+            cgroups::write_all(&[Written {
+                path: path.clone(),
+                previous: now.clone(),
+                value: value.clone(),
+            }])?;
+            *previous = now;
+            any = true;
+        }
+    }
+    Ok(any)
 }
 
 fn written_of(a: &Applied) -> Vec<Written> {
@@ -257,6 +317,10 @@ fn error_text(e: &CgroupError) -> String {
 mod tests {
     use super::*;
     use crate::isolation::cgroups::{CgroupVersion, Driver};
+
+    fn no_save(_: &Colocation) -> Result<(), std::convert::Infallible> {
+        Ok(())
+    }
 
     fn pod(uid: &str, qos: Qos, label: Option<&str>, cpu: u64) -> NodePod {
         NodePod {
@@ -332,18 +396,21 @@ mod tests {
         let mut pods =
             vec![pod("inf", Qos::Guaranteed, None, 6000), pod("t1", Qos::Burstable, None, 2000)];
         let mut c = Colocation::default();
-        let report = c.reconcile(&layout, &pods, 16_000, &p);
+        let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         assert_eq!(report.applied, ["inf", "t1"]);
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.max"), "1000000 100000", "10 cores");
         assert_eq!(file(&layout, "inf", Qos::Guaranteed, "cpu.weight"), "1000");
         // Unchanged: nothing written again.
-        assert_eq!(c.reconcile(&layout, &pods, 16_000, &p), Report::default());
+        assert_eq!(
+            c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved"),
+            Report::default()
+        );
         // The agent restarts: what it must put back is kept (serialised in the state dir).
         let saved = serde_json::to_string(&c).expect("serialise");
         let mut c: Colocation = serde_json::from_str(&saved).expect("read back");
         // Inference ends: the training pod's cap goes, its original values come back first.
         pods[0].running = false;
-        let report = c.reconcile(&layout, &pods, 16_000, &p);
+        let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         assert_eq!(report.restored, ["inf", "t1"]);
         assert_eq!(report.applied, ["t1"]);
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.max"), "max 100000");
@@ -352,7 +419,7 @@ mod tests {
         assert_eq!(file(&layout, "inf", Qos::Guaranteed, "memory.low"), "0", "restored");
         // The training pod's class changes by label: inference settings.
         pods[1].label = Some("inference".into());
-        c.reconcile(&layout, &pods, 16_000, &p);
+        c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "1000");
         // Switched off: everything back to what the kernel had.
         c.restore_all().expect("restored");
@@ -366,9 +433,64 @@ mod tests {
         let (_dir, layout) = tree(&[("inf", Qos::Guaranteed)]);
         let pods =
             [pod("inf", Qos::Guaranteed, None, 1000), pod("ghost", Qos::Burstable, None, 1000)];
-        let report = Colocation::default().reconcile(&layout, &pods, 8000, &ClassPolicy::default());
+        let report = Colocation::default()
+            .reconcile(&layout, &pods, 8000, &ClassPolicy::default(), no_save)
+            .expect("saved");
         assert_eq!(report.applied, ["inf"]);
         assert_eq!(report.failed.len(), 1);
         assert!(report.failed[0].1.contains("cpu.weight"), "{:?}", report.failed);
+    }
+
+    #[test]
+    fn values_the_kubelet_rewrites_are_written_again_and_its_value_is_the_one_put_back() {
+        let (_dir, layout) = tree(&[("t1", Qos::Burstable)]);
+        let p = ClassPolicy::default();
+        let pods = [pod("t1", Qos::Burstable, None, 2000)];
+        let mut c = Colocation::default();
+        c.reconcile(&layout, &pods, 8000, &p, no_save).expect("saved");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
+        // The kubelet resizes the pod and writes its weight.
+        let weight = layout.pod_dir("cpu", Qos::Burstable, "t1").join("cpu.weight");
+        std::fs::write(&weight, "79").expect("write");
+        let report = c.reconcile(&layout, &pods, 8000, &p, no_save).expect("saved");
+        assert_eq!(report.applied, ["t1"]);
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
+        c.restore_all().expect("restored");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "79", "the kubelet's value");
+    }
+
+    #[test]
+    fn what_to_put_back_is_saved_before_anything_is_written() {
+        let (_dir, layout) = tree(&[("t1", Qos::Burstable)]);
+        let pods = [pod("t1", Qos::Burstable, None, 2000)];
+        let mut saved: Vec<(String, Colocation)> = Vec::new();
+        let mut c = Colocation::default();
+        c.reconcile(&layout, &pods, 8000, &ClassPolicy::default(), |state| {
+            // At each save, what the file holds: the first save comes before the write.
+            let now = file(&layout, "t1", Qos::Burstable, "cpu.weight");
+            saved.push((now, state.clone()));
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .expect("saved");
+        assert_eq!(saved[0].0, "100", "saved before the write");
+        assert_eq!(saved[0].1.pods(), ["t1"]);
+        // A crash right after that first save: the next agent reads it and finishes the job
+        // (the file still holds the kernel's value, which stays the one to put back).
+        let mut after_crash = saved[0].1.clone();
+        std::fs::write(layout.pod_dir("cpu", Qos::Burstable, "t1").join("cpu.weight"), "100")
+            .expect("undo the write, as if it never happened");
+        after_crash
+            .reconcile(&layout, &pods, 8000, &ClassPolicy::default(), no_save)
+            .expect("saved");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
+        after_crash.restore_all().expect("restored");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100");
+        // A save that fails stops before the write.
+        let mut c = Colocation::default();
+        let err = c
+            .reconcile(&layout, &pods, 8000, &ClassPolicy::default(), |_| Err("disk full"))
+            .expect_err("the save failed");
+        assert_eq!(err, "disk full");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100", "nothing written");
     }
 }

@@ -1,11 +1,16 @@
 //! Isolation of the containers that share a GPU: what a container needs so that its share is
 //! enforced: the MPS daemons and the client setup of a gpu-memory grant ([`mps`]), and the
-//! per-container memory [`watchdog`] for what MPS does not enforce; the cgroup classes grow here. Called by the device-plugin adapter
-//! (`crate::resources`) when it answers Allocate.
+//! per-container memory [`watchdog`] for what MPS does not enforce. Called by the device-plugin
+//! adapter (`crate::resources`) when it answers Allocate.
+//!
+//! Co-location of inference and training: the classes and their CPU policy ([`colocation`]) on
+//! the pods' cgroups ([`cgroups`]), and the MPS client priority of the pod an Allocate is for
+//! ([`pod_identity`]).
 
 pub mod cgroups;
 pub mod colocation;
 pub mod mps;
+pub mod pod_identity;
 pub mod watchdog;
 
 use std::path::PathBuf;

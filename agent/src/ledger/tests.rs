@@ -30,7 +30,7 @@ fn healthy(devices: &[DeviceState]) -> usize {
 
 /// The kubelet answer for a grant, with the default response settings.
 fn respond(grant: &Grant) -> ContainerAllocation {
-    container_response(grant, &ResponseConfig::default())
+    container_response(grant, &ResponseConfig::default(), None)
 }
 
 fn all_ids(state: &DeviceLedger, view: &View) -> Vec<String> {

@@ -1,0 +1,261 @@
+//! The co-location subsystem: follows the node's pods through the Kubernetes API (a watcher
+//! restricted to `spec.nodeName`), applies the class policy to their cgroups
+//! (`crate::isolation::colocation`) whenever they change and every `resync`, and gives the
+//! device plugins the pod identifier that sets MPS client priorities
+//! (`crate::isolation::pod_identity`).
+//!
+//! What it must put back (each file's value before the policy wrote it) is kept in
+//! `<state dir>/colocation.json`, written before any value is: a restarted agent goes on from
+//! it, and an agent started with co-location off puts everything back and deletes it.
+//! Stopping the agent leaves the values in place (the pods keep their classes across an agent
+//! restart).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::{AgentError, Tasks};
+use crate::defaults;
+use crate::error_chain::Chain;
+use crate::isolation::cgroups::{Driver, Layout};
+use crate::isolation::colocation::{ClassPolicy, Colocation, NodePod, Report};
+use crate::isolation::pod_identity::PodIdentifier;
+use crate::kube_api::NodeApi;
+use crate::node_pods::NodePods;
+use crate::resources::NodeResources;
+
+/// The co-location settings (`colocation:` in the file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColocationConfig {
+    /// Apply the classes at all.
+    pub enabled: bool,
+    /// The host's cgroup tree.
+    pub cgroup_root: PathBuf,
+    /// The kubelet's cgroup driver.
+    pub cgroup_driver: Driver,
+    /// The classes' CPU and memory policy.
+    pub policy: ClassPolicy,
+    /// Give MPS clients the priority of their pod's class.
+    pub mps_priority: bool,
+    /// How long an Allocate waits for the pod it is for to appear.
+    pub identify_wait: Duration,
+    /// Time between reconciliations when no pod changes.
+    pub resync: Duration,
+}
+
+impl Default for ColocationConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            cgroup_root: PathBuf::from(defaults::CGROUP_ROOT),
+            cgroup_driver: Driver::Systemd,
+            policy: ClassPolicy::default(),
+            mps_priority: true,
+            identify_wait: defaults::IDENTIFY_WAIT,
+            resync: defaults::COLOCATION_RESYNC,
+        }
+    }
+}
+
+/// Why co-location cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum ColocationError {
+    /// The cgroup root is not a cgroup tree.
+    #[error(
+        "colocation.cgroupRoot: {0}; mount the host's cgroup tree there, or set colocation.enabled: false"
+    )]
+    Tree(#[source] crate::isolation::cgroups::CgroupError),
+    /// The saved state cannot be read or written.
+    #[error("cannot {action} the co-location state {}", path.display())]
+    State {
+        /// `read`, `write` or `remove`.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn state_path(state_dir: &Path) -> PathBuf {
+    state_dir.join(defaults::COLOCATION_STATE_FILE)
+}
+
+/// What co-location must put back, from `path`; empty when there is no file.
+fn load(path: &Path) -> Result<Colocation, ColocationError> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Colocation::default()),
+        Err(source) => {
+            return Err(ColocationError::State { action: "read", path: path.into(), source });
+        }
+    };
+    serde_json::from_slice(&bytes).map_err(|e| ColocationError::State {
+        action: "read",
+        path: path.into(),
+        source: std::io::Error::other(e),
+    })
+}
+
+fn save(path: &Path, state: &Colocation) -> Result<(), ColocationError> {
+    let io = |source| ColocationError::State { action: "write", path: path.into(), source };
+    if state.is_empty() {
+        return match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(e)),
+            _ => Ok(()),
+        };
+    }
+    let bytes = serde_json::to_vec(state).map_err(|e| io(std::io::Error::other(e)))?;
+    crate::checkpoint::write_atomically(path, &bytes).map_err(io)
+}
+
+/// Starts co-location when it is on (the pod watcher and the policy, each a task), or puts back
+/// what an earlier run with it on changed when it is off.
+pub fn start(
+    tasks: &mut Tasks,
+    config: &ColocationConfig,
+    state_dir: &Path,
+    resources: &Arc<NodeResources>,
+    api: Option<Arc<dyn NodeApi>>,
+    node: &str,
+    shutdown: &CancellationToken,
+) -> Result<(), AgentError> {
+    let path = state_path(state_dir);
+    let mut state = load(&path)?;
+    if !config.enabled {
+        if !state.is_empty() {
+            // Switched off: every value it wrote goes back.
+            let pods = state.pods().len();
+            match state.restore_all() {
+                Ok(()) => {
+                    tracing::info!(pods, "co-location is off: the values it wrote are put back")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %Chain(&e), "co-location is off but some values it wrote cannot be put back now; trying again at the next start")
+                }
+            }
+            save(&path, &state)?;
+        }
+        return Ok(());
+    }
+    let api = api.ok_or(AgentError::NoNodeApi { what: "colocation.enabled" })?;
+    let layout =
+        Layout::detect(&config.cgroup_root, config.cgroup_driver).map_err(ColocationError::Tree)?;
+    let (view, pods) = watch::channel(NodePods::default());
+    if config.mps_priority && resources.mps_enforced() {
+        resources.set_pod_identifier(Arc::new(PodIdentifier::new(
+            pods.clone(),
+            config.policy,
+            config.identify_wait,
+        )));
+    }
+    let (watcher_api, node_name, token) = (api.clone(), node.to_owned(), shutdown.clone());
+    tasks.spawn("node pod watcher", async move {
+        watcher_api.follow_pods(&node_name, view, token).await;
+        Ok(())
+    });
+    let run = Reconciler {
+        api,
+        node: node.to_owned(),
+        layout,
+        policy: config.policy,
+        resync: config.resync,
+        path,
+        state,
+    };
+    tasks.spawn("co-location", run.run(pods, shutdown.clone()));
+    Ok(())
+}
+
+struct Reconciler {
+    api: Arc<dyn NodeApi>,
+    node: String,
+    layout: Layout,
+    policy: ClassPolicy,
+    resync: Duration,
+    path: PathBuf,
+    state: Colocation,
+}
+
+impl Reconciler {
+    async fn run(
+        mut self,
+        mut pods: watch::Receiver<NodePods>,
+        shutdown: CancellationToken,
+    ) -> Result<(), AgentError> {
+        let mut allocatable: Option<u64> = None;
+        let mut last_read = tokio::time::Instant::now();
+        let (first_retry, longest_retry) = defaults::ANNOTATION_RETRY;
+        let mut retry = first_retry;
+        loop {
+            // The node's allocatable CPU: read first, then again at each resync.
+            if allocatable.is_none() || last_read.elapsed() >= self.resync {
+                match self.api.allocatable_cpu_milli(&self.node).await {
+                    Ok(cpu) => {
+                        allocatable = Some(cpu);
+                        last_read = tokio::time::Instant::now();
+                        retry = first_retry;
+                    }
+                    Err(e) if allocatable.is_none() => {
+                        tracing::warn!(node = self.node, error = %Chain(&e), "cannot read the node's allocatable CPU; co-location waits for it");
+                        tokio::select! {
+                            () = shutdown.cancelled() => return Ok(()),
+                            () = tokio::time::sleep(retry) => {}
+                        }
+                        retry = (retry * 2).min(longest_retry);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = self.node, error = %Chain(&e), "cannot read the node's allocatable CPU; keeping the last value");
+                        last_read = tokio::time::Instant::now();
+                    }
+                }
+            }
+            let view = pods.borrow_and_update().clone();
+            if view.synced
+                && let Some(cpu) = allocatable
+            {
+                self.reconcile(&view, cpu).await?;
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                changed = pods.changed() => if changed.is_err() { return Ok(()) },
+                () = tokio::time::sleep(self.resync) => {}
+            }
+        }
+    }
+
+    /// One reconciliation, off the async workers (file writes and fsync).
+    async fn reconcile(&mut self, view: &NodePods, allocatable: u64) -> Result<(), AgentError> {
+        let pods: Vec<NodePod> = view.pods.values().map(|p| p.as_node_pod()).collect();
+        let (layout, policy, path) = (self.layout.clone(), self.policy, self.path.clone());
+        let mut state = std::mem::take(&mut self.state);
+        let (state, outcome) = tokio::task::spawn_blocking(move || {
+            let outcome = state.reconcile(&layout, &pods, allocatable, &policy, |s| save(&path, s));
+            (state, outcome)
+        })
+        .await
+        .map_err(|source| AgentError::Task { task: "co-location", source })?;
+        self.state = state;
+        let report = outcome?;
+        log(&report);
+        Ok(())
+    }
+}
+
+fn log(report: &Report) {
+    if !report.applied.is_empty() || !report.restored.is_empty() {
+        tracing::info!(applied = ?report.applied, restored = ?report.restored, "co-location classes applied");
+    }
+    for (uid, why) in &report.failed {
+        tracing::warn!(
+            pod = uid,
+            error = why,
+            "cannot apply the co-location class to a pod; trying again at the next resync"
+        );
+    }
+}

@@ -1,0 +1,271 @@
+//! The pods bound to this node, as the Kubernetes API says (a kube-rs watcher restricted to
+//! `spec.nodeName`, in `crate::kube_api`): what the co-location subsystem needs of each (UID,
+//! QoS class, class label, CPU and memory requests, phase) and the extended resources each of its
+//! containers asks for, which the MPS client priority needs to tell which pod an Allocate is for.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use crate::isolation::cgroups::Qos;
+use crate::isolation::colocation::{CLASS_LABEL, NodePod};
+
+/// One pod of the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodInfo {
+    /// Its UID.
+    pub uid: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// Its QoS class (`status.qosClass`, else worked out from the containers as the API server
+    /// does).
+    pub qos: Qos,
+    /// The value of the class label, if any.
+    pub class_label: Option<String>,
+    /// `status.phase` (`Pending` when the API has none yet).
+    pub phase: String,
+    /// Whether any container has started (running or ended).
+    pub started: bool,
+    /// The CPU request kube-scheduler counts for it, millicores.
+    pub cpu_request_milli: u64,
+    /// Its memory request, bytes.
+    pub memory_request_bytes: u64,
+    /// Every container's (init and app) extended-resource asks: `(container, resource, count)`.
+    pub asks: Vec<(String, String, u64)>,
+}
+
+impl PodInfo {
+    /// Reads `pod`; `None` without a UID (never the case for a pod the API server stored).
+    pub fn of(pod: &Pod) -> Option<Self> {
+        let uid = pod.metadata.uid.clone()?;
+        let spec = pod.spec.as_ref();
+        let apps: Vec<&Container> = spec.map(|s| s.containers.iter().collect()).unwrap_or_default();
+        let inits: Vec<&Container> = spec
+            .and_then(|s| s.init_containers.as_ref())
+            .map(|c| c.iter().collect())
+            .unwrap_or_default();
+        let sidecar = |c: &&&Container| c.restart_policy.as_deref() == Some("Always");
+        let mut cpu = 0u64;
+        let mut memory = 0u64;
+        for c in apps.iter().chain(inits.iter().filter(sidecar)) {
+            cpu = cpu.saturating_add(request(c, "cpu"));
+            memory = memory.saturating_add(request(c, "memory") / 1000);
+        }
+        for c in inits.iter().filter(|c| !sidecar(c)) {
+            cpu = cpu.max(request(c, "cpu"));
+            memory = memory.max(request(c, "memory") / 1000);
+        }
+        let mut asks = Vec::new();
+        for c in inits.iter().chain(apps.iter()) {
+            let resources = c.resources.as_ref();
+            let limits = resources.and_then(|r| r.limits.as_ref());
+            let requests = resources.and_then(|r| r.requests.as_ref());
+            // Extended resources: limits, else requests (the API server requires both equal).
+            let merged: BTreeMap<&String, &Quantity> =
+                requests.into_iter().flatten().chain(limits.into_iter().flatten()).collect();
+            for (resource, value) in merged {
+                if !resource.contains('/') {
+                    continue;
+                }
+                let count = milli(value) / 1000;
+                if count > 0 {
+                    asks.push((c.name.clone(), resource.clone(), count));
+                }
+            }
+        }
+        let status = pod.status.as_ref();
+        let qos = match status.and_then(|s| s.qos_class.as_deref()) {
+            Some("Guaranteed") => Qos::Guaranteed,
+            Some("Burstable") => Qos::Burstable,
+            Some("BestEffort") => Qos::BestEffort,
+            _ => qos_of(&apps, &inits),
+        };
+        let started = status
+            .into_iter()
+            .flat_map(|s| {
+                s.container_statuses
+                    .iter()
+                    .flatten()
+                    .chain(s.init_container_statuses.iter().flatten())
+            })
+            .any(|c| {
+                c.state.as_ref().is_some_and(|s| s.running.is_some() || s.terminated.is_some())
+            });
+        Some(Self {
+            uid,
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            qos,
+            class_label: pod.metadata.labels.as_ref().and_then(|l| l.get(CLASS_LABEL)).cloned(),
+            phase: status.and_then(|s| s.phase.clone()).unwrap_or_else(|| "Pending".into()),
+            started,
+            cpu_request_milli: cpu,
+            memory_request_bytes: memory,
+            asks,
+        })
+    }
+
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// Running: the co-location policy applies to it.
+    pub fn running(&self) -> bool {
+        self.phase == "Running"
+    }
+
+    /// Being admitted: pending and no container started yet.
+    pub fn admitting(&self) -> bool {
+        self.phase == "Pending" && !self.started
+    }
+
+    /// How many of its containers ask for exactly `count` of `resource`.
+    pub fn containers_asking(&self, resource: &str, count: u64) -> usize {
+        self.asks.iter().filter(|(_, r, n)| r == resource && *n == count).count()
+    }
+
+    /// As the co-location policy sees it.
+    pub fn as_node_pod(&self) -> NodePod {
+        NodePod {
+            uid: self.uid.clone(),
+            qos: self.qos,
+            label: self.class_label.clone(),
+            cpu_request_milli: self.cpu_request_milli,
+            memory_request_bytes: self.memory_request_bytes,
+            running: self.running(),
+        }
+    }
+}
+
+/// The node's pods, by UID.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodePods {
+    /// Whether the watcher has listed them at least once (before that, the map means nothing).
+    pub synced: bool,
+    /// The pods, by UID.
+    pub pods: BTreeMap<String, PodInfo>,
+}
+
+/// A quantity in thousandths; 0 when unreadable (the API server validated it).
+fn milli(q: &Quantity) -> u64 {
+    baleen_scheduler_core::quantity::quantity_milli(&serde_json::Value::String(q.0.clone()))
+        .and_then(|m| u64::try_from(m).ok())
+        .unwrap_or(0)
+}
+
+/// A container's request of `resource` in thousandths; a limit alone counts as the request.
+fn request(c: &Container, resource: &str) -> u64 {
+    let r = c.resources.as_ref();
+    r.and_then(|r| r.requests.as_ref())
+        .and_then(|q| q.get(resource))
+        .or_else(|| r.and_then(|r| r.limits.as_ref()).and_then(|q| q.get(resource)))
+        .map_or(0, milli)
+}
+
+/// The QoS class as the API server works it out: Guaranteed when every container has CPU and
+/// memory limits equal to its requests, BestEffort when none asks for either, else Burstable.
+fn qos_of(apps: &[&Container], inits: &[&Container]) -> Qos {
+    let all: Vec<&&Container> = apps.iter().chain(inits.iter()).collect();
+    let get = |c: &Container, which: bool, resource: &str| {
+        let r = c.resources.as_ref();
+        let map = if which {
+            r.and_then(|r| r.limits.as_ref())
+        } else {
+            r.and_then(|r| r.requests.as_ref())
+        };
+        map.and_then(|m| m.get(resource)).map(milli)
+    };
+    let any = all.iter().any(|c| {
+        ["cpu", "memory"].iter().any(|r| {
+            get(c, true, r).is_some_and(|v| v > 0) || get(c, false, r).is_some_and(|v| v > 0)
+        })
+    });
+    if !any {
+        return Qos::BestEffort;
+    }
+    let guaranteed = all.iter().all(|c| {
+        ["cpu", "memory"].iter().all(|r| match (get(c, false, r), get(c, true, r)) {
+            (Some(req), Some(lim)) => req == lim,
+            (None, Some(_)) => true,
+            _ => false,
+        })
+    });
+    if guaranteed { Qos::Guaranteed } else { Qos::Burstable }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(value: serde_json::Value) -> Pod {
+        serde_json::from_value(value).expect("a pod")
+    }
+
+    #[test]
+    fn a_pod_reads_as_the_api_server_and_kubelet_see_it() {
+        let p = PodInfo::of(&pod(json!({
+            "metadata": {"name": "serve", "namespace": "ml", "uid": "u1",
+                         "labels": {CLASS_LABEL: "inference"}},
+            "spec": {
+                "initContainers": [{"name": "warm", "resources": {"requests": {"cpu": "4"}}}],
+                "containers": [
+                    {"name": "a", "resources": {"requests": {"cpu": "1500m", "memory": "2Gi"},
+                        "limits": {"awesome-ai-company.com/gpu-memory": "8"}}},
+                    {"name": "b", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
+                ]
+            },
+            "status": {"phase": "Pending", "qosClass": "Burstable"}
+        })))
+        .expect("uid");
+        assert_eq!(p.key(), "ml/serve");
+        assert_eq!(p.qos, Qos::Burstable);
+        assert_eq!(p.class_label.as_deref(), Some("inference"));
+        assert_eq!(p.cpu_request_milli, 4000, "the init container's 4 beats 1.5 + 1");
+        assert_eq!(p.memory_request_bytes, 3 << 30);
+        assert_eq!(p.asks, [("a".into(), "awesome-ai-company.com/gpu-memory".into(), 8)]);
+        assert!(p.admitting() && !p.running());
+        assert_eq!(p.containers_asking("awesome-ai-company.com/gpu-memory", 8), 1);
+        assert_eq!(p.containers_asking("awesome-ai-company.com/gpu-memory", 4), 0);
+    }
+
+    #[test]
+    fn the_qos_class_is_worked_out_when_the_status_has_none() {
+        let qos = |containers: serde_json::Value| {
+            PodInfo::of(&pod(json!({
+                "metadata": {"name": "p", "uid": "u"}, "spec": {"containers": containers}
+            })))
+            .expect("uid")
+            .qos
+        };
+        assert_eq!(qos(json!([{"name": "a"}])), Qos::BestEffort);
+        assert_eq!(
+            qos(json!([{"name": "a", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}])),
+            Qos::Guaranteed
+        );
+        assert_eq!(
+            qos(json!([{"name": "a", "resources": {"requests": {"cpu": "1"}}}])),
+            Qos::Burstable
+        );
+        assert_eq!(
+            qos(json!([{"name": "a", "resources": {
+                "requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "1Gi"}}}])),
+            Qos::Burstable
+        );
+    }
+
+    #[test]
+    fn a_started_container_means_the_pod_is_past_admission() {
+        let p = PodInfo::of(&pod(json!({
+            "metadata": {"name": "p", "uid": "u"}, "spec": {"containers": [{"name": "a"}]},
+            "status": {"phase": "Pending", "containerStatuses": [{"name": "a", "image": "i",
+                "imageID": "", "ready": false, "restartCount": 0, "state": {"running": {}}}]}
+        })))
+        .expect("uid");
+        assert!(!p.admitting());
+    }
+}
