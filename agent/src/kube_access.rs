@@ -4,9 +4,12 @@
 //! adds its rule here in the same change.
 //!
 //! The agent learns which pod holds which device from the kubelet's pod-resources socket on the
-//! node, not from the API server; it writes one thing: the node-state annotation on its own Node
-//! (`agent::node_state`, a JSON merge patch). RBAC cannot limit a rule to the agent's own node,
-//! so the rule covers every node; the agent names only its own.
+//! node, not from the API server. It writes one thing: the node-state annotation on its own Node
+//! (`agent::node_state`, a JSON merge patch). Co-location (`agent::colocation`) reads its Node's
+//! allocatable CPU (get) and follows the pods bound to its node (list and watch with the field
+//! selector `spec.nodeName`; kube-rs's watcher never gets a single pod). RBAC cannot limit a
+//! rule to the agent's own node or its pods, so the rules cover every node and pod; the agent
+//! names only its own.
 
 /// One RBAC rule: verbs on a resource of an API group (`""` is the core group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -20,4 +23,7 @@ pub struct ApiRule {
 }
 
 /// What the node agent (and `baleen-agent mps`) call on the Kubernetes API.
-pub const AGENT: &[ApiRule] = &[ApiRule { api_group: "", resource: "nodes", verbs: &["patch"] }];
+pub const AGENT: &[ApiRule] = &[
+    ApiRule { api_group: "", resource: "nodes", verbs: &["get", "patch"] },
+    ApiRule { api_group: "", resource: "pods", verbs: &["list", "watch"] },
+];

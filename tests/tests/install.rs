@@ -360,6 +360,9 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     if a.responses.mps.enabled {
         used.push(a.responses.mps.root.clone());
     }
+    if a.colocation.enabled {
+        used.push(a.colocation.cgroup_root.clone());
+    }
     // The watchdog reads the host's /proc: the host's PID namespace or a mount.
     if a.watchdog.proc_root == Path::new("/proc") {
         ensure!(spec.host_pid == Some(true), "procRoot /proc needs hostPID");
