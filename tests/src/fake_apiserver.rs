@@ -337,19 +337,13 @@ fn decode(text: &str) -> String {
 /// A field selector the server can answer: `(JSON pointer, value)`.
 type Selector = Option<(&'static str, String)>;
 
-fn selector(kind: Kind, q: &BTreeMap<String, String>) -> Result<Selector, Response> {
+fn selector(kind: Kind, q: &BTreeMap<String, String>) -> Result<Selector, String> {
     let Some(text) = q.get("fieldSelector").filter(|s| !s.is_empty()) else { return Ok(None) };
     let (field, value) = text.split_once('=').unwrap_or((text, ""));
     let pointer = match (kind, field) {
         (Kind::Pod, "spec.nodeName") => "/spec/nodeName",
         (_, "metadata.name") => "/metadata/name",
-        _ => {
-            return Err(status(
-                StatusCode::BAD_REQUEST,
-                "BadRequest",
-                format!("field label not supported: {field}"),
-            ));
-        }
+        _ => return Err(format!("field label not supported: {field}")),
     };
     Ok(Some((pointer, value.to_owned())))
 }
@@ -387,7 +381,7 @@ fn list_or_watch(app: AppState, kind: Kind, uri: Uri, headers: HeaderMap) -> Res
     let q = query(&uri);
     let selector = match selector(kind, &q) {
         Ok(s) => s,
-        Err(refused) => return refused,
+        Err(refused) => return status(StatusCode::BAD_REQUEST, "BadRequest", refused),
     };
     let world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
     if q.get("watch").map(String::as_str) != Some("true") {

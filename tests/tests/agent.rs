@@ -1693,3 +1693,209 @@ async fn an_agent_told_to_publish_without_an_api_does_not_start() -> Result<()> 
     assert!(format!("{err:#}").contains("no Kubernetes API client"), "{err:#}");
     Ok(())
 }
+
+/// A pod of node `node` as the API server stores it, asking `units` gpu-memory units.
+fn api_pod(
+    name: &str,
+    node: &str,
+    qos: &str,
+    label: Option<&str>,
+    phase: &str,
+    units: u32,
+) -> serde_json::Value {
+    let mut resources = serde_json::json!({"limits": {MEM: units.to_string()}});
+    if qos == "Guaranteed" {
+        resources = serde_json::json!({
+            "requests": {"cpu": "2", "memory": "4Gi"},
+            "limits": {"cpu": "2", "memory": "4Gi", MEM: units.to_string()}
+        });
+    }
+    let labels = label.map_or_else(
+        || serde_json::json!({}),
+        |l| serde_json::json!({baleen_agent::isolation::colocation::CLASS_LABEL: l}),
+    );
+    let mut status = serde_json::json!({"phase": phase, "qosClass": qos});
+    if phase == "Running" {
+        status["containerStatuses"] = serde_json::json!([{"name": "c", "image": "i", "imageID": "",
+            "ready": true, "restartCount": 0, "state": {"running": {}}}]);
+    }
+    serde_json::json!({
+        "metadata": {"name": name, "namespace": "ml", "uid": format!("uid-{name}"), "labels": labels},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "resources": resources}]},
+        "status": status
+    })
+}
+
+/// A cgroup v2 tree with each pod's directory (systemd driver), files at the kernel's defaults.
+fn cgroup_tree(root: &Path, pods: &[(&str, baleen_agent::isolation::cgroups::Qos)]) -> Result<()> {
+    use baleen_agent::isolation::cgroups::{Driver, Layout};
+    std::fs::create_dir_all(root)?;
+    std::fs::write(root.join("cgroup.controllers"), "cpuset cpu io memory pids\n")?;
+    let layout = Layout::detect(root, Driver::Systemd)?;
+    for (uid, qos) in pods {
+        let dir = layout.pod_dir("cpu", *qos, uid);
+        std::fs::create_dir_all(&dir)?;
+        for (file, value) in [("cpu.weight", "100"), ("cpu.max", "max 100000"), ("memory.low", "0")]
+        {
+            std::fs::write(dir.join(file), value)?;
+        }
+    }
+    Ok(())
+}
+
+fn cgroup_file(
+    root: &Path,
+    uid: &str,
+    qos: baleen_agent::isolation::cgroups::Qos,
+    file: &str,
+) -> String {
+    use baleen_agent::isolation::cgroups::{Driver, Layout};
+    let layout = Layout::detect(root, Driver::Systemd).expect("a tree");
+    std::fs::read_to_string(layout.pod_dir("cpu", qos, uid).join(file))
+        .expect("readable")
+        .trim()
+        .to_owned()
+}
+
+async fn eventually(what: &str, ok: impl Fn() -> bool) -> Result<()> {
+    tokio::time::timeout(WAIT, async {
+        while !ok() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .with_context(|| format!("waiting for {what}"))
+}
+
+/// The MPS client priority an Allocate answer carries.
+fn priority(a: &baleen_tests::fake_kubelet::Admission) -> Option<&str> {
+    a.response
+        .envs
+        .get(baleen_agent::isolation::pod_identity::PRIORITY_VARIABLE)
+        .map(String::as_str)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_survive_restarts()
+-> Result<()> {
+    use baleen_agent::isolation::cgroups::Qos;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let cgroups = node.config.state_dir.parent().context("root")?.join("cgroup");
+    cgroup_tree(
+        &cgroups,
+        &[
+            ("uid-serve", Qos::Guaranteed),
+            ("uid-train", Qos::BestEffort),
+            ("uid-other", Qos::Guaranteed),
+        ],
+    )?;
+    node.config.colocation = baleen_agent::agent::colocation::ColocationConfig {
+        enabled: true,
+        cgroup_root: cgroups.clone(),
+        identify_wait: Duration::from_millis(500),
+        resync: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let mut api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a", "node-b"]).await?;
+    api.put_node(serde_json::json!({
+        "metadata": {"name": "node-a"}, "status": {"allocatable": {"cpu": "8", "memory": "64Gi"}}
+    }));
+    // Being admitted: two inference pods and a training pod; already running: a training pod
+    // with the same ask as the second inference pod (not a candidate); on another node: an
+    // inference pod the agent must not see.
+    api.put_pod(api_pod("serve", "node-a", "Guaranteed", None, "Pending", 4));
+    api.put_pod(api_pod("train", "node-a", "BestEffort", None, "Pending", 6));
+    api.put_pod(api_pod("serve2", "node-a", "Guaranteed", None, "Pending", 6));
+    api.put_pod(api_pod("old", "node-a", "BestEffort", None, "Running", 6));
+    api.put_pod(api_pod("other", "node-b", "Guaranteed", None, "Running", 6));
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    let (agent, token) = node.start_with(Some(client.clone())).await?;
+    node.registered(&agent, 1).await?;
+
+    // One candidate: the inference pod's client at normal priority.
+    let serve = node.kubelet.admit_to("ml/serve", "c", MEM, 4).await?;
+    assert_eq!(priority(&serve), Some("0"));
+    // Two candidates of different classes with the same ask (the pending training and inference
+    // pods asking 6): the default class, training, below normal.
+    let train = node.kubelet.admit_to("ml/train", "c", MEM, 6).await?;
+    assert_eq!(priority(&train), Some("1"));
+    // The training pod's container is now listed by the kubelet: the second inference pod is the
+    // one candidate left (the running training pod asking 6 is not one, or this would be
+    // ambiguous and get the default class).
+    eventually("the training pod listed", || {
+        agent
+            .resources()
+            .grants()
+            .iter()
+            .any(|(_, _, _, k)| k.as_ref().is_some_and(|k| k.pod == "train"))
+    })
+    .await?;
+    let serve2 = node.kubelet.admit_to("ml/serve2", "c", MEM, 6).await?;
+    assert_eq!(priority(&serve2), Some("0"));
+    // Two pods of different classes with the same ask: the default class (training).
+    api.put_pod(api_pod("a", "node-a", "Guaranteed", None, "Pending", 2));
+    api.put_pod(api_pod("b", "node-a", "Burstable", Some("training"), "Pending", 2));
+    // (Both in the agent's view before the Allocate: the first alone would be one candidate.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let either = node.kubelet.admit_to("ml/a", "c", MEM, 2).await?;
+    assert_eq!(priority(&either), Some("1"), "ambiguous: the default class");
+    // No pod at all with this ask: the default class after the wait.
+    let started = std::time::Instant::now();
+    let nobody = node.kubelet.admit_to("ml/ghost", "c", MEM, 1).await?;
+    assert_eq!(priority(&nobody), Some("1"));
+    assert!(started.elapsed() >= Duration::from_millis(400), "waited for the pod to appear");
+
+    // Running: the inference pod gets a high weight and its memory protected, the training pods
+    // a low weight and together a cap of the allocatable CPU less the inference requests
+    // (8 - 2 = 6 cores, 3 each); the other node's inference pod is not counted.
+    api.put_pod(api_pod("serve", "node-a", "Guaranteed", None, "Running", 4));
+    api.put_pod(api_pod("train", "node-a", "BestEffort", None, "Running", 6));
+    let f = |uid: &str, qos, file: &str| cgroup_file(&cgroups, uid, qos, file);
+    eventually("the classes applied", || {
+        f("uid-train", Qos::BestEffort, "cpu.max") == "300000 100000"
+            && f("uid-serve", Qos::Guaranteed, "cpu.weight") == "1000"
+    })
+    .await?;
+    assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), (4u64 << 30).to_string());
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "10");
+    assert_eq!(f("uid-other", Qos::Guaranteed, "cpu.weight"), "100", "another node's pod");
+    let state = node.config.state_dir.join("colocation.json");
+    assert!(state.is_file(), "what to put back is kept");
+
+    // The kubelet rewrites a weight: written again at the next resync.
+    let layout = baleen_agent::isolation::cgroups::Layout::detect(
+        &cgroups,
+        baleen_agent::isolation::cgroups::Driver::Systemd,
+    )?;
+    std::fs::write(layout.pod_dir("cpu", Qos::BestEffort, "uid-train").join("cpu.weight"), "1")?;
+    eventually("the weight written again", || {
+        f("uid-train", Qos::BestEffort, "cpu.weight") == "10"
+    })
+    .await?;
+
+    // A crash and a restart: the values stay, and the agent goes on from what it saved.
+    drop(agent);
+    token.cancel();
+    let (agent, token) = node.start_with(Some(client.clone())).await?;
+    // The API server goes away; meanwhile the inference pods end. Once it is back, the agent
+    // lists again: the training cap goes, the inference pods' values are put back.
+    api.stop().await;
+    api.delete_pod("ml/serve");
+    api.delete_pod("ml/old");
+    api.start_again().await?;
+    eventually("the cap lifted", || f("uid-train", Qos::BestEffort, "cpu.max") == "max 100000")
+        .await?;
+    assert_eq!(f("uid-serve", Qos::Guaranteed, "cpu.weight"), "100", "put back");
+    assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), "0", "put back");
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "10", "still training");
+    stop(agent, token).await?;
+
+    // Co-location switched off: everything put back at start, the saved state gone.
+    node.config.colocation.enabled = false;
+    let (agent, token) = node.start_with(None).await?;
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "1", "the kubelet's value back");
+    assert!(!state.exists());
+    let plain = node.kubelet.admit_to("ml/plain", "c", MEM, 1).await?;
+    assert_eq!(priority(&plain), None, "no priority without co-location");
+    stop(agent, token).await
+}

@@ -156,15 +156,6 @@ pub fn read(path: &Path) -> Result<String, CgroupError> {
     })
 }
 
-/// Adds the write of `value` to `path` unless it holds it already.
-fn plan(path: &Path, value: &str, writes: &mut Vec<Written>) -> Result<(), CgroupError> {
-    let previous = read(path)?;
-    if previous != value {
-        writes.push(Written { path: path.to_path_buf(), previous, value: value.to_owned() });
-    }
-    Ok(())
-}
-
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     std::fs::write(path, value).map_err(|source| CgroupError::Io {
         action: "write",
@@ -173,9 +164,46 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     })
 }
 
-/// What writing `settings` into the pod's cgroup would change, each file with the value it
-/// holds now (read, nothing written): kept before [`write_all`] so that a crash between the two
-/// cannot lose what to put back.
+/// Every file the policy sets for `settings` in the pod's cgroup, with its value.
+pub fn targets(
+    layout: &Layout,
+    qos: Qos,
+    uid: &str,
+    settings: PodSettings,
+) -> Vec<(PathBuf, String)> {
+    let cpu = layout.pod_dir("cpu", qos, uid);
+    let mut targets = Vec::new();
+    match layout.version {
+        CgroupVersion::V2 => {
+            targets
+                .push((cpu.join("cpu.weight"), settings.cpu_weight.clamp(1, 10_000).to_string()));
+            let max = settings.cpu_cap_milli.map_or_else(
+                || format!("max {PERIOD_US}"),
+                |m| format!("{} {PERIOD_US}", (m * PERIOD_US / 1000).max(1000)),
+            );
+            targets.push((cpu.join("cpu.max"), max));
+            if let Some(low) = settings.memory_low_bytes {
+                targets.push((cpu.join("memory.low"), low.to_string()));
+            }
+        }
+        CgroupVersion::V1 => {
+            let shares = (settings.cpu_weight * 1024 / 100).clamp(2, 262_144);
+            targets.push((cpu.join("cpu.shares"), shares.to_string()));
+            if settings.cpu_cap_milli.is_some() {
+                targets.push((cpu.join("cpu.cfs_period_us"), PERIOD_US.to_string()));
+            }
+            let quota = settings
+                .cpu_cap_milli
+                .map_or_else(|| "-1".to_owned(), |m| (m * PERIOD_US / 1000).max(1000).to_string());
+            targets.push((cpu.join("cpu.cfs_quota_us"), quota));
+        }
+    }
+    targets
+}
+
+/// What writing `settings` into the pod's cgroup would change ([`targets`] whose files hold
+/// another value), each file with the value it holds now (read, nothing written): kept before
+/// [`write_all`] so that a crash between the two cannot lose what to put back.
 pub fn prepare(
     layout: &Layout,
     qos: Qos,
@@ -183,33 +211,10 @@ pub fn prepare(
     settings: PodSettings,
 ) -> Result<Vec<Written>, CgroupError> {
     let mut writes = Vec::new();
-    let cpu = layout.pod_dir("cpu", qos, uid);
-    match layout.version {
-        CgroupVersion::V2 => {
-            plan(
-                &cpu.join("cpu.weight"),
-                &settings.cpu_weight.clamp(1, 10_000).to_string(),
-                &mut writes,
-            )?;
-            let max = settings.cpu_cap_milli.map_or_else(
-                || format!("max {PERIOD_US}"),
-                |m| format!("{} {PERIOD_US}", (m * PERIOD_US / 1000).max(1000)),
-            );
-            plan(&cpu.join("cpu.max"), &max, &mut writes)?;
-            if let Some(low) = settings.memory_low_bytes {
-                plan(&cpu.join("memory.low"), &low.to_string(), &mut writes)?;
-            }
-        }
-        CgroupVersion::V1 => {
-            let shares = (settings.cpu_weight * 1024 / 100).clamp(2, 262_144);
-            plan(&cpu.join("cpu.shares"), &shares.to_string(), &mut writes)?;
-            let quota = settings
-                .cpu_cap_milli
-                .map_or_else(|| "-1".to_owned(), |m| (m * PERIOD_US / 1000).max(1000).to_string());
-            if settings.cpu_cap_milli.is_some() {
-                plan(&cpu.join("cpu.cfs_period_us"), &PERIOD_US.to_string(), &mut writes)?;
-            }
-            plan(&cpu.join("cpu.cfs_quota_us"), &quota, &mut writes)?;
+    for (path, value) in targets(layout, qos, uid, settings) {
+        let previous = read(&path)?;
+        if previous != value {
+            writes.push(Written { path, previous, value });
         }
     }
     Ok(writes)

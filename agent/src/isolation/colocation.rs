@@ -210,39 +210,58 @@ impl Colocation {
                 }
                 continue;
             }
-            if let Some(old) = self.applied.get(&uid) {
-                if let Err(e) = cgroups::restore(&written_of(old)) {
-                    report.failed.push((uid.clone(), error_text(&e)));
-                    continue;
+            // A pod set before (its settings changed): files the new settings leave alone get
+            // their original values back; files both set keep their original as the value to
+            // put back, and are written the new value directly (no moment at the original).
+            let before = self.applied.remove(&uid);
+            let old = before.as_ref().map(written_of).unwrap_or_default();
+            let targets: Vec<std::path::PathBuf> =
+                cgroups::targets(layout, qos, &uid, settings).into_iter().map(|(p, _)| p).collect();
+            let (kept, uncovered): (Vec<Written>, Vec<Written>) =
+                old.into_iter().partition(|w| targets.contains(&w.path));
+            if let Err(e) = cgroups::restore(&uncovered) {
+                // Kept as it was: tried again at the next reconciliation.
+                if let Some(before) = before {
+                    self.applied.insert(uid.clone(), before);
                 }
-                self.applied.remove(&uid);
+                report.failed.push((uid, error_text(&e)));
+                continue;
+            }
+            if !uncovered.is_empty() {
                 report.restored.push(uid.clone());
             }
-            let writes = match cgroups::prepare(layout, qos, &uid, settings) {
+            let mut writes = match cgroups::prepare(layout, qos, &uid, settings) {
                 Ok(w) => w,
                 Err(e) => {
+                    // What is still ours on disk stays recorded (with the old settings, so that
+                    // the next reconciliation tries again).
+                    if let Some(before) = before.filter(|_| !kept.is_empty()) {
+                        let written = kept
+                            .iter()
+                            .map(|w| (w.path.clone(), w.previous.clone(), w.value.clone()));
+                        self.applied
+                            .insert(uid.clone(), Applied { written: written.collect(), ..before });
+                    }
                     report.failed.push((uid, error_text(&e)));
                     continue;
                 }
             };
-            self.applied.insert(
-                uid.clone(),
-                Applied {
-                    class,
-                    weight: settings.cpu_weight,
-                    cap: settings.cpu_cap_milli,
-                    low: settings.memory_low_bytes,
-                    written: writes
-                        .iter()
-                        .map(|w| (w.path.clone(), w.previous.clone(), w.value.clone()))
-                        .collect(),
-                },
-            );
+            for w in &mut writes {
+                if let Some(o) = kept.iter().find(|o| o.path == w.path) {
+                    w.previous.clone_from(&o.previous);
+                }
+            }
+            let unchanged: Vec<Written> =
+                kept.into_iter().filter(|o| !writes.iter().any(|w| w.path == o.path)).collect();
+            self.applied
+                .insert(uid.clone(), applied(class, settings, unchanged.iter().chain(&writes)));
             // What to put back is on disk before the first write.
             save(self)?;
             match cgroups::write_all(&writes) {
                 Ok(()) => report.applied.push(uid),
                 Err(e) => {
+                    // write_all put back what it had written; the rest goes back too.
+                    let _ = cgroups::restore(&unchanged);
                     self.applied.remove(&uid);
                     report.failed.push((uid, error_text(&e)));
                 }
@@ -296,6 +315,20 @@ fn rewrite_drifted(a: &mut Applied) -> Result<bool, CgroupError> {
         }
     }
     Ok(any)
+}
+
+fn applied<'a>(
+    class: Class,
+    settings: PodSettings,
+    written: impl Iterator<Item = &'a Written>,
+) -> Applied {
+    Applied {
+        class,
+        weight: settings.cpu_weight,
+        cap: settings.cpu_cap_milli,
+        low: settings.memory_low_bytes,
+        written: written.map(|w| (w.path.clone(), w.previous.clone(), w.value.clone())).collect(),
+    }
 }
 
 fn written_of(a: &Applied) -> Vec<Written> {
@@ -411,8 +444,8 @@ mod tests {
         // Inference ends: the training pod's cap goes, its original values come back first.
         pods[0].running = false;
         let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
-        assert_eq!(report.restored, ["inf", "t1"]);
-        assert_eq!(report.applied, ["t1"]);
+        assert_eq!(report.restored, ["inf"]);
+        assert_eq!(report.applied, ["t1"], "its cap lifted, written directly");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.max"), "max 100000");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
         assert_eq!(file(&layout, "inf", Qos::Guaranteed, "cpu.weight"), "100", "restored");
@@ -421,6 +454,19 @@ mod tests {
         pods[1].label = Some("inference".into());
         c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "1000");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "memory.low"), (4u64 << 30).to_string());
+        // And back: memory.low, which training does not set, gets its original value; the
+        // weight goes straight to the training weight.
+        pods[1].label = None;
+        let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
+        assert_eq!(
+            (report.restored.as_slice(), report.applied.as_slice()),
+            (&["t1".to_owned()][..], &["t1".to_owned()][..])
+        );
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "memory.low"), "0");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
+        pods[1].label = Some("inference".into());
+        c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         // Switched off: everything back to what the kernel had.
         c.restore_all().expect("restored");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100");
