@@ -52,9 +52,9 @@ pub const ANNOTATION_MIN_INTERVAL: Duration = Duration::from_secs(1);
 pub const ANNOTATION_NAME: &str = baleen_scheduler_core::gpu_state::ANNOTATION_NAME;
 /// The node-state annotation is written again after this long without a change.
 pub const ANNOTATION_REFRESH: Duration = Duration::from_secs(300);
-/// The first and the longest wait before writing the annotation again after a failed write.
-pub const ANNOTATION_RETRY: (Duration, Duration) =
-    (Duration::from_millis(500), Duration::from_secs(30));
+/// The first and the longest wait before calling the API server again after a failed call (the
+/// node-state annotation, the node's allocatable CPU).
+pub const API_RETRY: (Duration, Duration) = (Duration::from_millis(500), Duration::from_secs(30));
 /// Where the host's cgroup tree is (mounted at the same path in the agent's container).
 pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// The kubelet's cgroup driver (`systemd`, the kubelet's default since kubeadm 1.22).

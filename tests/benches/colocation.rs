@@ -1,18 +1,24 @@
 //! Measured isolation (issue 16): an "inference" service beside CPU-hungry "training"
-//! processes on this machine's real cgroup v1 `cpu` hierarchy, with the kubelet's defaults and
-//! with baleen's co-location policy (`baleen_agent::isolation::colocation`).
+//! processes on this machine's real cgroup v1 `cpu` hierarchy, with the kubelet's settings and
+//! with baleen's co-location policy (`baleen_agent::isolation::colocation`), interleaved.
 //!
-//! The inference pod is this process, moved into its pod cgroup: a server thread answers each
-//! request with 300 µs of computation; a client thread sends a request every 2 ms and times the
-//! answer. The training pod is four busy loops (`sh -c 'while :; do :; done'`) in its own pod
-//! cgroup, on a 2-core machine. Without the policy the pods get what the kubelet gives
-//! (`cpu.shares` from their requests: inference 500m -> 512, training 2 CPUs -> 2048); with it,
-//! the plan of `colocation::plan` for a node of 2 allocatable CPUs. 3,000 requests each, after
-//! 200 warm-up requests.
+//! The inference pod is this process, moved into its pod cgroup (Guaranteed: `kubepods/pod<uid>`):
+//! a server thread answers each request with 300 µs of computation; a client thread sends a
+//! request every 2 ms and times the answer. The training pod is four busy loops
+//! (`sh -c 'while :; do :; done'`) in its own pod cgroup (Burstable:
+//! `kubepods/burstable/pod<uid>`), on a 2-core machine. The kubelet's settings: `cpu.shares` from
+//! the requests (inference 500m -> 512, training 2 CPUs -> 2048, the Burstable slice the sum of
+//! its pods' requests, 2048). baleen's: the plan of `colocation::plan` for a node of 2
+//! allocatable CPUs, written with `cgroups::apply` over the kubelet's and put back after. The
+//! settings take turns, `ROUNDS` rounds of 1,000 requests each (after 100 warm-up requests), so
+//! that the machine's noise falls on both alike; the latencies of each setting are pooled.
 //!
 //! `cargo bench -p baleen-tests --bench colocation` (needs root and a writable
-//! `/sys/fs/cgroup/cpu`; it says so and stops otherwise). With `VARIANTS=1` it also measures a
-//! few hand-set variants (shares only; caps of 1 and 1.5 cores with 100 ms and 10 ms periods).
+//! `/sys/fs/cgroup/cpu`; it says so and stops otherwise). `ROUNDS=n` sets the rounds (default
+//! 5); `VARIANTS=1` adds two more settings to the turns: the policy without `cpu.idle`, and
+//! `cpu.idle` alone (no caps, the kubelet's shares); `PERIOD_US=p QUOTA_US=q` adds the policy
+//! with the training cap set by hand; `INFERENCE_WEIGHT=w` the policy with another inference
+//! weight.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -21,13 +27,12 @@ use std::time::{Duration, Instant};
 use baleen_agent::isolation::cgroups::{self, CgroupVersion, Driver, Layout, PodSettings, Qos};
 use baleen_agent::isolation::colocation::{ClassPolicy, NodePod, plan};
 
-const REQUESTS: usize = 3000;
-const WARMUP: usize = 200;
+const REQUESTS: usize = 1000;
+const WARMUP: usize = 100;
 const WORK: Duration = Duration::from_micros(300);
 const EVERY: Duration = Duration::from_millis(2);
 const INFERENCE: &str = "aaaaaaaa-0000-0000-0000-000000000001";
 const TRAINING: &str = "bbbbbbbb-0000-0000-0000-000000000002";
-
 fn spin(d: Duration) {
     let start = Instant::now();
     let mut x = 0u64;
@@ -75,6 +80,90 @@ fn write(path: &Path, value: &str) {
     std::fs::write(path, value).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
 }
 
+/// One setting of the two pods' cgroups.
+enum Setting {
+    /// The kubelet's shares only.
+    Kubelet,
+    /// The co-location plan under this policy, over the kubelet's.
+    Policy(ClassPolicy),
+    /// The kubelet's shares, training `cpu.idle` = 1.
+    IdleOnly,
+    /// The default policy, then these training files written over it (`PERIOD`/`QUOTA` runs).
+    PolicyThen(Vec<(&'static str, String)>),
+}
+
+fn pods() -> [NodePod; 2] {
+    [
+        NodePod {
+            uid: INFERENCE.into(),
+            qos: Qos::Guaranteed,
+            label: None,
+            cpu_request_milli: 500,
+            memory_request_bytes: 1 << 30,
+            running: true,
+        },
+        NodePod {
+            uid: TRAINING.into(),
+            qos: Qos::Burstable,
+            label: None,
+            cpu_request_milli: 2000,
+            memory_request_bytes: 1 << 30,
+            running: true,
+        },
+    ]
+}
+
+/// Measures under `setting`; the cgroups are back at the kubelet's settings afterwards.
+fn measure_with(
+    layout: &Layout,
+    setting: &Setting,
+    training_dir: &Path,
+) -> (Vec<Duration>, String) {
+    let mut written = Vec::new();
+    match setting {
+        Setting::Kubelet => {}
+        Setting::Policy(policy) => {
+            for (uid, _, settings) in plan(&pods(), 2000, policy) {
+                let qos = if uid == INFERENCE { Qos::Guaranteed } else { Qos::Burstable };
+                let s: PodSettings = settings;
+                written.extend(cgroups::apply(layout, qos, &uid, s).expect("applied"));
+            }
+        }
+        Setting::IdleOnly => write(&training_dir.join("cpu.idle"), "1"),
+        Setting::PolicyThen(extra) => {
+            for (uid, _, settings) in plan(&pods(), 2000, &ClassPolicy::default()) {
+                let qos = if uid == INFERENCE { Qos::Guaranteed } else { Qos::Burstable };
+                written.extend(cgroups::apply(layout, qos, &uid, settings).expect("applied"));
+            }
+            write(&training_dir.join("cpu.cfs_quota_us"), "-1");
+            for (file, value) in extra {
+                write(&training_dir.join(file), value);
+            }
+        }
+    }
+    let shown: Vec<String> = written
+        .iter()
+        .filter(|w| w.value != cgroups::KEPT)
+        .map(|w| {
+            let pod =
+                if w.path.to_string_lossy().contains(INFERENCE) { "inference" } else { "training" };
+            let file =
+                w.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            format!("{pod} {file} = {}", w.value)
+        })
+        .collect();
+    let t = measure();
+    if matches!(setting, Setting::PolicyThen(_)) {
+        write(&training_dir.join("cpu.cfs_quota_us"), "-1");
+        write(&training_dir.join("cpu.cfs_period_us"), "100000");
+    }
+    cgroups::restore(&written).expect("put back");
+    if matches!(setting, Setting::IdleOnly) {
+        write(&training_dir.join("cpu.idle"), "0");
+    }
+    (t, shown.join(", "))
+}
+
 fn main() {
     let cpu = Path::new("/sys/fs/cgroup/cpu");
     let base = cpu.join(format!("baleen-bench-{}", std::process::id()));
@@ -97,9 +186,12 @@ fn main() {
     for d in [&inference_dir, &training_dir] {
         std::fs::create_dir_all(d).expect("cgroup");
     }
-    // The kubelet's shares from the requests.
+    // The kubelet's shares from the requests (the Burstable slice: the sum of its pods').
     write(&inference_dir.join("cpu.shares"), "512");
     write(&training_dir.join("cpu.shares"), "2048");
+    if let Some(burstable) = training_dir.parent() {
+        write(&burstable.join("cpu.shares"), "2048");
+    }
     write(&inference_dir.join("cgroup.procs"), &std::process::id().to_string());
     let mut training: Vec<std::process::Child> = (0..4)
         .map(|_| {
@@ -128,70 +220,47 @@ fn main() {
         }
         t
     };
-    let without = measure();
-    let pods = [
-        NodePod {
-            uid: INFERENCE.into(),
-            qos: Qos::Guaranteed,
-            label: None,
-            cpu_request_milli: 500,
-            memory_request_bytes: 1 << 30,
-            running: true,
-        },
-        NodePod {
-            uid: TRAINING.into(),
-            qos: Qos::Burstable,
-            label: None,
-            cpu_request_milli: 2000,
-            memory_request_bytes: 1 << 30,
-            running: true,
-        },
+    let rounds: usize = std::env::var("ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
+    let mut settings: Vec<(&str, Setting)> = vec![
+        ("kubelet's shares", Setting::Kubelet),
+        ("baleen's policy", Setting::Policy(ClassPolicy::default())),
     ];
-    let mut written = Vec::new();
-    for (uid, _, settings) in plan(&pods, 2000, &ClassPolicy::default()) {
-        let qos = if uid == INFERENCE { Qos::Guaranteed } else { Qos::Burstable };
-        let s: PodSettings = settings;
-        written.extend(cgroups::apply(&layout, qos, &uid, s).expect("applied"));
+    if std::env::var_os("VARIANTS").is_some() {
+        settings.push((
+            "policy without cpu.idle",
+            Setting::Policy(ClassPolicy { idle_training: false, ..ClassPolicy::default() }),
+        ));
+        settings.push(("cpu.idle alone", Setting::IdleOnly));
     }
-    let variants: Vec<(String, Vec<Duration>)> = if std::env::var_os("VARIANTS").is_some() {
-        let mut v = Vec::new();
-        for (name, shares_i, shares_t, period, quota) in [
-            ("shares only", "10240", "102", "100000", "-1"),
-            ("cap 1.5 cores, 100 ms period", "10240", "102", "100000", "150000"),
-            ("cap 1.5 cores, 10 ms period", "10240", "102", "10000", "15000"),
-            ("cap 1 core, 10 ms period", "10240", "102", "10000", "10000"),
-            ("cap 1 core, 100 ms period", "10240", "102", "100000", "100000"),
-        ] {
-            write(&inference_dir.join("cpu.shares"), shares_i);
-            write(&training_dir.join("cpu.shares"), shares_t);
-            write(&training_dir.join("cpu.cfs_quota_us"), "-1");
-            write(&training_dir.join("cpu.cfs_period_us"), period);
-            write(&training_dir.join("cpu.cfs_quota_us"), quota);
-            v.push((name.to_owned(), measure()));
+    // The policy with another inference weight: `INFERENCE_WEIGHT`.
+    if let Some(w) = std::env::var("INFERENCE_WEIGHT").ok().and_then(|w| w.parse::<u64>().ok()) {
+        let name: &'static str =
+            Box::leak(format!("policy, inference weight {w}").into_boxed_str());
+        settings.push((
+            name,
+            Setting::Policy(ClassPolicy { inference_weight: w, ..ClassPolicy::default() }),
+        ));
+    }
+    // Hand-set caps over the policy: `PERIOD_US` and `QUOTA_US` for the training pod.
+    if let (Ok(period), Ok(quota)) = (std::env::var("PERIOD_US"), std::env::var("QUOTA_US")) {
+        let name: &'static str =
+            Box::leak(format!("policy, cap {quota}/{period} us").into_boxed_str());
+        settings.push((
+            name,
+            Setting::PolicyThen(vec![("cpu.cfs_period_us", period), ("cpu.cfs_quota_us", quota)]),
+        ));
+    }
+    let mut pooled: Vec<Vec<Duration>> = vec![Vec::new(); settings.len()];
+    let mut per_round: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
+    let mut written: Vec<String> = vec![String::new(); settings.len()];
+    for _ in 0..rounds {
+        for (i, (_, setting)) in settings.iter().enumerate() {
+            let (t, shown) = measure_with(&layout, setting, &training_dir);
+            per_round[i].push(pct(&t, 990));
+            pooled[i].extend(t);
+            written[i] = shown;
         }
-        v
-    } else {
-        Vec::new()
-    };
-    for (name, t) in &variants {
-        println!(
-            "{name:>32}: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
-            pct(t, 500),
-            pct(t, 990),
-            t.last().map_or(0.0, |d| d.as_secs_f64() * 1e3)
-        );
     }
-    let settings: Vec<String> = written
-        .iter()
-        .map(|w| {
-            format!(
-                "{} = {}",
-                w.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-                w.value
-            )
-        })
-        .collect();
-    let with = measure();
     // Clean up: this process back to the root cgroup, the loops ended, the cgroups removed.
     write(&cpu.join("cgroup.procs"), &std::process::id().to_string());
     for c in &mut training {
@@ -205,18 +274,32 @@ fn main() {
     for d in dirs {
         let _ = std::fs::remove_dir(&d);
     }
-    println!("written with the policy: {}", settings.join(", "));
-    for (what, t) in [
-        ("alone (training stopped)", &idle_free),
-        ("kubelet's shares", &without),
-        ("baleen's policy", &with),
-    ] {
+    println!("{rounds} rounds of {REQUESTS} requests per setting, interleaved");
+    let t = &idle_free;
+    println!(
+        "{:>26}: p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        "alone (training stopped)",
+        pct(t, 500),
+        pct(t, 900),
+        pct(t, 990),
+        t.last().map_or(0.0, |d| d.as_secs_f64() * 1e3)
+    );
+    for (i, (name, _)) in settings.iter().enumerate() {
+        let t = &mut pooled[i];
+        t.sort();
+        let rounds: Vec<String> = per_round[i].iter().map(|p| format!("{p:.2}")).collect();
         println!(
-            "{what:>26}: p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+            "{name:>26}: p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms; p99 per round {}",
             pct(t, 500),
             pct(t, 900),
             pct(t, 990),
-            t.last().map_or(0.0, |d| d.as_secs_f64() * 1e3)
+            t.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            rounds.join(" ")
         );
+        if !written[i].is_empty() {
+            println!("{:>26}  written: {}", "", written[i]);
+        }
     }
+    let p99 = |i: usize| pct(&pooled[i], 990);
+    println!("pooled p99, kubelet's / baleen's: {:.1}x", p99(0) / p99(1));
 }

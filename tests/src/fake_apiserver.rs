@@ -214,7 +214,7 @@ impl FakeApiServer {
         self.world().requests.clone()
     }
 
-    /// Follows the number of requests answered.
+    /// Follows the number of requests answered (told again when a write has been applied).
     pub fn watch_requests(&self) -> watch::Receiver<u64> {
         self.shared.1.subscribe()
     }
@@ -521,6 +521,10 @@ async fn patch_node(
         }
     }
     let stored = world.put(Kind::Node, name.clone(), node);
+    drop(world);
+    // Followers of the requests are told again once the patch is applied (the request was
+    // recorded before it was): one that looked in between sees the new object.
+    app.shared.1.send_modify(|_| {});
     let meta = json!({
         "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
         "metadata": stored["metadata"]
@@ -556,6 +560,8 @@ async fn bind_pod(
     }
     pod["spec"]["nodeName"] = Value::String(node.to_owned());
     world.put(Kind::Pod, key, pod);
+    drop(world);
+    app.shared.1.send_modify(|_| {});
     json_response(
         StatusCode::CREATED,
         &json!({"kind": "Status", "apiVersion": "v1", "status": "Success"}),

@@ -1601,7 +1601,21 @@ async fn published_when(
             requests.changed().await?;
         }
     };
-    tokio::time::timeout(WAIT, wait).await.with_context(|| format!("waiting for {what}"))?
+    tokio::time::timeout(WAIT, wait).await.with_context(|| {
+        let patches: Vec<String> = api
+            .requests()
+            .iter()
+            .filter(|r| r.method == "PATCH")
+            .map(|r| format!("{:?}", r.at.elapsed()))
+            .collect();
+        format!(
+            "waiting for {what}; last published {:?}; PATCHes (ago) {patches:?}",
+            published(api).map(|s| (
+                s.generation,
+                s.gpus.iter().map(|g| g.units_total - g.units_free).sum::<u32>()
+            ))
+        )
+    })?
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1735,8 +1749,12 @@ fn cgroup_tree(root: &Path, pods: &[(&str, baleen_agent::isolation::cgroups::Qos
     for (uid, qos) in pods {
         let dir = layout.pod_dir("cpu", *qos, uid);
         std::fs::create_dir_all(&dir)?;
-        for (file, value) in [("cpu.weight", "100"), ("cpu.max", "max 100000"), ("memory.low", "0")]
-        {
+        for (file, value) in [
+            ("cpu.weight", "100"),
+            ("cpu.max", "max 100000"),
+            ("memory.low", "0"),
+            ("cpu.idle", "0"),
+        ] {
             std::fs::write(dir.join(file), value)?;
         }
     }
@@ -1857,7 +1875,9 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     })
     .await?;
     assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), (4u64 << 30).to_string());
-    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "10");
+    // Training is idle while inference runs: the kernel's idle weight, its own left as it was.
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.idle"), "1");
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "100");
     assert_eq!(f("uid-other", Qos::Guaranteed, "cpu.weight"), "100", "another node's pod");
     let state = node.config.state_dir.join("colocation.json");
     assert!(state.is_file(), "what to put back is kept");
@@ -1867,9 +1887,9 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
         &cgroups,
         baleen_agent::isolation::cgroups::Driver::Systemd,
     )?;
-    std::fs::write(layout.pod_dir("cpu", Qos::BestEffort, "uid-train").join("cpu.weight"), "1")?;
+    std::fs::write(layout.pod_dir("cpu", Qos::Guaranteed, "uid-serve").join("cpu.weight"), "1")?;
     eventually("the weight written again", || {
-        f("uid-train", Qos::BestEffort, "cpu.weight") == "10"
+        f("uid-serve", Qos::Guaranteed, "cpu.weight") == "1000"
     })
     .await?;
 
@@ -1885,15 +1905,16 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     api.start_again().await?;
     eventually("the cap lifted", || f("uid-train", Qos::BestEffort, "cpu.max") == "max 100000")
         .await?;
-    assert_eq!(f("uid-serve", Qos::Guaranteed, "cpu.weight"), "100", "put back");
+    assert_eq!(f("uid-serve", Qos::Guaranteed, "cpu.weight"), "1", "the kubelet's value put back");
     assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), "0", "put back");
-    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "10", "still training");
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "10", "training, not idle now");
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.idle"), "0");
     stop(agent, token).await?;
 
     // Co-location switched off: everything put back at start, the saved state gone.
     node.config.colocation.enabled = false;
     let (agent, token) = node.start_with(None).await?;
-    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "1", "the kubelet's value back");
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "100", "the kernel's value back");
     assert!(!state.exists());
     let plain = node.kubelet.admit_to("ml/plain", "c", MEM, 1).await?;
     assert_eq!(priority(&plain), None, "no priority without co-location");

@@ -189,7 +189,7 @@ impl Reconciler {
     ) -> Result<(), AgentError> {
         let mut allocatable: Option<u64> = None;
         let mut last_read = tokio::time::Instant::now();
-        let (first_retry, longest_retry) = defaults::ANNOTATION_RETRY;
+        let (first_retry, longest_retry) = defaults::API_RETRY;
         let mut retry = first_retry;
         loop {
             // The node's allocatable CPU: read first, then again at each resync.

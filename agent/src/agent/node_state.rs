@@ -47,7 +47,7 @@ pub async fn run(
 ) {
     let mut changes = resources.watch_state();
     let mut written: Option<String> = None;
-    let (first_retry, longest_retry) = defaults::ANNOTATION_RETRY;
+    let (first_retry, longest_retry) = defaults::API_RETRY;
     let mut retry = first_retry;
     let mut failing = false;
     loop {

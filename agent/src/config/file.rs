@@ -71,6 +71,9 @@ pub struct ColocationFile {
     pub protect_inference_memory: Option<bool>,
     /// Cap training pods while inference runs (default true).
     pub cap_training: Option<bool>,
+    /// Schedule training pods as SCHED_IDLE (`cpu.idle`) while inference runs (default true;
+    /// Linux 5.15 and later).
+    pub idle_training: Option<bool>,
     /// MPS client priority by class (default true).
     pub mps_priority: Option<bool>,
     /// How long an Allocate waits for its pod to appear, e.g. `1s` (default).

@@ -508,6 +508,7 @@ fn colocation_config(
         ),
         protect_memory: file.protect_inference_memory.unwrap_or(true),
         cap_training: file.cap_training.unwrap_or(true),
+        idle_training: file.idle_training.unwrap_or(true),
     };
     crate::agent::colocation::ColocationConfig {
         // As the annotation: inside a pod the API server is there; outside one, only when asked.
@@ -662,7 +663,7 @@ mod tests {
         assert!(inside.agent.colocation.enabled, "on in a pod");
         std::fs::write(
             &file,
-            "nodeName: n\ncolocation:\n  enabled: true\n  cgroupRoot: /host/cgroup\n  cgroupDriver: cgroupfs\n  defaultClass: inference\n  inferenceCpuWeight: 500\n  trainingCpuWeight: 1\n  protectInferenceMemory: false\n  capTraining: false\n  mpsPriority: false\n  identifyWait: 0s\n  resync: 5s\n",
+            "nodeName: n\ncolocation:\n  enabled: true\n  cgroupRoot: /host/cgroup\n  cgroupDriver: cgroupfs\n  defaultClass: inference\n  inferenceCpuWeight: 500\n  trainingCpuWeight: 1\n  protectInferenceMemory: false\n  capTraining: false\n  idleTraining: false\n  mpsPriority: false\n  identifyWait: 0s\n  resync: 5s\n",
         )
         .expect("write");
         let c = resolve(&args, &Environment::default()).expect("valid").agent.colocation;
@@ -671,7 +672,7 @@ mod tests {
         assert_eq!(c.cgroup_driver, Driver::Cgroupfs);
         assert_eq!(c.policy.default_class, Class::Inference);
         assert_eq!((c.policy.inference_weight, c.policy.training_weight), (500, 1));
-        assert!(!c.policy.protect_memory && !c.policy.cap_training);
+        assert!(!c.policy.protect_memory && !c.policy.cap_training && !c.policy.idle_training);
         assert_eq!((c.identify_wait, c.resync), (Duration::ZERO, Duration::from_secs(5)));
         std::fs::write(
             &file,

@@ -131,6 +131,10 @@ pub struct PodSettings {
     pub cpu_cap_milli: Option<u64>,
     /// Memory kept from reclaim (`memory.low`, v2 only), in bytes, or none.
     pub memory_low_bytes: Option<u64>,
+    /// Schedule the pod as SCHED_IDLE (`cpu.idle` = 1, v1 and v2, Linux 5.15 and later): any
+    /// other runnable task preempts it at once. An idle group has the kernel's idle weight:
+    /// `cpu_weight` is then not written (the kernel refuses it).
+    pub cpu_idle: bool,
 }
 
 /// One value written, with the one it replaced.
@@ -164,7 +168,9 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     })
 }
 
-/// Every file the policy sets for `settings` in the pod's cgroup, with its value.
+/// Every file the policy sets for `settings` in the pod's cgroup, with its value. A value of
+/// [`KEPT`] is not written, only kept to put back: the weight of an idle group (the kernel gives
+/// an idle group its idle weight, refuses another, and forgets the earlier one).
 pub fn targets(
     layout: &Layout,
     qos: Qos,
@@ -172,11 +178,14 @@ pub fn targets(
     settings: PodSettings,
 ) -> Vec<(PathBuf, String)> {
     let cpu = layout.pod_dir("cpu", qos, uid);
-    let mut targets = Vec::new();
+    let (weight_file, weight) = match layout.version {
+        CgroupVersion::V2 => ("cpu.weight", settings.cpu_weight.clamp(1, 10_000)),
+        CgroupVersion::V1 => ("cpu.shares", (settings.cpu_weight * 1024 / 100).clamp(2, 262_144)),
+    };
+    let weight = if settings.cpu_idle { KEPT.to_owned() } else { weight.to_string() };
+    let mut targets = vec![(cpu.join(weight_file), weight)];
     match layout.version {
         CgroupVersion::V2 => {
-            targets
-                .push((cpu.join("cpu.weight"), settings.cpu_weight.clamp(1, 10_000).to_string()));
             let max = settings.cpu_cap_milli.map_or_else(
                 || format!("max {PERIOD_US}"),
                 |m| format!("{} {PERIOD_US}", (m * PERIOD_US / 1000).max(1000)),
@@ -187,8 +196,6 @@ pub fn targets(
             }
         }
         CgroupVersion::V1 => {
-            let shares = (settings.cpu_weight * 1024 / 100).clamp(2, 262_144);
-            targets.push((cpu.join("cpu.shares"), shares.to_string()));
             if settings.cpu_cap_milli.is_some() {
                 targets.push((cpu.join("cpu.cfs_period_us"), PERIOD_US.to_string()));
             }
@@ -198,8 +205,15 @@ pub fn targets(
             targets.push((cpu.join("cpu.cfs_quota_us"), quota));
         }
     }
+    // Last: put back first, before the weight it hides.
+    if settings.cpu_idle {
+        targets.push((cpu.join("cpu.idle"), "1".to_owned()));
+    }
     targets
 }
+
+/// The value of a target that is kept to put back but not written (see [`targets`]).
+pub const KEPT: &str = "";
 
 /// What writing `settings` into the pod's cgroup would change ([`targets`] whose files hold
 /// another value), each file with the value it holds now (read, nothing written): kept before
@@ -223,7 +237,7 @@ pub fn prepare(
 /// Writes what [`prepare`] planned, in order; on an error, what was already written is put
 /// back before the error is returned.
 pub fn write_all(writes: &[Written]) -> Result<(), CgroupError> {
-    for (i, w) in writes.iter().enumerate() {
+    for (i, w) in writes.iter().enumerate().filter(|(_, w)| w.value != KEPT) {
         if let Err(e) = write(&w.path, &w.value) {
             let _ = restore(&writes[..i]);
             return Err(e);
@@ -276,12 +290,14 @@ mod tests {
                     ("cpu", "cpu.weight", "100\n"),
                     ("cpu", "cpu.max", "max 100000\n"),
                     ("cpu", "memory.low", "0\n"),
+                    ("cpu", "cpu.idle", "0\n"),
                 ]
             }
             CgroupVersion::V1 => &[
                 ("cpu", "cpu.shares", "1024\n"),
                 ("cpu", "cpu.cfs_quota_us", "-1\n"),
                 ("cpu", "cpu.cfs_period_us", "100000\n"),
+                ("cpu", "cpu.idle", "0\n"),
                 ("memory", "memory.limit_in_bytes", "9223372036854771712\n"),
             ],
         };
@@ -343,10 +359,18 @@ mod tests {
 
     #[test]
     fn settings_are_written_and_restored_on_every_layout() {
-        let inference =
-            PodSettings { cpu_weight: 1000, cpu_cap_milli: None, memory_low_bytes: Some(8 << 30) };
-        let training =
-            PodSettings { cpu_weight: 10, cpu_cap_milli: Some(1500), memory_low_bytes: None };
+        let inference = PodSettings {
+            cpu_weight: 1000,
+            cpu_cap_milli: None,
+            memory_low_bytes: Some(8 << 30),
+            cpu_idle: false,
+        };
+        let training = PodSettings {
+            cpu_weight: 10,
+            cpu_cap_milli: Some(1500),
+            memory_low_bytes: None,
+            cpu_idle: true,
+        };
         for version in [CgroupVersion::V2, CgroupVersion::V1] {
             for driver in [Driver::Systemd, Driver::Cgroupfs] {
                 for qos in [Qos::Guaranteed, Qos::Burstable, Qos::BestEffort] {
@@ -373,12 +397,14 @@ mod tests {
                     let on_training = apply(&layout, qos, UID, training).expect("applied");
                     match version {
                         CgroupVersion::V2 => {
-                            assert_eq!(get(&layout, qos, "cpu.weight"), "10", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.weight"), "100", "idle: {what}");
                             assert_eq!(get(&layout, qos, "cpu.max"), "150000 100000", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.idle"), "1", "{what}");
                         }
                         CgroupVersion::V1 => {
-                            assert_eq!(get(&layout, qos, "cpu.shares"), "102", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.shares"), "1024", "idle: {what}");
                             assert_eq!(get(&layout, qos, "cpu.cfs_quota_us"), "150000", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.idle"), "1", "{what}");
                         }
                     }
                     restore(&on_training).expect("restored");
@@ -388,10 +414,12 @@ mod tests {
                             assert_eq!(get(&layout, qos, "cpu.weight"), "100", "{what}");
                             assert_eq!(get(&layout, qos, "cpu.max"), "max 100000", "{what}");
                             assert_eq!(get(&layout, qos, "memory.low"), "0", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.idle"), "0", "{what}");
                         }
                         CgroupVersion::V1 => {
                             assert_eq!(get(&layout, qos, "cpu.shares"), "1024", "{what}");
                             assert_eq!(get(&layout, qos, "cpu.cfs_quota_us"), "-1", "{what}");
+                            assert_eq!(get(&layout, qos, "cpu.idle"), "0", "{what}");
                         }
                     }
                 }
@@ -405,8 +433,12 @@ mod tests {
         // memory.low missing: the weight and cap written before it are put back.
         std::fs::remove_file(layout.pod_dir("cpu", Qos::Burstable, UID).join("memory.low"))
             .expect("rm");
-        let settings =
-            PodSettings { cpu_weight: 1000, cpu_cap_milli: Some(2000), memory_low_bytes: Some(1) };
+        let settings = PodSettings {
+            cpu_weight: 1000,
+            cpu_cap_milli: Some(2000),
+            memory_low_bytes: Some(1),
+            cpu_idle: false,
+        };
         let err = apply(&layout, Qos::Burstable, UID, settings).expect_err("no memory.low");
         assert!(err.to_string().contains("memory.low"), "{err}");
         assert_eq!(get(&layout, Qos::Burstable, "cpu.weight"), "100");
@@ -420,16 +452,33 @@ mod tests {
     }
 }
 
-/// On this machine's real cgroup v1 `cpu` hierarchy: a pod cgroup made under a test directory,
-/// the settings written and read back from the kernel, and restored. Needs root and a writable
-/// `/sys/fs/cgroup/cpu` (cgroup v1); where that is missing it is skipped with a message saying
-/// so (as issue 16 asks), and `BALEEN_SKIP_REAL_CGROUP=1` skips it explicitly.
+/// The policy on this machine's real cgroup v1 `cpu` hierarchy: two real processes, an
+/// "inference" and a "training" one, each in a pod cgroup made the way the kubelet's cgroupfs
+/// driver names it (under a test directory of `/sys/fs/cgroup/cpu`), the co-location policy
+/// reconciled over them, the values read back from the kernel, and put back. It needs root and a
+/// writable `/sys/fs/cgroup/cpu`; where that is missing it is skipped with a message saying so
+/// (as issue 16 asks), and `BALEEN_SKIP_REAL_CGROUP=1` skips it explicitly.
 #[cfg(test)]
 mod real {
     use super::*;
+    use crate::isolation::colocation::{ClassPolicy, Colocation, NodePod};
+
+    const INFERENCE: &str = "11111111-2222-3333-4444-555555555555";
+    const TRAINING: &str = "66666666-7777-8888-9999-000000000000";
+
+    fn pod(uid: &str, qos: Qos, cpu: u64) -> NodePod {
+        NodePod {
+            uid: uid.into(),
+            qos,
+            label: None,
+            cpu_request_milli: cpu,
+            memory_request_bytes: 1 << 30,
+            running: true,
+        }
+    }
 
     #[test]
-    fn settings_reach_the_kernel_on_the_real_v1_hierarchy() {
+    fn the_policy_reaches_two_real_process_groups_on_the_real_v1_hierarchy() {
         let cpu = Path::new("/sys/fs/cgroup/cpu");
         if std::env::var_os("BALEEN_SKIP_REAL_CGROUP").is_some() {
             eprintln!("skipped: BALEEN_SKIP_REAL_CGROUP is set");
@@ -439,8 +488,8 @@ mod real {
         if let Err(e) = std::fs::create_dir(&base) {
             // Issue 16: skipped where the hierarchy is not writable, saying so.
             eprintln!(
-                "SKIPPED settings_reach_the_kernel_on_the_real_v1_hierarchy: it needs root and a \
-                 writable cgroup v1 cpu hierarchy at {} ({e})",
+                "SKIPPED the_policy_reaches_two_real_process_groups_on_the_real_v1_hierarchy: it \
+                 needs root and a writable cgroup v1 cpu hierarchy at {} ({e})",
                 cpu.display()
             );
             return;
@@ -453,26 +502,59 @@ mod real {
             version: CgroupVersion::V1,
             driver: Driver::Cgroupfs,
         };
-        let uid = "11111111-2222-3333-4444-555555555555";
-        let pod = layout.pod_dir("cpu", Qos::Burstable, uid);
-        // mkdir in cgroupfs makes a cgroup, with the kernel's files.
-        std::fs::create_dir_all(&pod).expect("a real cgroup");
-        let outcome = std::panic::catch_unwind(|| {
-            let before = read(&pod.join("cpu.shares")).expect("cpu.shares");
-            let settings =
-                PodSettings { cpu_weight: 10, cpu_cap_milli: Some(500), memory_low_bytes: None };
-            let written = apply(&layout, Qos::Burstable, uid, settings).expect("applied");
-            assert_eq!(read(&pod.join("cpu.shares")).expect("read"), "102");
-            assert_eq!(read(&pod.join("cpu.cfs_quota_us")).expect("read"), "50000");
-            assert_eq!(read(&pod.join("cpu.cfs_period_us")).expect("read"), "100000");
-            restore(&written).expect("restored");
-            assert_eq!(read(&pod.join("cpu.shares")).expect("read"), before);
-            assert_eq!(read(&pod.join("cpu.cfs_quota_us")).expect("read"), "-1");
-        });
-        // Cgroups are removed innermost first.
+        let inference = layout.pod_dir("cpu", Qos::Guaranteed, INFERENCE);
+        let training = layout.pod_dir("cpu", Qos::Burstable, TRAINING);
+        let mut children = Vec::new();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // mkdir in cgroupfs makes a cgroup, with the kernel's files.
+            for (dir, shares) in [(&inference, "512"), (&training, "2048")] {
+                std::fs::create_dir_all(dir).expect("a real cgroup");
+                // The kubelet's shares from the requests.
+                std::fs::write(dir.join("cpu.shares"), shares).expect("shares");
+                let child = std::process::Command::new("sleep").arg("60").spawn().expect("sleep");
+                std::fs::write(dir.join("cgroup.procs"), child.id().to_string()).expect("moved");
+                let own = std::fs::read_to_string(format!("/proc/{}/cgroup", child.id()))
+                    .expect("its cgroup");
+                let name = dir.file_name().expect("pod dir").to_string_lossy().into_owned();
+                assert!(own.contains(&name), "{own}");
+                children.push(child);
+            }
+            let mut pods =
+                vec![pod(INFERENCE, Qos::Guaranteed, 500), pod(TRAINING, Qos::Burstable, 2000)];
+            let policy = ClassPolicy::default();
+            let mut state = Colocation::default();
+            let no_save = |_: &Colocation| Ok::<(), std::convert::Infallible>(());
+            let report = state.reconcile(&layout, &pods, 2000, &policy, no_save).expect("saved");
+            assert!(report.failed.is_empty(), "{:?}", report.failed);
+            let get = |dir: &Path, file: &str| read(&dir.join(file)).expect("readable");
+            // Read back from the kernel: inference weight 1000 (shares 10240), training idle and
+            // capped at the 2 cores less the inference pod's 0.5.
+            assert_eq!(get(&inference, "cpu.shares"), "10240");
+            assert_eq!(get(&training, "cpu.idle"), "1");
+            assert_eq!(get(&training, "cpu.cfs_quota_us"), "150000");
+            assert_eq!(get(&training, "cpu.cfs_period_us"), "100000");
+            // The inference pod ends: the training pod's cap and idleness go, the inference
+            // pod's shares come back.
+            pods[0].running = false;
+            let report = state.reconcile(&layout, &pods, 2000, &policy, no_save).expect("saved");
+            assert!(report.failed.is_empty(), "{:?}", report.failed);
+            assert_eq!(get(&inference, "cpu.shares"), "512");
+            assert_eq!(get(&training, "cpu.idle"), "0");
+            assert_eq!(get(&training, "cpu.cfs_quota_us"), "-1");
+            assert_eq!(get(&training, "cpu.shares"), "102", "training weight without inference");
+            state.restore_all().expect("restored");
+            assert_eq!(get(&training, "cpu.shares"), "2048", "the kubelet's shares back");
+        }));
+        // The processes end and go back to the root; cgroups are removed innermost first.
+        for mut c in children {
+            let _ = std::fs::write(cpu.join("cgroup.procs"), c.id().to_string());
+            let _ = c.kill();
+            let _ = c.wait();
+        }
         for dir in [
-            pod.clone(),
-            pod.parent().map(Path::to_path_buf).unwrap_or_default(),
+            inference.clone(),
+            training.clone(),
+            training.parent().map(Path::to_path_buf).unwrap_or_default(),
             base.join("kubepods"),
             base.clone(),
         ] {

@@ -60,6 +60,8 @@ pub struct ClassPolicy {
     pub protect_memory: bool,
     /// Cap training pods while inference runs.
     pub cap_training: bool,
+    /// Schedule training pods as SCHED_IDLE (`cpu.idle`) while inference runs.
+    pub idle_training: bool,
 }
 
 impl Default for ClassPolicy {
@@ -70,6 +72,7 @@ impl Default for ClassPolicy {
             training_weight: crate::defaults::TRAINING_CPU_WEIGHT,
             protect_memory: true,
             cap_training: true,
+            idle_training: true,
         }
     }
 }
@@ -112,6 +115,7 @@ pub fn plan(
                     cpu_weight: policy.inference_weight,
                     cpu_cap_milli: None,
                     memory_low_bytes: policy.protect_memory.then_some(p.memory_request_bytes),
+                    cpu_idle: false,
                 },
                 Class::Training => PodSettings {
                     cpu_weight: policy.training_weight,
@@ -121,6 +125,7 @@ pub fn plan(
                         u64::try_from(share).unwrap_or(u64::MAX).max(100)
                     }),
                     memory_low_bytes: None,
+                    cpu_idle: policy.idle_training && any_inference,
                 },
             };
             (p.uid.clone(), *class, settings)
@@ -135,6 +140,8 @@ struct Applied {
     weight: u64,
     cap: Option<u64>,
     low: Option<u64>,
+    #[serde(default)]
+    idle: bool,
     written: Vec<(std::path::PathBuf, String, String)>,
 }
 
@@ -199,6 +206,7 @@ impl Colocation {
                     && a.weight == settings.cpu_weight
                     && a.cap == settings.cpu_cap_milli
                     && a.low == settings.memory_low_bytes
+                    && a.idle == settings.cpu_idle
             });
             if same {
                 if let Some(a) = self.applied.get_mut(&uid) {
@@ -300,7 +308,7 @@ impl Colocation {
 fn rewrite_drifted(a: &mut Applied) -> Result<bool, CgroupError> {
     let mut any = false;
     for (path, previous, value) in &mut a.written {
-        if !path.exists() {
+        if value.as_str() == cgroups::KEPT || !path.exists() {
             continue;
         }
         let now = cgroups::read(path)?;
@@ -327,6 +335,7 @@ fn applied<'a>(
         weight: settings.cpu_weight,
         cap: settings.cpu_cap_milli,
         low: settings.memory_low_bytes,
+        idle: settings.cpu_idle,
         written: written.map(|w| (w.path.clone(), w.previous.clone(), w.value.clone())).collect(),
     }
 }
@@ -408,7 +417,12 @@ mod tests {
         for (uid, qos) in uids {
             let d = layout.pod_dir("cpu", *qos, uid);
             std::fs::create_dir_all(&d).expect("dir");
-            for (f, v) in [("cpu.weight", "100"), ("cpu.max", "max 100000"), ("memory.low", "0")] {
+            for (f, v) in [
+                ("cpu.weight", "100"),
+                ("cpu.max", "max 100000"),
+                ("memory.low", "0"),
+                ("cpu.idle", "0"),
+            ] {
                 std::fs::write(d.join(f), v).expect("write");
             }
         }
@@ -444,7 +458,7 @@ mod tests {
         // Inference ends: the training pod's cap goes, its original values come back first.
         pods[0].running = false;
         let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
-        assert_eq!(report.restored, ["inf"]);
+        assert_eq!(report.restored, ["inf", "t1"], "t1: cpu.idle put back");
         assert_eq!(report.applied, ["t1"], "its cap lifted, written directly");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.max"), "max 100000");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
