@@ -1920,3 +1920,63 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     assert_eq!(priority(&plain), None, "no priority without co-location");
     stop(agent, token).await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_pods_view_sees_only_its_node_follows_binding_and_the_api_coming_back()
+-> Result<()> {
+    use baleen_agent::kube_api::NodeApi as _;
+    let mut api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a", "node-b"]).await?;
+    let address: std::net::SocketAddr = api.url().trim_start_matches("http://").parse()?;
+    // A field selector the API server cannot answer is refused, as the real one refuses it.
+    let (code, body) = baleen_tests::http::request(
+        address,
+        "GET",
+        "/api/v1/pods?fieldSelector=status.hostIP%3D1.2.3.4",
+        "",
+    )
+    .await?;
+    assert_eq!(code, 400, "{body}");
+    api.put_pod(api_pod("mine", "node-a", "Guaranteed", None, "Running", 1));
+    api.put_pod(api_pod("theirs", "node-b", "Guaranteed", None, "Running", 1));
+    api.put_pod(api_pod("unbound", "", "BestEffort", None, "Pending", 2));
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    let (view, mut pods) =
+        tokio::sync::watch::channel(baleen_agent::node_pods::NodePods::default());
+    let token = CancellationToken::new();
+    let follower = {
+        let (client, token) = (client.clone(), token.clone());
+        tokio::spawn(async move { client.follow_pods("node-a", view, token).await })
+    };
+    let names = |v: &baleen_agent::node_pods::NodePods| -> Vec<String> {
+        v.pods.values().map(|p| p.name.clone()).collect()
+    };
+    let mut until = async |what: &str, ok: &dyn Fn(&baleen_agent::node_pods::NodePods) -> bool| {
+        tokio::time::timeout(WAIT, pods.wait_for(|v| v.synced && ok(v)))
+            .await
+            .with_context(|| format!("waiting for {what}"))?
+            .map(|v| v.clone())
+            .context("the follower ended")
+    };
+    until("the first list", &|v| names(v) == ["mine"]).await?;
+    // Bound to this node: it comes into the view (a watch with the selector sees ADDED).
+    let binding = serde_json::json!({"target": {"kind": "Node", "name": "node-a"}}).to_string();
+    let (code, _) = baleen_tests::http::request(
+        address,
+        "POST",
+        "/api/v1/namespaces/ml/pods/unbound/binding",
+        &binding,
+    )
+    .await?;
+    assert_eq!(code, 201);
+    let seen = until("the bound pod", &|v| names(v).len() == 2).await?;
+    assert_eq!(seen.pods["uid-unbound"].asks.len(), 1);
+    // The API server goes away; a pod ends meanwhile; once it is back the watch goes on (or
+    // lists again) and the pod is gone from the view.
+    api.stop().await;
+    api.delete_pod("ml/mine");
+    api.start_again().await?;
+    until("the ended pod gone", &|v| names(v) == ["unbound"]).await?;
+    token.cancel();
+    tokio::time::timeout(WAIT, follower).await??;
+    Ok(())
+}
