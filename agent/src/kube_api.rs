@@ -12,7 +12,7 @@ use kube::runtime::watcher::{self, Event};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::node_pods::{NodePods, PodInfo};
+use crate::isolation::node_pods::{NodePods, PodInfo};
 
 /// Why a call to the API server failed.
 #[derive(Debug, thiserror::Error)]

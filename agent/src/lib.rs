@@ -17,8 +17,8 @@
 //! - [`error_chain`]: an error and its causes on one line, for logs and gRPC messages;
 //! - [`inventory`]: the node's GPUs from NVML or a simulated topology;
 //! - [`quantity`]: sizes like `1GiB` in configuration and topology files;
-//! - [`kube_api`] and [`node_pods`]: the Kubernetes API (the node-state annotation, the node's
-//!   pods); [`kube_access`]: every call the agent makes (the install's RBAC).
+//! - [`kube_api`]: the Kubernetes API (the node-state annotation, the node's pods);
+//!   [`kube_access`]: every call the agent makes (the install's RBAC).
 //!
 //! Placement decisions live in `baleen-scheduler-core`.
 
@@ -36,7 +36,6 @@ pub mod kube_access;
 pub mod kube_api;
 pub mod ledger;
 pub mod metrics;
-pub mod node_pods;
 pub mod quantity;
 pub mod reconcile;
 pub mod resources;

@@ -1941,22 +1941,23 @@ async fn the_node_pods_view_sees_only_its_node_follows_binding_and_the_api_comin
     api.put_pod(api_pod("unbound", "", "BestEffort", None, "Pending", 2));
     let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
     let (view, mut pods) =
-        tokio::sync::watch::channel(baleen_agent::node_pods::NodePods::default());
+        tokio::sync::watch::channel(baleen_agent::isolation::node_pods::NodePods::default());
     let token = CancellationToken::new();
     let follower = {
         let (client, token) = (client.clone(), token.clone());
         tokio::spawn(async move { client.follow_pods("node-a", view, token).await })
     };
-    let names = |v: &baleen_agent::node_pods::NodePods| -> Vec<String> {
+    let names = |v: &baleen_agent::isolation::node_pods::NodePods| -> Vec<String> {
         v.pods.values().map(|p| p.name.clone()).collect()
     };
-    let mut until = async |what: &str, ok: &dyn Fn(&baleen_agent::node_pods::NodePods) -> bool| {
-        tokio::time::timeout(WAIT, pods.wait_for(|v| v.synced && ok(v)))
-            .await
-            .with_context(|| format!("waiting for {what}"))?
-            .map(|v| v.clone())
-            .context("the follower ended")
-    };
+    let mut until =
+        async |what: &str, ok: &dyn Fn(&baleen_agent::isolation::node_pods::NodePods) -> bool| {
+            tokio::time::timeout(WAIT, pods.wait_for(|v| v.synced && ok(v)))
+                .await
+                .with_context(|| format!("waiting for {what}"))?
+                .map(|v| v.clone())
+                .context("the follower ended")
+        };
     until("the first list", &|v| names(v) == ["mine"]).await?;
     // Bound to this node: it comes into the view (a watch with the selector sees ADDED).
     let binding = serde_json::json!({"target": {"kind": "Node", "name": "node-a"}}).to_string();

@@ -22,9 +22,9 @@ use crate::defaults;
 use crate::error_chain::Chain;
 use crate::isolation::cgroups::{Driver, Layout};
 use crate::isolation::colocation::{ClassPolicy, Colocation, NodePod, Report};
+use crate::isolation::node_pods::NodePods;
 use crate::isolation::pod_identity::PodIdentifier;
 use crate::kube_api::NodeApi;
-use crate::node_pods::NodePods;
 use crate::resources::NodeResources;
 
 /// The co-location settings (`colocation:` in the file).

@@ -5,11 +5,12 @@
 //!
 //! Co-location of inference and training: the classes and their CPU policy ([`colocation`]) on
 //! the pods' cgroups ([`cgroups`]), and the MPS client priority of the pod an Allocate is for
-//! ([`pod_identity`]).
+//! ([`pod_identity`]), over the node's pods as the Kubernetes API shows them ([`node_pods`]).
 
 pub mod cgroups;
 pub mod colocation;
 pub mod mps;
+pub mod node_pods;
 pub mod pod_identity;
 pub mod watchdog;
 

@@ -1,7 +1,7 @@
 //! Which pod an Allocate is for, and so which MPS client priority its containers get.
 //!
 //! The device-plugin API does not say: the kubelet sends device IDs only. Like other plugins,
-//! the agent works it out from the node's pods (the Kubernetes API's view, `crate::node_pods`):
+//! the agent works it out from the node's pods (the Kubernetes API's view, `super::node_pods`):
 //! a candidate is bound to this node, being admitted (pending, no container started yet), and
 //! has a container asking for exactly this many devices of this resource that is not already
 //! accounted for (by an earlier Allocate the agent attributed to it, or by the kubelet's
@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::colocation::{Class, ClassPolicy, classify};
-use crate::node_pods::NodePods;
+use crate::isolation::node_pods::NodePods;
 
 /// The MPS client variable of the scheduling priority (CUDA 12.4 and later): 0 normal, 1 below
 /// normal.
@@ -173,7 +173,7 @@ impl PodIdentifier {
 mod tests {
     use super::*;
     use crate::isolation::cgroups::Qos;
-    use crate::node_pods::PodInfo;
+    use crate::isolation::node_pods::PodInfo;
 
     const R: &str = "awesome-ai-company.com/gpu-memory";
 

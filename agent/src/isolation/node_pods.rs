@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use crate::isolation::cgroups::Qos;
-use crate::isolation::colocation::{CLASS_LABEL, NodePod};
+use super::cgroups::Qos;
+use super::colocation::{CLASS_LABEL, NodePod};
 
 /// One pod of the node.
 #[derive(Debug, Clone, PartialEq, Eq)]
