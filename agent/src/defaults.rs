@@ -67,6 +67,9 @@ pub const INFERENCE_CPU_WEIGHT: u64 = 1000;
 pub const TRAINING_CPU_WEIGHT: u64 = 10;
 /// How long an Allocate waits for the API's view to show the pod it is for.
 pub const IDENTIFY_WAIT: Duration = Duration::from_secs(1);
+/// The longest `colocation.identifyWait` accepted (the kubelet's Allocate has no deadline of
+/// its own, and every container of a gpu-memory share may wait this long).
+pub const IDENTIFY_WAIT_MAX: Duration = Duration::from_secs(5);
 /// Time between two co-location reconciliations when no pod changes (values the kubelet
 /// rewrote are found and written again).
 pub const COLOCATION_RESYNC: Duration = Duration::from_secs(30);

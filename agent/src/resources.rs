@@ -217,11 +217,12 @@ impl NodeResources {
     }
 
     /// How many containers of each pod (`namespace/name`) the kubelet's last pod-resources list
-    /// shows holding `resource`.
-    fn listed_holders(&self, resource: &str) -> BTreeMap<String, usize> {
+    /// shows holding `resource`, by their number of devices.
+    fn listed_holders(&self, resource: &str) -> BTreeMap<(String, u64), usize> {
         let mut holders = BTreeMap::new();
         for k in self.lock().listed.iter().filter(|k| k.resource == resource) {
-            *holders.entry(format!("{}/{}", k.namespace, k.pod)).or_default() += 1;
+            let count = u64::try_from(k.device_ids.len()).unwrap_or(u64::MAX);
+            *holders.entry((format!("{}/{}", k.namespace, k.pod), count)).or_default() += 1;
         }
         holders
     }

@@ -339,7 +339,9 @@ type Selector = Option<(&'static str, String)>;
 
 fn selector(kind: Kind, q: &BTreeMap<String, String>) -> Result<Selector, String> {
     let Some(text) = q.get("fieldSelector").filter(|s| !s.is_empty()) else { return Ok(None) };
+    // `field=value` or `field==value`, as the real server reads them.
     let (field, value) = text.split_once('=').unwrap_or((text, ""));
+    let value = value.strip_prefix('=').unwrap_or(value);
     let pointer = match (kind, field) {
         (Kind::Pod, "spec.nodeName") => "/spec/nodeName",
         (_, "metadata.name") => "/metadata/name",

@@ -1871,7 +1871,9 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     let f = |uid: &str, qos, file: &str| cgroup_file(&cgroups, uid, qos, file);
     eventually("the classes applied", || {
         f("uid-train", Qos::BestEffort, "cpu.max") == "300000 100000"
+            && f("uid-train", Qos::BestEffort, "cpu.idle") == "1"
             && f("uid-serve", Qos::Guaranteed, "cpu.weight") == "1000"
+            && f("uid-serve", Qos::Guaranteed, "memory.low") == (4u64 << 30).to_string()
     })
     .await?;
     assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), (4u64 << 30).to_string());
@@ -1903,8 +1905,11 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     api.delete_pod("ml/serve");
     api.delete_pod("ml/old");
     api.start_again().await?;
-    eventually("the cap lifted", || f("uid-train", Qos::BestEffort, "cpu.max") == "max 100000")
-        .await?;
+    eventually("the cap lifted, the training weight set", || {
+        f("uid-train", Qos::BestEffort, "cpu.max") == "max 100000"
+            && f("uid-train", Qos::BestEffort, "cpu.weight") == "10"
+    })
+    .await?;
     assert_eq!(f("uid-serve", Qos::Guaranteed, "cpu.weight"), "1", "the kubelet's value put back");
     assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), "0", "put back");
     assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "10", "training, not idle now");
@@ -1980,4 +1985,30 @@ async fn the_node_pods_view_sees_only_its_node_follows_binding_and_the_api_comin
     token.cancel();
     tokio::time::timeout(WAIT, follower).await??;
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_colocation_state_that_cannot_be_read_stops_colocation_not_the_agent() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let cgroups = node.config.state_dir.parent().context("root")?.join("cgroup");
+    cgroup_tree(&cgroups, &[])?;
+    node.config.colocation = baleen_agent::agent::colocation::ColocationConfig {
+        enabled: true,
+        cgroup_root: cgroups,
+        ..Default::default()
+    };
+    std::fs::create_dir_all(&node.config.state_dir)?;
+    let state = node.config.state_dir.join("colocation.json");
+    std::fs::write(&state, "{ not json")?;
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    let (agent, token) = node.start_with(Some(client)).await?;
+    node.registered(&agent, 1).await?;
+    // The devices are served; no class is given (co-location is not running); the file is
+    // left for the operator to mend or remove.
+    let a = node.kubelet.admit_to("ml/p", "c", MEM, 2).await?;
+    assert_eq!(priority(&a), None);
+    assert_eq!(std::fs::read_to_string(&state)?, "{ not json");
+    assert!(!api.requests().iter().any(|r| r.path.ends_with("/pods")), "no pod watch");
+    stop(agent, token).await
 }

@@ -6,9 +6,10 @@
 //!
 //! What it must put back (each file's value before the policy wrote it) is kept in
 //! `<state dir>/colocation.json`, written before any value is: a restarted agent goes on from
-//! it, and an agent started with co-location off puts everything back and deletes it.
-//! Stopping the agent leaves the values in place (the pods keep their classes across an agent
-//! restart).
+//! it, and an agent started with co-location off (or with another cgroup root) puts everything
+//! back and deletes it. Stopping the agent leaves the values in place (the pods keep their
+//! classes across an agent restart). Co-location never stops the agent: a state it cannot read
+//! or save stops co-location alone, with an error in the log; the devices are served as ever.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -106,7 +107,12 @@ fn save(path: &Path, state: &Colocation) -> Result<(), ColocationError> {
     if state.is_empty() {
         return match std::fs::remove_file(path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(e)),
-            _ => Ok(()),
+            Err(_) => Ok(()),
+            // The removal itself made durable, as a write is.
+            Ok(()) => path
+                .parent()
+                .map_or(Ok(()), |d| std::fs::File::open(d).and_then(|d| d.sync_all()))
+                .map_err(io),
         };
     }
     let bytes = serde_json::to_vec(state).map_err(|e| io(std::io::Error::other(e)))?;
@@ -125,21 +131,42 @@ pub fn start(
     shutdown: &CancellationToken,
 ) -> Result<(), AgentError> {
     let path = state_path(state_dir);
-    let mut state = load(&path)?;
-    if !config.enabled {
-        if !state.is_empty() {
-            // Switched off: every value it wrote goes back.
-            let pods = state.pods().len();
-            match state.restore_all() {
-                Ok(()) => {
-                    tracing::info!(pods, "co-location is off: the values it wrote are put back")
-                }
-                Err(e) => {
-                    tracing::warn!(error = %Chain(&e), "co-location is off but some values it wrote cannot be put back now; trying again at the next start")
-                }
-            }
-            save(&path, &state)?;
+    let mut state = match load(&path) {
+        Ok(state) => state,
+        Err(e) => {
+            // Without it the agent cannot know what to put back: co-location stays off (the
+            // devices are served as ever) until the file is mended or removed.
+            tracing::error!(
+                error = %Chain(&e),
+                "co-location does not run: its saved state cannot be read; delete the file to start afresh (the values it recorded then stay in the pods' cgroups until they end)"
+            );
+            return Ok(());
         }
+    };
+    let moved = state.root().is_some_and(|r| r != config.cgroup_root);
+    if !state.is_empty() && (!config.enabled || moved) {
+        // Switched off, or moved to another cgroup root: every value it wrote goes back first.
+        let pods = state.pods().len();
+        let outcome = state.restore_all();
+        if let Err(e) = save(&path, &state) {
+            tracing::error!(error = %Chain(&e), "co-location does not run: its state cannot be saved");
+            return Ok(());
+        }
+        match outcome {
+            Ok(()) => tracing::info!(
+                pods,
+                "co-location is off or its cgroup root changed: the values it wrote are put back"
+            ),
+            Err(e) => {
+                tracing::error!(
+                    error = e,
+                    "co-location does not run: values it wrote cannot be put back (is the cgroup root it used still mounted?); trying again at the next start"
+                );
+                return Ok(());
+            }
+        }
+    }
+    if !config.enabled {
         return Ok(());
     }
     let api = api.ok_or(AgentError::NoNodeApi { what: "colocation.enabled" })?;
@@ -218,8 +245,12 @@ impl Reconciler {
             let view = pods.borrow_and_update().clone();
             if view.synced
                 && let Some(cpu) = allocatable
+                && let Err(e) = self.reconcile(&view, cpu).await
             {
-                self.reconcile(&view, cpu).await?;
+                // What to put back cannot be kept: stop writing (the devices are served as
+                // ever); the values written so far stay recorded in the last saved state.
+                tracing::error!(error = %Chain(&e), "co-location stops: its state cannot be saved; restart the agent once the state directory is writable");
+                return Ok(());
             }
             tokio::select! {
                 () = shutdown.cancelled() => return Ok(()),
@@ -241,8 +272,7 @@ impl Reconciler {
         .await
         .map_err(|source| AgentError::Task { task: "co-location", source })?;
         self.state = state;
-        let report = outcome?;
-        log(&report);
+        log(&outcome?);
         Ok(())
     }
 }

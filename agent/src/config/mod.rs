@@ -267,6 +267,13 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         duration("colocation resync", file.colocation.resync.as_ref(), defaults::COLOCATION_RESYNC);
     let identify_wait = match file.colocation.identify_wait.as_ref().map(|t| parse_duration(t)) {
         None => defaults::IDENTIFY_WAIT,
+        Some(Ok(d)) if d > defaults::IDENTIFY_WAIT_MAX => {
+            problems.push(format!(
+                "colocation identifyWait {d:?} is above {:?}: each Allocate of a gpu-memory share may wait this long",
+                defaults::IDENTIFY_WAIT_MAX
+            ));
+            defaults::IDENTIFY_WAIT
+        }
         Some(Ok(d)) => d,
         Some(Err(e)) => {
             problems.push(format!("colocation identifyWait: {e}"));
@@ -681,6 +688,9 @@ mod tests {
         .expect("write");
         let err = resolve(&args, &Environment::default()).expect_err("six problems");
         assert_eq!(err.problems.len(), 6, "{err}");
+        std::fs::write(&file, "nodeName: n\ncolocation:\n  identifyWait: 10s\n").expect("write");
+        let err = resolve(&args, &Environment::default()).expect_err("too long a wait");
+        assert!(err.to_string().contains("identifyWait 10s is above 5s"), "{err}");
     }
 
     #[test]

@@ -131,9 +131,10 @@ pub struct PodSettings {
     pub cpu_cap_milli: Option<u64>,
     /// Memory kept from reclaim (`memory.low`, v2 only), in bytes, or none.
     pub memory_low_bytes: Option<u64>,
-    /// Schedule the pod as SCHED_IDLE (`cpu.idle` = 1, v1 and v2, Linux 5.15 and later): any
-    /// other runnable task preempts it at once. An idle group has the kernel's idle weight:
-    /// `cpu_weight` is then not written (the kernel refuses it).
+    /// Schedule the pod as SCHED_IDLE (`cpu.idle` = 1, v1 and v2, Linux 5.15 and later): the
+    /// tasks of its sibling cgroups preempt it at once (beyond its parent, its parent's weight
+    /// counts). An idle group has the kernel's idle weight: `cpu_weight` is then not written
+    /// (the kernel refuses it).
     pub cpu_idle: bool,
 }
 
@@ -168,9 +169,12 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     })
 }
 
-/// Every file the policy sets for `settings` in the pod's cgroup, with its value. A value of
-/// [`KEPT`] is not written, only kept to put back: the weight of an idle group (the kernel gives
-/// an idle group its idle weight, refuses another, and forgets the earlier one).
+/// Every file the policy sets for `settings` in the pod's cgroup, with the value it plans. A
+/// value of [`KEPT`] is not written, only kept to put back: the weight of an idle group (the
+/// kernel gives an idle group its idle weight, refuses another, and forgets the earlier one).
+/// The CPU limit is set only when a cap is planned (never lifted: the kubelet's limit of a pod
+/// stays), and [`prepare`] lowers the plan to that limit when it is tighter. `cpu.idle` comes
+/// last, so that it is put back first, before the weight it hides.
 pub fn targets(
     layout: &Layout,
     qos: Qos,
@@ -184,28 +188,24 @@ pub fn targets(
     };
     let weight = if settings.cpu_idle { KEPT.to_owned() } else { weight.to_string() };
     let mut targets = vec![(cpu.join(weight_file), weight)];
+    let quota = settings.cpu_cap_milli.map(|m| (m * PERIOD_US / 1000).max(1000));
     match layout.version {
         CgroupVersion::V2 => {
-            let max = settings.cpu_cap_milli.map_or_else(
-                || format!("max {PERIOD_US}"),
-                |m| format!("{} {PERIOD_US}", (m * PERIOD_US / 1000).max(1000)),
-            );
-            targets.push((cpu.join("cpu.max"), max));
+            if let Some(q) = quota {
+                targets.push((cpu.join("cpu.max"), format!("{q} {PERIOD_US}")));
+            }
             if let Some(low) = settings.memory_low_bytes {
-                targets.push((cpu.join("memory.low"), low.to_string()));
+                // The kernel keeps whole pages and reads back the value rounded down.
+                targets.push((cpu.join("memory.low"), (low / PAGE * PAGE).to_string()));
             }
         }
         CgroupVersion::V1 => {
-            if settings.cpu_cap_milli.is_some() {
+            if let Some(q) = quota {
                 targets.push((cpu.join("cpu.cfs_period_us"), PERIOD_US.to_string()));
+                targets.push((cpu.join("cpu.cfs_quota_us"), q.to_string()));
             }
-            let quota = settings
-                .cpu_cap_milli
-                .map_or_else(|| "-1".to_owned(), |m| (m * PERIOD_US / 1000).max(1000).to_string());
-            targets.push((cpu.join("cpu.cfs_quota_us"), quota));
         }
     }
-    // Last: put back first, before the weight it hides.
     if settings.cpu_idle {
         targets.push((cpu.join("cpu.idle"), "1".to_owned()));
     }
@@ -215,17 +215,74 @@ pub fn targets(
 /// The value of a target that is kept to put back but not written (see [`targets`]).
 pub const KEPT: &str = "";
 
+/// The page size `memory.low` is kept in.
+const PAGE: u64 = 4096;
+
+/// A CPU limit in millicores from a quota and a period in microseconds (`None`: no limit).
+fn limit_milli(quota: &str, period: &str) -> Option<u64> {
+    let q: u64 = quota.parse().ok()?;
+    let p: u64 = period.parse().ok().filter(|p| *p > 0)?;
+    Some(q * 1000 / p)
+}
+
+/// The largest CPU limit of the pod's child cgroups (its containers), millicores: on cgroup v1
+/// the kernel refuses a pod quota below a child's.
+fn children_limit_milli(dir: &Path) -> Option<u64> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    entries
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| {
+            let q = read(&e.path().join("cpu.cfs_quota_us")).ok()?;
+            let p = read(&e.path().join("cpu.cfs_period_us")).ok()?;
+            limit_milli(&q, &p)
+        })
+        .max()
+}
+
 /// What writing `settings` into the pod's cgroup would change ([`targets`] whose files hold
-/// another value), each file with the value it holds now (read, nothing written): kept before
-/// [`write_all`] so that a crash between the two cannot lose what to put back.
+/// another value), each with the value its file holds now (read, nothing written): kept before
+/// [`write_all`] so that a crash between the two cannot lose what to put back. `original` gives
+/// the value a file had before the policy wrote it, where it did (the kubelet's CPU limit is
+/// read there rather than over an earlier cap).
 pub fn prepare(
     layout: &Layout,
     qos: Qos,
     uid: &str,
     settings: PodSettings,
+    original: &dyn Fn(&Path) -> Option<String>,
 ) -> Result<Vec<Written>, CgroupError> {
+    let dir = layout.pod_dir("cpu", qos, uid);
+    let first = |path: &Path| -> Result<String, CgroupError> {
+        match original(path) {
+            Some(v) => Ok(v),
+            None => read(path),
+        }
+    };
     let mut writes = Vec::new();
-    for (path, value) in targets(layout, qos, uid, settings) {
+    for (path, mut value) in targets(layout, qos, uid, settings) {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let cap = settings.cpu_cap_milli.map(|m| m.max(10));
+        match (name, cap) {
+            ("cpu.max", Some(cap)) => {
+                // The kubelet's limit, if tighter, stays.
+                let kubelet = first(&path)?;
+                let mut parts = kubelet.split_whitespace();
+                let limit = limit_milli(parts.next().unwrap_or("max"), parts.next().unwrap_or(""));
+                if limit.is_some_and(|l| l <= cap) {
+                    value = kubelet;
+                }
+            }
+            ("cpu.cfs_quota_us", Some(cap)) => {
+                let kubelet = first(&path)?;
+                let period = first(&dir.join("cpu.cfs_period_us"))?;
+                let limit = limit_milli(&kubelet, &period);
+                let floor = children_limit_milli(&dir).unwrap_or(0);
+                let milli = limit.map_or(cap, |l| l.min(cap)).max(floor);
+                value = (milli * PERIOD_US / 1000).max(1000).to_string();
+            }
+            _ => {}
+        }
         let previous = read(&path)?;
         if previous != value {
             writes.push(Written { path, previous, value });
@@ -234,41 +291,48 @@ pub fn prepare(
     Ok(writes)
 }
 
-/// Writes what [`prepare`] planned, in order; on an error, what was already written is put
-/// back before the error is returned.
+/// Writes what [`prepare`] planned, in order (not the [`KEPT`] ones); stops at the first error
+/// and returns it (the caller puts back what it must: see [`restore`]).
 pub fn write_all(writes: &[Written]) -> Result<(), CgroupError> {
-    for (i, w) in writes.iter().enumerate().filter(|(_, w)| w.value != KEPT) {
-        if let Err(e) = write(&w.path, &w.value) {
-            let _ = restore(&writes[..i]);
-            return Err(e);
-        }
+    for w in writes.iter().filter(|w| w.value != KEPT) {
+        write(&w.path, &w.value)?;
     }
     Ok(())
 }
 
 /// Writes `settings` into the pod's cgroup ([`prepare`], then [`write_all`]); returns what
-/// changed, to [`restore`] later.
+/// changed, to [`restore`] later. On an error, what was written is put back.
 pub fn apply(
     layout: &Layout,
     qos: Qos,
     uid: &str,
     settings: PodSettings,
 ) -> Result<Vec<Written>, CgroupError> {
-    let writes = prepare(layout, qos, uid, settings)?;
-    write_all(&writes)?;
+    let writes = prepare(layout, qos, uid, settings, &|_| None)?;
+    if let Err(e) = write_all(&writes) {
+        let _ = restore(&writes);
+        return Err(e);
+    }
     Ok(writes)
 }
 
-/// Puts back what [`apply`] changed, newest first; a cgroup that is gone (its pod ended) is
-/// not an error.
+/// Puts back what [`apply`] (or [`write_all`]) changed: `cpu.idle` first (an idle group refuses
+/// a weight), then the rest newest first. A file whose pod directory is gone (the pod ended) is
+/// skipped; a file missing from a directory that exists is an error. Every value is tried; the
+/// first error is returned.
 pub fn restore(written: &[Written]) -> Result<(), CgroupError> {
-    for w in written.iter().rev() {
-        if !w.path.exists() {
+    let idle = |w: &&Written| w.path.file_name().is_some_and(|n| n == "cpu.idle");
+    let order = written.iter().rev().filter(idle).chain(written.iter().rev().filter(|w| !idle(w)));
+    let mut first_error = None;
+    for w in order {
+        if w.path.parent().is_some_and(|d| !d.exists()) {
             continue;
         }
-        write(&w.path, &w.previous)?;
+        if let Err(e) = write(&w.path, &w.previous) {
+            first_error.get_or_insert(e);
+        }
     }
-    Ok(())
+    first_error.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]
@@ -428,6 +492,43 @@ mod tests {
     }
 
     #[test]
+    fn the_kubelets_cpu_limit_is_kept_when_tighter_and_never_lifted() {
+        let (_dir, layout) = tree(CgroupVersion::V2, Driver::Systemd, Qos::Guaranteed);
+        let pod = layout.pod_dir("cpu", Qos::Guaranteed, UID);
+        std::fs::write(pod.join("cpu.max"), "200000 100000").expect("a 2-CPU limit");
+        let settings = |cap| PodSettings {
+            cpu_weight: 10,
+            cpu_cap_milli: cap,
+            memory_low_bytes: Some(4_000_000_000),
+            cpu_idle: false,
+        };
+        // No cap planned: the limit is not touched; memory.low in whole pages.
+        let written = apply(&layout, Qos::Guaranteed, UID, settings(None)).expect("applied");
+        assert_eq!(get(&layout, Qos::Guaranteed, "cpu.max"), "200000 100000");
+        assert_eq!(get(&layout, Qos::Guaranteed, "memory.low"), "3999997952");
+        restore(&written).expect("put back");
+        // A looser cap: the kubelet's limit stays; a tighter one is written.
+        let written = apply(&layout, Qos::Guaranteed, UID, settings(Some(3000))).expect("applied");
+        assert_eq!(get(&layout, Qos::Guaranteed, "cpu.max"), "200000 100000");
+        restore(&written).expect("put back");
+        let written = apply(&layout, Qos::Guaranteed, UID, settings(Some(1000))).expect("applied");
+        assert_eq!(get(&layout, Qos::Guaranteed, "cpu.max"), "100000 100000");
+        restore(&written).expect("put back");
+        assert_eq!(get(&layout, Qos::Guaranteed, "cpu.max"), "200000 100000");
+        // cgroup v1: never below a container's own quota (the kernel would refuse it).
+        let (_dir, layout) = tree(CgroupVersion::V1, Driver::Cgroupfs, Qos::Burstable);
+        let pod = layout.pod_dir("cpu", Qos::Burstable, UID);
+        let container = pod.join("0123abcd");
+        std::fs::create_dir_all(&container).expect("container");
+        std::fs::write(container.join("cpu.cfs_quota_us"), "150000").expect("write");
+        std::fs::write(container.join("cpu.cfs_period_us"), "100000").expect("write");
+        let written = apply(&layout, Qos::Burstable, UID, settings(Some(500))).expect("applied");
+        assert_eq!(get(&layout, Qos::Burstable, "cpu.cfs_quota_us"), "150000");
+        restore(&written).expect("put back");
+        assert_eq!(get(&layout, Qos::Burstable, "cpu.cfs_quota_us"), "-1");
+    }
+
+    #[test]
     fn a_missing_cgroup_is_an_error_naming_it_and_leaves_nothing_half_written() {
         let (_dir, layout) = tree(CgroupVersion::V2, Driver::Systemd, Qos::Burstable);
         // memory.low missing: the weight and cap written before it are put back.
@@ -533,6 +634,20 @@ mod real {
             assert_eq!(get(&training, "cpu.idle"), "1");
             assert_eq!(get(&training, "cpu.cfs_quota_us"), "150000");
             assert_eq!(get(&training, "cpu.cfs_period_us"), "100000");
+            // The cap changes while the pod stays idle (a node of 1.5 CPUs now): the record keeps
+            // cpu.idle last, so that putting back clears it before the kernel is given a weight
+            // (it refuses one while the group is idle).
+            let report = state.reconcile(&layout, &pods, 1500, &policy, no_save).expect("saved");
+            assert!(report.failed.is_empty(), "{:?}", report.failed);
+            assert_eq!(get(&training, "cpu.cfs_quota_us"), "100000");
+            let mut copy = state.clone();
+            copy.restore_all().expect("put back while idle");
+            assert_eq!(get(&training, "cpu.idle"), "0");
+            assert_eq!(get(&training, "cpu.shares"), "2048", "the kubelet's shares back");
+            assert_eq!(get(&inference, "cpu.shares"), "512");
+            let report = state.reconcile(&layout, &pods, 2000, &policy, no_save).expect("saved");
+            assert!(report.failed.is_empty(), "{:?}", report.failed);
+            assert_eq!(get(&training, "cpu.idle"), "1", "applied again");
             // The inference pod ends: the training pod's cap and idleness go, the inference
             // pod's shares come back.
             pods[0].running = false;

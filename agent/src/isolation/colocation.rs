@@ -142,7 +142,49 @@ struct Applied {
     low: Option<u64>,
     #[serde(default)]
     idle: bool,
+    /// An apply that failed half-way and could not be put back whole: applied again (or put
+    /// back) at the next reconciliation, whatever the plan.
+    #[serde(default)]
+    stale: bool,
+    /// `(file, value before the policy, value written)`, in the order of `cgroups::targets`.
     written: Vec<(std::path::PathBuf, String, String)>,
+}
+
+impl Applied {
+    fn of(class: Class, settings: PodSettings, written: &[Written]) -> Self {
+        Self {
+            class,
+            weight: settings.cpu_weight,
+            cap: settings.cpu_cap_milli,
+            low: settings.memory_low_bytes,
+            idle: settings.cpu_idle,
+            stale: false,
+            written: written
+                .iter()
+                .map(|w| (w.path.clone(), w.previous.clone(), w.value.clone()))
+                .collect(),
+        }
+    }
+
+    fn same(&self, class: Class, settings: PodSettings) -> bool {
+        !self.stale
+            && self.class == class
+            && self.weight == settings.cpu_weight
+            && self.cap == settings.cpu_cap_milli
+            && self.low == settings.memory_low_bytes
+            && self.idle == settings.cpu_idle
+    }
+
+    fn writes(&self) -> Vec<Written> {
+        self.written
+            .iter()
+            .map(|(path, previous, value)| Written {
+                path: path.clone(),
+                previous: previous.clone(),
+                value: value.clone(),
+            })
+            .collect()
+    }
 }
 
 /// What one reconciliation did.
@@ -159,16 +201,20 @@ pub struct Report {
 /// The policy applied to a node's pods, with what it must put back.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Colocation {
+    /// The cgroup root the values were written under.
+    #[serde(default)]
+    root: Option<std::path::PathBuf>,
     applied: BTreeMap<String, Applied>,
 }
 
 impl Colocation {
     /// Applies the plan for `pods`: a pod whose settings are unchanged is left alone unless
     /// its files no longer hold what was written (the kubelet rewrote them: written again, the
-    /// kubelet's value now the one to put back); a pod whose settings changed gets its earlier
-    /// values back, then the new ones; a pod no longer planned (ended, or not running) gets its
-    /// earlier values back where its cgroup still exists. A failure on one pod does not stop the
-    /// others.
+    /// kubelet's value now the one to put back); a pod whose settings changed gets its new
+    /// values written straight over the old ones (files the new settings leave alone get their
+    /// earlier values back); a pod no longer planned (ended, or not running) gets its earlier
+    /// values back where its cgroup still exists. A failure on one pod does not stop the
+    /// others; what could not be put back stays recorded and is tried again.
     ///
     /// `save` is called with what must be put back before any value is written, and again at
     /// the end: a crash between a write and the save can then never lose an original value.
@@ -182,6 +228,7 @@ impl Colocation {
         mut save: impl FnMut(&Self) -> Result<(), E>,
     ) -> Result<Report, E> {
         let mut report = Report::default();
+        self.root = Some(layout.root.clone());
         let planned = plan(pods, allocatable_cpu_milli, policy);
         let qos_of: BTreeMap<&str, Qos> = pods.iter().map(|p| (p.uid.as_str(), p.qos)).collect();
         let planned_uids: std::collections::BTreeSet<&str> =
@@ -189,40 +236,26 @@ impl Colocation {
         let gone: Vec<String> =
             self.applied.keys().filter(|u| !planned_uids.contains(u.as_str())).cloned().collect();
         for uid in gone {
-            if let Some(a) = self.applied.get(&uid) {
-                match cgroups::restore(&written_of(a)) {
-                    Ok(()) => {
-                        self.applied.remove(&uid);
-                        report.restored.push(uid);
-                    }
-                    Err(e) => report.failed.push((uid, error_text(&e))),
-                }
+            match self.put_back(&uid) {
+                Ok(()) => report.restored.push(uid),
+                Err(e) => report.failed.push((uid, e)),
             }
         }
         for (uid, class, settings) in planned {
             let qos = qos_of.get(uid.as_str()).copied().unwrap_or(Qos::BestEffort);
-            let same = self.applied.get(&uid).is_some_and(|a| {
-                a.class == class
-                    && a.weight == settings.cpu_weight
-                    && a.cap == settings.cpu_cap_milli
-                    && a.low == settings.memory_low_bytes
-                    && a.idle == settings.cpu_idle
-            });
-            if same {
-                if let Some(a) = self.applied.get_mut(&uid) {
-                    match rewrite_drifted(a) {
-                        Ok(true) => report.applied.push(uid),
-                        Ok(false) => {}
-                        Err(e) => report.failed.push((uid, error_text(&e))),
-                    }
+            if self.applied.get(&uid).is_some_and(|a| a.same(class, settings)) {
+                match self.rewrite_drifted(&uid, &mut save)? {
+                    Ok(true) => report.applied.push(uid),
+                    Ok(false) => {}
+                    Err(e) => report.failed.push((uid, error_text(&e))),
                 }
                 continue;
             }
-            // A pod set before (its settings changed): files the new settings leave alone get
-            // their original values back; files both set keep their original as the value to
-            // put back, and are written the new value directly (no moment at the original).
+            // Set before with other settings: files the new settings leave alone get their
+            // earlier values back; files both set keep their original as the value to put back
+            // and get the new value directly (no moment at the original).
             let before = self.applied.remove(&uid);
-            let old = before.as_ref().map(written_of).unwrap_or_default();
+            let old = before.as_ref().map(Applied::writes).unwrap_or_default();
             let targets: Vec<std::path::PathBuf> =
                 cgroups::targets(layout, qos, &uid, settings).into_iter().map(|(p, _)| p).collect();
             let (kept, uncovered): (Vec<Written>, Vec<Written>) =
@@ -238,39 +271,51 @@ impl Colocation {
             if !uncovered.is_empty() {
                 report.restored.push(uid.clone());
             }
-            let mut writes = match cgroups::prepare(layout, qos, &uid, settings) {
+            let original = |path: &std::path::Path| {
+                kept.iter().find(|k| k.path == path).map(|k| k.previous.clone())
+            };
+            let mut writes = match cgroups::prepare(layout, qos, &uid, settings, &original) {
                 Ok(w) => w,
                 Err(e) => {
-                    // What is still ours on disk stays recorded (with the old settings, so that
-                    // the next reconciliation tries again).
+                    // What is still ours on disk stays recorded (marked stale: tried again).
                     if let Some(before) = before.filter(|_| !kept.is_empty()) {
-                        let written = kept
-                            .iter()
-                            .map(|w| (w.path.clone(), w.previous.clone(), w.value.clone()));
-                        self.applied
-                            .insert(uid.clone(), Applied { written: written.collect(), ..before });
+                        let mut a = Applied::of(before.class, settings, &kept);
+                        a.stale = true;
+                        self.applied.insert(uid.clone(), a);
                     }
                     report.failed.push((uid, error_text(&e)));
                     continue;
                 }
             };
             for w in &mut writes {
-                if let Some(o) = kept.iter().find(|o| o.path == w.path) {
-                    w.previous.clone_from(&o.previous);
+                if let Some(previous) = original(&w.path) {
+                    w.previous = previous;
                 }
             }
-            let unchanged: Vec<Written> =
-                kept.into_iter().filter(|o| !writes.iter().any(|w| w.path == o.path)).collect();
-            self.applied
-                .insert(uid.clone(), applied(class, settings, unchanged.iter().chain(&writes)));
+            // The record, in the targets' order: each file's original, and the value it holds
+            // once written.
+            let record: Vec<Written> = targets
+                .iter()
+                .filter_map(|t| {
+                    writes
+                        .iter()
+                        .find(|w| &w.path == t)
+                        .or_else(|| kept.iter().find(|k| &k.path == t))
+                })
+                .cloned()
+                .collect();
+            self.applied.insert(uid.clone(), Applied::of(class, settings, &record));
             // What to put back is on disk before the first write.
             save(self)?;
             match cgroups::write_all(&writes) {
                 Ok(()) => report.applied.push(uid),
                 Err(e) => {
-                    // write_all put back what it had written; the rest goes back too.
-                    let _ = cgroups::restore(&unchanged);
-                    self.applied.remove(&uid);
+                    // Everything back to the originals; what cannot be stays recorded.
+                    if cgroups::restore(&record).is_ok() {
+                        self.applied.remove(&uid);
+                    } else if let Some(a) = self.applied.get_mut(&uid) {
+                        a.stale = true;
+                    }
                     report.failed.push((uid, error_text(&e)));
                 }
             }
@@ -279,17 +324,70 @@ impl Colocation {
         Ok(report)
     }
 
-    /// Puts back everything it changed (the policy switched off); what could not be put back
-    /// stays, to be tried again.
-    pub fn restore_all(&mut self) -> Result<(), CgroupError> {
-        let uids: Vec<String> = self.applied.keys().cloned().collect();
-        for uid in uids {
-            if let Some(a) = self.applied.get(&uid) {
-                cgroups::restore(&written_of(a))?;
-                self.applied.remove(&uid);
+    /// Puts back one pod's values and forgets them; kept when they cannot be put back. The
+    /// cgroup root must still be a cgroup tree (else a root that is not mounted would look like
+    /// pods that ended).
+    fn put_back(&mut self, uid: &str) -> Result<(), String> {
+        let Some(a) = self.applied.get(uid) else { return Ok(()) };
+        if let Some(root) = &self.root
+            && let Err(e) = Layout::detect(root, super::cgroups::Driver::Systemd)
+        {
+            return Err(error_text(&e));
+        }
+        cgroups::restore(&a.writes()).map_err(|e| error_text(&e))?;
+        self.applied.remove(uid);
+        Ok(())
+    }
+
+    /// Writes again the values of a pod that its files no longer hold; the value found there
+    /// becomes the one to put back, saved before the write. `Ok(Ok(true))`: something was
+    /// written.
+    fn rewrite_drifted<E>(
+        &mut self,
+        uid: &str,
+        save: &mut impl FnMut(&Self) -> Result<(), E>,
+    ) -> Result<Result<bool, CgroupError>, E> {
+        let Some(a) = self.applied.get_mut(uid) else { return Ok(Ok(false)) };
+        let mut drifted = Vec::new();
+        for (i, (path, _, value)) in a.written.iter().enumerate() {
+            if value.as_str() == cgroups::KEPT || path.parent().is_some_and(|d| !d.exists()) {
+                continue;
+            }
+            match cgroups::read(path) {
+                Ok(now) if now != *value => drifted.push((i, now)),
+                Ok(_) => {}
+                Err(e) => return Ok(Err(e)),
             }
         }
-        Ok(())
+        if drifted.is_empty() {
+            return Ok(Ok(false));
+        }
+        for (i, now) in &drifted {
+            a.written[*i].1.clone_from(now);
+        }
+        let writes: Vec<Written> = drifted
+            .iter()
+            .map(|(i, now)| Written {
+                path: a.written[*i].0.clone(),
+                previous: now.clone(),
+                value: a.written[*i].2.clone(),
+            })
+            .collect();
+        save(self)?;
+        Ok(cgroups::write_all(&writes).map(|()| true))
+    }
+
+    /// Puts back everything it changed (the policy switched off); what could not be put back
+    /// stays, to be tried again; the first failure is returned.
+    pub fn restore_all(&mut self) -> Result<(), String> {
+        let uids: Vec<String> = self.applied.keys().cloned().collect();
+        let mut first = None;
+        for uid in uids {
+            if let Err(e) = self.put_back(&uid) {
+                first.get_or_insert(format!("pod {uid}: {e}"));
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
 
     /// Pods it has set.
@@ -301,54 +399,11 @@ impl Colocation {
     pub fn is_empty(&self) -> bool {
         self.applied.is_empty()
     }
-}
 
-/// Writes again the values of `a` that its files no longer hold; the value found there becomes
-/// the one to put back. Whether anything was written.
-fn rewrite_drifted(a: &mut Applied) -> Result<bool, CgroupError> {
-    let mut any = false;
-    for (path, previous, value) in &mut a.written {
-        if value.as_str() == cgroups::KEPT || !path.exists() {
-            continue;
-        }
-        let now = cgroups::read(path)?;
-        if now != *value {
-            cgroups::write_all(&[Written {
-                path: path.clone(),
-                previous: now.clone(),
-                value: value.clone(),
-            }])?;
-            *previous = now;
-            any = true;
-        }
+    /// The cgroup root its values were written under, once it wrote any.
+    pub fn root(&self) -> Option<&std::path::Path> {
+        self.root.as_deref()
     }
-    Ok(any)
-}
-
-fn applied<'a>(
-    class: Class,
-    settings: PodSettings,
-    written: impl Iterator<Item = &'a Written>,
-) -> Applied {
-    Applied {
-        class,
-        weight: settings.cpu_weight,
-        cap: settings.cpu_cap_milli,
-        low: settings.memory_low_bytes,
-        idle: settings.cpu_idle,
-        written: written.map(|w| (w.path.clone(), w.previous.clone(), w.value.clone())).collect(),
-    }
-}
-
-fn written_of(a: &Applied) -> Vec<Written> {
-    a.written
-        .iter()
-        .map(|(path, previous, value)| Written {
-            path: path.clone(),
-            previous: previous.clone(),
-            value: value.clone(),
-        })
-        .collect()
 }
 
 fn error_text(e: &CgroupError) -> String {

@@ -58,6 +58,11 @@ impl PodInfo {
             cpu = cpu.max(request(c, "cpu"));
             memory = memory.max(request(c, "memory") / 1000);
         }
+        // The pod's overhead (its RuntimeClass's), counted by kube-scheduler and the kubelet.
+        if let Some(overhead) = spec.and_then(|s| s.overhead.as_ref()) {
+            cpu = cpu.saturating_add(overhead.get("cpu").map_or(0, milli));
+            memory = memory.saturating_add(overhead.get("memory").map_or(0, milli) / 1000);
+        }
         let mut asks = Vec::new();
         for c in inits.iter().chain(apps.iter()) {
             let resources = c.resources.as_ref();
@@ -213,6 +218,7 @@ mod tests {
                          "labels": {CLASS_LABEL: "inference"}},
             "spec": {
                 "initContainers": [{"name": "warm", "resources": {"requests": {"cpu": "4"}}}],
+                "overhead": {"cpu": "250m", "memory": "1Gi"},
                 "containers": [
                     {"name": "a", "resources": {"requests": {"cpu": "1500m", "memory": "2Gi"},
                         "limits": {"awesome-ai-company.com/gpu-memory": "8"}}},
@@ -225,8 +231,8 @@ mod tests {
         assert_eq!(p.key(), "ml/serve");
         assert_eq!(p.qos, Qos::Burstable);
         assert_eq!(p.class_label.as_deref(), Some("inference"));
-        assert_eq!(p.cpu_request_milli, 4000, "the init container's 4 beats 1.5 + 1");
-        assert_eq!(p.memory_request_bytes, 3 << 30);
+        assert_eq!(p.cpu_request_milli, 4250, "the init container's 4 beats 1.5 + 1; overhead");
+        assert_eq!(p.memory_request_bytes, 4 << 30);
         assert_eq!(p.asks, [("a".into(), "awesome-ai-company.com/gpu-memory".into(), 8)]);
         assert!(p.admitting() && !p.running());
         assert_eq!(p.containers_asking("awesome-ai-company.com/gpu-memory", 8), 1);

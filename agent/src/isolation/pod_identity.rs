@@ -76,8 +76,9 @@ pub struct PodIdentifier {
     pods: watch::Receiver<NodePods>,
     policy: ClassPolicy,
     wait: Duration,
-    /// Containers attributed so far, by pod UID, while the pod is being admitted.
-    claimed: Mutex<BTreeMap<String, usize>>,
+    /// Containers attributed so far, by pod UID, resource and count, while the pod is being
+    /// admitted.
+    claimed: Mutex<BTreeMap<(String, String, u64), usize>>,
 }
 
 impl PodIdentifier {
@@ -87,12 +88,13 @@ impl PodIdentifier {
     }
 
     /// The pod asking for `count` of `resource` now. `listed`: containers the kubelet's
-    /// pod-resources list already shows holding `resource`, by `namespace/name`.
+    /// pod-resources list already shows holding `resource`, by `namespace/name` and their number
+    /// of devices.
     pub async fn identify(
         &self,
         resource: &str,
         count: u64,
-        listed: &BTreeMap<String, usize>,
+        listed: &BTreeMap<(String, u64), usize>,
     ) -> Identity {
         let mut pods = self.pods.clone();
         let deadline = tokio::time::Instant::now() + self.wait;
@@ -119,7 +121,7 @@ impl PodIdentifier {
         let first = *first;
         if found.iter().all(|(_, _, class)| *class == first) {
             if let [(uid, _, _)] = found.as_slice() {
-                *self.claimed().entry(uid.clone()).or_default() += 1;
+                *self.claimed().entry((uid.clone(), resource.to_owned(), count)).or_default() += 1;
             }
             return Identity::Pods {
                 pods: found.into_iter().map(|(_, key, _)| key).collect(),
@@ -137,7 +139,7 @@ impl PodIdentifier {
         Identity::Ambiguous { pods, class: default }
     }
 
-    fn claimed(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, usize>> {
+    fn claimed(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String, u64), usize>> {
         self.claimed.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -147,21 +149,21 @@ impl PodIdentifier {
         view: &NodePods,
         resource: &str,
         count: u64,
-        listed: &BTreeMap<String, usize>,
+        listed: &BTreeMap<(String, u64), usize>,
     ) -> Vec<(String, String, Class)> {
         let mut claimed = self.claimed();
         // Claims last only while their pod is being admitted.
-        claimed.retain(|uid, _| view.pods.get(uid).is_some_and(|p| p.admitting()));
+        claimed.retain(|(uid, _, _), _| view.pods.get(uid).is_some_and(|p| p.admitting()));
         view.pods
             .values()
             .filter(|p| p.admitting())
             .filter(|p| {
                 let asking = p.containers_asking(resource, count);
                 let accounted = claimed
-                    .get(&p.uid)
+                    .get(&(p.uid.clone(), resource.to_owned(), count))
                     .copied()
                     .unwrap_or(0)
-                    .max(listed.get(&p.key()).copied().unwrap_or(0));
+                    .max(listed.get(&(p.key(), count)).copied().unwrap_or(0));
                 asking > accounted
             })
             .map(|p| (p.uid.clone(), p.key(), classify(&p.as_node_pod(), &self.policy)))
@@ -222,6 +224,10 @@ mod tests {
             id.identify(R, 8, &none).await,
             Identity::Unknown { class: Class::Training }
         ));
+        // A pod asking 4 in one container and 8 in another: each Allocate finds it.
+        let (_tx, id) = identifier(vec![pod("mixed", Qos::Guaranteed, None, "Pending", &[4, 8])]);
+        assert_eq!(id.identify(R, 4, &none).await.class(), Class::Inference);
+        assert_eq!(id.identify(R, 8, &none).await.class(), Class::Inference);
         // A different count is not it either.
         let (_tx, id) = identifier(vec![pod("serve", Qos::Guaranteed, None, "Pending", &[8])]);
         assert!(matches!(id.identify(R, 4, &none).await, Identity::Unknown { .. }));
@@ -256,7 +262,7 @@ mod tests {
             pod("train", Qos::BestEffort, None, "Pending", &[8]),
         ]);
         // The kubelet already lists the pulling pod's container: the training pod it is.
-        let listed = BTreeMap::from([("ml/pulling".to_owned(), 1)]);
+        let listed = BTreeMap::from([(("ml/pulling".to_owned(), 8), 1)]);
         assert_eq!(
             id.identify(R, 8, &listed).await,
             Identity::Pods { pods: vec!["ml/train".into()], class: Class::Training }
