@@ -608,4 +608,23 @@ mod tests {
         assert_eq!(err, "disk full");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100", "nothing written");
     }
+
+    #[test]
+    fn a_cgroup_root_that_is_not_mounted_is_not_taken_for_pods_that_ended() {
+        let (dir, layout) = tree(&[("t1", Qos::Burstable)]);
+        let pods = [pod("t1", Qos::Burstable, None, 2000)];
+        let mut c = Colocation::default();
+        c.reconcile(&layout, &pods, 8000, &ClassPolicy::default(), no_save).expect("saved");
+        assert_eq!(c.root(), Some(dir.path()));
+        // The tree goes away (the host's cgroupfs no longer mounted there).
+        std::fs::remove_dir_all(dir.path()).expect("unmounted");
+        std::fs::create_dir_all(dir.path()).expect("an empty directory");
+        let err = c.restore_all().expect_err("nothing to put back into");
+        assert!(err.contains("is not a cgroup tree"), "{err}");
+        assert_eq!(c.pods(), ["t1"], "still recorded, to be put back later");
+        let report =
+            c.reconcile(&layout, &[], 8000, &ClassPolicy::default(), no_save).expect("saved");
+        assert_eq!(report.failed.len(), 1, "{report:?}");
+        assert_eq!(c.pods(), ["t1"]);
+    }
 }
