@@ -24,6 +24,15 @@ pub struct Instruments {
     pub reconcile_changes: prometheus::IntCounterVec,
     /// Registrations with the kubelet seen, per resource (a kubelet restart adds one).
     pub registrations: prometheus::IntCounterVec,
+    /// 1 while co-location applies its policy, 0 when it is off or stopped.
+    pub colocation_up: prometheus::IntGaugeVec,
+    /// Pods the co-location policy has set, by class.
+    pub colocation_pods: prometheus::IntGaugeVec,
+    /// Pods the co-location policy could not set or put back (one per pod and attempt).
+    pub colocation_failures: prometheus::IntCounterVec,
+    /// MPS clients given a priority, by class and how their pod was found (pod, ambiguous,
+    /// unknown).
+    pub mps_priorities: prometheus::IntCounterVec,
 }
 
 /// Latency buckets: 50 µs to 2.5 s.
@@ -46,6 +55,11 @@ impl Instruments {
             let c = IntCounterVec::new(Opts::new(name, help), labels)?;
             registry.register(Box::new(c.clone()))?;
             Ok::<_, prometheus::Error>(c)
+        };
+        let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
+            let g = prometheus::IntGaugeVec::new(Opts::new(name, help), labels)?;
+            registry.register(Box::new(g.clone()))?;
+            Ok::<_, prometheus::Error>(g)
         };
         let checkpoint_write_seconds = Histogram::with_opts(
             HistogramOpts::new(
@@ -86,6 +100,26 @@ impl Instruments {
                 "baleen_kubelet_registrations_total",
                 "Registrations with the kubelet, per resource (a kubelet restart adds one).",
                 &["node", "resource"],
+            )?,
+            colocation_up: gauge_vec(
+                "baleen_colocation_up",
+                "1 while co-location applies its classes to the node's pods, 0 when it is off or stopped (see the agent's log).",
+                &["node"],
+            )?,
+            colocation_pods: gauge_vec(
+                "baleen_colocation_pods",
+                "Pods the co-location policy has set, by class (inference, training).",
+                &["node", "class"],
+            )?,
+            colocation_failures: counter_vec(
+                "baleen_colocation_failures_total",
+                "Pods the co-location policy could not set or put back (one per pod and attempt; retried at the next resync).",
+                &["node"],
+            )?,
+            mps_priorities: counter_vec(
+                "baleen_mps_client_priorities_total",
+                "MPS clients given the priority of a class in Allocate, by class and how their pod was found (pod, ambiguous, unknown: the default class).",
+                &["node", "class", "identity"],
             )?,
         }))
     }

@@ -211,6 +211,11 @@ impl NodeResources {
         self.responses.mps.enabled
     }
 
+    /// The agent's own measurements and the node label, once the metrics are set up.
+    pub fn instruments(&self) -> Option<&(String, Arc<Instruments>)> {
+        self.instruments.get()
+    }
+
     /// Gives MPS clients the priority of their pod's class from now on (co-location).
     pub fn set_pod_identifier(&self, identifier: Arc<PodIdentifier>) {
         let _ = self.identifier.set(identifier);
@@ -686,6 +691,10 @@ impl ViewBackend {
                 (Some(id), Some(_)) => {
                     let count = u64::try_from(g.device_ids.len()).unwrap_or(u64::MAX);
                     let identity = id.identify(&self.resource, count, &listed).await;
+                    if let Some((node, i)) = self.resources.instruments.get() {
+                        let labels = [node.as_str(), identity.class().name(), identity.how()];
+                        i.mps_priorities.with_label_values(&labels).inc();
+                    }
                     Some(pod_identity::mps_priority(identity.class()))
                 }
                 _ => None,

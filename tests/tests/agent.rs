@@ -1804,6 +1804,7 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
         &[
             ("uid-serve", Qos::Guaranteed),
             ("uid-train", Qos::BestEffort),
+            ("uid-old", Qos::BestEffort),
             ("uid-other", Qos::Guaranteed),
         ],
     )?;
@@ -1883,6 +1884,20 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     assert_eq!(f("uid-other", Qos::Guaranteed, "cpu.weight"), "100", "another node's pod");
     let state = node.config.state_dir.join("colocation.json");
     assert!(state.is_file(), "what to put back is kept");
+    // Seen on /metrics: co-location runs, its pods by class, and how each MPS client's pod was
+    // found (serve and serve2: one candidate; train and a: ambiguous; ghost: none).
+    let text = http_get(agent.metrics_address().context("metrics")?, "/metrics").await?.1;
+    for series in [
+        r#"baleen_colocation_up{node="node-a"} 1"#,
+        r#"baleen_colocation_failures_total{node="node-a"} 0"#,
+        r#"baleen_colocation_pods{class="inference",node="node-a"} 1"#,
+        r#"baleen_colocation_pods{class="training",node="node-a"} 2"#,
+        r#"baleen_mps_client_priorities_total{class="inference",identity="pod",node="node-a"} 2"#,
+        r#"baleen_mps_client_priorities_total{class="training",identity="ambiguous",node="node-a"} 2"#,
+        r#"baleen_mps_client_priorities_total{class="training",identity="unknown",node="node-a"} 1"#,
+    ] {
+        assert!(text.lines().any(|l| l == series), "{series} not in:\n{text}");
+    }
 
     // The kubelet rewrites a weight: written again at the next resync.
     let layout = baleen_agent::isolation::cgroups::Layout::detect(
@@ -2009,6 +2024,8 @@ async fn a_colocation_state_that_cannot_be_read_stops_colocation_not_the_agent()
     let a = node.kubelet.admit_to("ml/p", "c", MEM, 2).await?;
     assert_eq!(priority(&a), None);
     assert_eq!(std::fs::read_to_string(&state)?, "{ not json");
+    let text = http_get(agent.metrics_address().context("metrics")?, "/metrics").await?.1;
+    assert!(text.lines().any(|l| l == r#"baleen_colocation_up{node="node-a"} 0"#), "{text}");
     assert!(!api.requests().iter().any(|r| r.path.ends_with("/pods")), "no pod watch");
     stop(agent, token).await
 }

@@ -22,7 +22,7 @@ use super::{AgentError, Tasks};
 use crate::defaults;
 use crate::error_chain::Chain;
 use crate::isolation::cgroups::{Driver, Layout};
-use crate::isolation::colocation::{ClassPolicy, Colocation, NodePod, Report};
+use crate::isolation::colocation::{Class, ClassPolicy, Colocation, NodePod, Report};
 use crate::isolation::node_pods::NodePods;
 use crate::isolation::pod_identity::PodIdentifier;
 use crate::kube_api::NodeApi;
@@ -130,6 +130,8 @@ pub fn start(
     node: &str,
     shutdown: &CancellationToken,
 ) -> Result<(), AgentError> {
+    // 0 until the policy runs (and again if it stops).
+    up(resources, false);
     let path = state_path(state_dir);
     let mut state = match load(&path) {
         Ok(state) => state,
@@ -185,7 +187,9 @@ pub fn start(
         watcher_api.follow_pods(&node_name, view, token).await;
         Ok(())
     });
+    up(resources, true);
     let run = Reconciler {
+        resources: resources.clone(),
         api,
         node: node.to_owned(),
         layout,
@@ -198,7 +202,15 @@ pub fn start(
     Ok(())
 }
 
+/// Sets `baleen_colocation_up`, where the metrics are on.
+fn up(resources: &NodeResources, running: bool) {
+    if let Some((node, i)) = resources.instruments() {
+        i.colocation_up.with_label_values(&[node.as_str()]).set(i64::from(running));
+    }
+}
+
 struct Reconciler {
+    resources: Arc<NodeResources>,
     api: Arc<dyn NodeApi>,
     node: String,
     layout: Layout,
@@ -250,6 +262,7 @@ impl Reconciler {
                 // What to put back cannot be kept: stop writing (the devices are served as
                 // ever); the values written so far stay recorded in the last saved state.
                 tracing::error!(error = %Chain(&e), "co-location stops: its state cannot be saved; restart the agent once the state directory is writable");
+                up(&self.resources, false);
                 return Ok(());
             }
             tokio::select! {
@@ -272,7 +285,16 @@ impl Reconciler {
         .await
         .map_err(|source| AgentError::Task { task: "co-location", source })?;
         self.state = state;
-        log(&outcome?);
+        let report = outcome?;
+        log(&report);
+        if let Some((node, i)) = self.resources.instruments() {
+            for class in [Class::Inference, Class::Training] {
+                let pods = i64::try_from(self.state.count(class)).unwrap_or(i64::MAX);
+                i.colocation_pods.with_label_values(&[node.as_str(), class.name()]).set(pods);
+            }
+            let failed = u64::try_from(report.failed.len()).unwrap_or(u64::MAX);
+            i.colocation_failures.with_label_values(&[node.as_str()]).inc_by(failed);
+        }
         Ok(())
     }
 }

@@ -30,6 +30,16 @@ pub enum Class {
     Training,
 }
 
+impl Class {
+    /// `inference` or `training`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::Inference => "inference",
+            Class::Training => "training",
+        }
+    }
+}
+
 /// One pod on the node, as the policy sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodePod {
@@ -393,6 +403,11 @@ impl Colocation {
     /// Pods it has set.
     pub fn pods(&self) -> Vec<String> {
         self.applied.keys().cloned().collect()
+    }
+
+    /// How many pods it has set of `class`.
+    pub fn count(&self, class: Class) -> usize {
+        self.applied.values().filter(|a| a.class == class).count()
     }
 
     /// Whether it has nothing to put back.

@@ -61,6 +61,15 @@ pub enum Identity {
 }
 
 impl Identity {
+    /// How the pod was found: `pod`, `ambiguous` or `unknown` (a metric label).
+    pub fn how(&self) -> &'static str {
+        match self {
+            Identity::Pods { .. } => "pod",
+            Identity::Ambiguous { .. } => "ambiguous",
+            Identity::Unknown { .. } => "unknown",
+        }
+    }
+
     /// The class the containers get.
     pub fn class(&self) -> Class {
         match self {
