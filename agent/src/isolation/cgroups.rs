@@ -25,6 +25,20 @@ pub enum CgroupVersion {
     V2,
 }
 
+impl CgroupVersion {
+    /// The version of the tree at `root`: `cgroup.controllers` there for v2, a `cpu/`
+    /// hierarchy for v1; an error when it is neither (not mounted).
+    pub fn of(root: &Path) -> Result<Self, CgroupError> {
+        if root.join("cgroup.controllers").is_file() {
+            Ok(CgroupVersion::V2)
+        } else if root.join("cpu").is_dir() {
+            Ok(CgroupVersion::V1)
+        } else {
+            Err(CgroupError::NoTree { root: root.to_path_buf() })
+        }
+    }
+}
+
 /// The kubelet's cgroup driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Driver {
@@ -91,14 +105,7 @@ pub struct Layout {
 impl Layout {
     /// The layout under `root`, its version read from the tree.
     pub fn detect(root: &Path, driver: Driver) -> Result<Self, CgroupError> {
-        let version = if root.join("cgroup.controllers").is_file() {
-            CgroupVersion::V2
-        } else if root.join("cpu").is_dir() {
-            CgroupVersion::V1
-        } else {
-            return Err(CgroupError::NoTree { root: root.to_path_buf() });
-        };
-        Ok(Self { root: root.to_path_buf(), version, driver })
+        Ok(Self { root: root.to_path_buf(), version: CgroupVersion::of(root)?, driver })
     }
 
     /// The pod's directory for `controller` (`cpu`, `memory`; v2 ignores it).

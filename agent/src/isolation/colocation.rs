@@ -340,7 +340,7 @@ impl Colocation {
     fn put_back(&mut self, uid: &str) -> Result<(), String> {
         let Some(a) = self.applied.get(uid) else { return Ok(()) };
         if let Some(root) = &self.root
-            && let Err(e) = Layout::detect(root, super::cgroups::Driver::Systemd)
+            && let Err(e) = super::cgroups::CgroupVersion::of(root)
         {
             return Err(error_text(&e));
         }
