@@ -93,13 +93,11 @@ impl NodeApi for KubeNodeApi {
         let Some(cpu) = cpu else {
             return Err(ApiError::Call(format!("node {node} has no allocatable CPU").into()));
         };
-        baleen_scheduler_core::quantity::quantity_milli(&serde_json::Value::String(cpu.0.clone()))
-            .and_then(|m| u64::try_from(m).ok())
-            .ok_or_else(|| {
-                ApiError::Call(
-                    format!("node {node}: allocatable CPU {} is not a quantity", cpu.0).into(),
-                )
-            })
+        crate::isolation::node_pods::quantity_milli(&cpu).ok_or_else(|| {
+            ApiError::Call(
+                format!("node {node}: allocatable CPU {} is not a quantity", cpu.0).into(),
+            )
+        })
     }
 
     async fn follow_pods(

@@ -155,11 +155,15 @@ pub struct NodePods {
     pub pods: BTreeMap<String, PodInfo>,
 }
 
-/// A quantity in thousandths; 0 when unreadable (the API server validated it).
-fn milli(q: &Quantity) -> u64 {
+/// A Kubernetes quantity in thousandths (`None`: not one, or negative).
+pub fn quantity_milli(q: &Quantity) -> Option<u64> {
     baleen_scheduler_core::quantity::quantity_milli(&serde_json::Value::String(q.0.clone()))
         .and_then(|m| u64::try_from(m).ok())
-        .unwrap_or(0)
+}
+
+/// A pod's quantity in thousandths; 0 when unreadable (the API server validated it).
+fn milli(q: &Quantity) -> u64 {
+    quantity_milli(q).unwrap_or(0)
 }
 
 /// A container's request of `resource` in thousandths; a limit alone counts as the request.
