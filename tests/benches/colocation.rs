@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use baleen_agent::isolation::cgroups::{self, CgroupVersion, Driver, Layout, PodSettings, Qos};
+use baleen_agent::isolation::cgroups::{self, CgroupVersion, Driver, Layout, Qos};
 use baleen_agent::isolation::colocation::{ClassPolicy, NodePod, plan};
 
 const REQUESTS: usize = 1000;
@@ -119,28 +119,31 @@ fn measure_with(
     setting: &Setting,
     training_dir: &Path,
 ) -> (Vec<Duration>, String) {
-    let mut written = Vec::new();
-    match setting {
-        Setting::Kubelet => {}
-        Setting::Policy(policy) => {
-            for (uid, _, settings) in plan(&pods(), 2000, policy) {
-                let qos = if uid == INFERENCE { Qos::Guaranteed } else { Qos::Burstable };
-                let s: PodSettings = settings;
-                written.extend(cgroups::apply(layout, qos, &uid, s).expect("applied"));
-            }
+    // The co-location plan under `policy`, written by the agent's own code.
+    let apply = |policy: &ClassPolicy| {
+        let mut written = Vec::new();
+        for (uid, _, settings) in plan(&pods(), 2000, policy) {
+            let qos = if uid == INFERENCE { Qos::Guaranteed } else { Qos::Burstable };
+            written.extend(cgroups::apply(layout, qos, &uid, settings).expect("applied"));
         }
-        Setting::IdleOnly => write(&training_dir.join("cpu.idle"), "1"),
+        written
+    };
+    let written = match setting {
+        Setting::Kubelet => Vec::new(),
+        Setting::Policy(policy) => apply(policy),
+        Setting::IdleOnly => {
+            write(&training_dir.join("cpu.idle"), "1");
+            Vec::new()
+        }
         Setting::PolicyThen(extra) => {
-            for (uid, _, settings) in plan(&pods(), 2000, &ClassPolicy::default()) {
-                let qos = if uid == INFERENCE { Qos::Guaranteed } else { Qos::Burstable };
-                written.extend(cgroups::apply(layout, qos, &uid, settings).expect("applied"));
-            }
+            let written = apply(&ClassPolicy::default());
             write(&training_dir.join("cpu.cfs_quota_us"), "-1");
             for (file, value) in extra {
                 write(&training_dir.join(file), value);
             }
+            written
         }
-    }
+    };
     let shown: Vec<String> = written
         .iter()
         .filter(|w| w.value != cgroups::KEPT)
