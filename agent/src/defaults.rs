@@ -15,8 +15,15 @@ pub const MEMORY_UNIT_BYTES: u64 = 1 << 30;
 pub const MEMORY_UNIT_MIN_BYTES: u64 = 1 << 20;
 /// Sizes of the NVLink groups offered.
 pub const NVLINK_GROUP_SIZES: [u32; 3] = [2, 4, 8];
-/// CDI kind named in Allocate answers when CDI is switched on.
+/// CDI kind named in Allocate answers under the `cdi` device-list strategy.
 pub const CDI_KIND: &str = "nvidia.com/gpu";
+/// How Allocate answers hand out GPUs (`crate::isolation::devices::Strategy`).
+pub const DEVICE_LIST_STRATEGY: &str = "cdi";
+/// Where the node's CDI spec files are (the CDI specification's two directories), mounted at
+/// the same paths in the agent's container.
+pub const CDI_SPEC_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
+/// The NVIDIA container toolkit's configuration, mounted read-only in the agent's container.
+pub const TOOLKIT_CONFIG: &str = "/etc/nvidia-container-runtime/config.toml";
 
 /// The kubelet's device-plugin directory (the kubelet's own default, from the API crate).
 pub const DEVICE_PLUGIN_DIR: &str = baleen_proto::deviceplugin::v1beta1::DEFAULT_DEVICE_PLUGIN_DIR;
@@ -135,6 +142,9 @@ mod tests {
             format!("{DOMAIN:?}"),
             format!("{MEMORY_UNIT:?}"),
             format!("{CDI_KIND:?}"),
+            format!("{TOOLKIT_CONFIG:?}"),
+            format!("{:?}", CDI_SPEC_DIRS[0]),
+            format!("{:?}", CDI_SPEC_DIRS[1]),
             format!("{STATE_DIR:?}"),
             format!("{MPS_ROOT:?}"),
             format!("{BOOT_ID_FILE:?}"),

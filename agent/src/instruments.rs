@@ -33,6 +33,11 @@ pub struct Instruments {
     /// MPS clients given a priority, by class and how their pod was found (pod, ambiguous,
     /// unknown).
     pub mps_priorities: prometheus::IntCounterVec,
+    /// The node's device isolation checks, one series per check and state (1 for the state it
+    /// is in).
+    pub device_isolation: prometheus::IntGaugeVec,
+    /// Allocate answers that gave GPUs by volume-mounts because the CDI specs lacked them.
+    pub device_list_fallbacks: prometheus::IntCounterVec,
 }
 
 /// Latency buckets: 50 µs to 2.5 s.
@@ -120,6 +125,16 @@ impl Instruments {
                 "baleen_mps_client_priorities_total",
                 "MPS clients given the priority of a class in Allocate, by class and how their pod was found (pod, ambiguous, unknown: the default class).",
                 &["node", "class", "identity"],
+            )?,
+            device_isolation: gauge_vec(
+                "baleen_device_isolation",
+                "The node's device isolation checks at the agent's start (strategy; cdi-spec: the CDI specs name every GPU; toolkit-envvar: the NVIDIA toolkit refuses NVIDIA_VISIBLE_DEVICES for unprivileged containers; toolkit-volume-mounts): 1 for the state each is in (ok, failed, unknown).",
+                &["node", "strategy", "check", "state"],
+            )?,
+            device_list_fallbacks: counter_vec(
+                "baleen_device_list_fallbacks_total",
+                "Allocate answers that handed GPUs out by volume-mounts because the node's CDI specs do not name them (deviceListStrategy cdi).",
+                &["node"],
             )?,
         }))
     }

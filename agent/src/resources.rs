@@ -5,7 +5,7 @@
 //! [`Grant`] into the kubelet's Allocate answer with the isolation module's help. The only module
 //! of the agent that speaks device-plugin types.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -21,6 +21,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
 use crate::isolation::pod_identity::{self, PodIdentifier};
+use crate::isolation::devices::{DeviceAnswer, DeviceListConfig, DeviceLister};
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{
     AllocationRecord, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal, View,
@@ -38,26 +39,25 @@ pub fn boot_seconds() -> u64 {
 /// How Allocate answers are written beyond what the ledger grants.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResponseConfig {
-    /// CDI device kind (e.g. `nvidia.com/gpu`); when set, Allocate also answers CDI names
-    /// `<kind>=<GPU or MIG UUID>`.
-    pub cdi_kind: Option<String>,
+    /// How a container is given its GPUs (CDI names, volume-mounts, or the variable).
+    pub devices: DeviceListConfig,
     /// Where each GPU's MPS daemon keeps its pipe directory.
     pub mps: mps::MpsConfig,
 }
 
-/// The kubelet's Allocate answer for one container's grant: the GPUs it sees
-/// (`NVIDIA_VISIBLE_DEVICES`, and CDI names when configured) and, for a gpu-memory share, the MPS
-/// client setup, with the client `priority` of its co-location class when given (and MPS runs).
+/// The kubelet's Allocate answer for one container's grant: its GPUs as `answer` gives them (CDI
+/// names by default, see [`DeviceLister::answer`]) and, for a gpu-memory share, the MPS client
+/// setup, with the client `priority` of its co-location class when given (and MPS runs).
 pub fn container_response(
     grant: &Grant,
-    config: &ResponseConfig,
+    answer: DeviceAnswer,
+    mps_config: &mps::MpsConfig,
     priority: Option<u8>,
 ) -> ContainerAllocation {
     let mut a = ContainerAllocation::default();
-    a.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), grant.visible.join(","));
-    if let Some(kind) = &config.cdi_kind {
-        a.cdi_devices = grant.visible.iter().map(|v| format!("{kind}={v}")).collect();
-    }
+    a.envs.extend(answer.envs);
+    a.cdi_devices = answer.cdi_devices;
+    let mut mounts = answer.mounts;
     if let Some(share) = &grant.share {
         // Which grant the container's processes belong to, for the memory watchdog and the
         // per-grant metrics (a process's environment names its grant).
@@ -65,18 +65,39 @@ pub fn container_response(
             crate::isolation::watchdog::DEVICES_VARIABLE.into(),
             grant.device_ids.join(","),
         );
-        let ContainerSetup { envs, mounts } = mps::client_setup(&config.mps, share);
+        let ContainerSetup { envs, mounts: mps_mounts } = mps::client_setup(mps_config, share);
         a.envs.extend(envs);
-        if let Some(p) = priority.filter(|_| config.mps.enabled) {
+        if let Some(p) = priority.filter(|_| mps_config.enabled) {
             a.envs.insert(pod_identity::PRIORITY_VARIABLE.into(), p.to_string());
         }
-        a.mounts.extend(mounts.into_iter().map(|m| Mount {
-            container_path: m.container.display().to_string(),
-            host_path: m.host.display().to_string(),
-            read_only: m.read_only,
-        }));
+        mounts.extend(mps_mounts);
     }
+    a.mounts.extend(mounts.into_iter().map(|m| Mount {
+        container_path: m.container.display().to_string(),
+        host_path: m.host.display().to_string(),
+        read_only: m.read_only,
+    }));
     a
+}
+
+/// Refuses a request that names a device twice, in one container or in two: the ledger can
+/// record each device for one container only, so answering both would leave one of them using a
+/// device the ledger counts as free.
+fn refuse_overlaps(containers: &[Vec<String>]) -> Result<(), BackendError> {
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, ids) in containers.iter().enumerate() {
+        for id in ids {
+            if let Some(first) = seen.insert(id, i) {
+                let reason = if first == i {
+                    format!("device {id} is named twice for one container")
+                } else {
+                    format!("device {id} is asked for by containers {first} and {i} of one request")
+                };
+                return Err(BackendError::InvalidRequest { ids: ids.clone(), reason });
+            }
+        }
+    }
+    Ok(())
 }
 
 impl From<Refusal> for BackendError {
@@ -155,6 +176,11 @@ pub struct NodeResources {
     state_changes: watch::Sender<u64>,
     pod_resources: Option<PathBuf>,
     responses: ResponseConfig,
+    /// Writes the device part of every answer (with the node's CDI specs).
+    devices: DeviceLister,
+    /// Grants answered since the agent started, for telling whether a pod-resources list can
+    /// judge them (see [`Answers`]). Taken inside `inner`'s lock, never the other way round.
+    answers: Mutex<Answers>,
     /// Finds the pod of an Allocate for its MPS client priority, once co-location runs.
     identifier: std::sync::OnceLock<Arc<PodIdentifier>>,
 }
@@ -200,10 +226,53 @@ impl NodeResources {
             views,
             state_changes: watch::channel(0).0,
             pod_resources,
+            devices: DeviceLister::new(responses.devices.clone()),
             responses,
             instruments: std::sync::OnceLock::new(),
             identifier: std::sync::OnceLock::new(),
+            answers: Mutex::new(Answers::default()),
         })
+    }
+
+    /// The node's device isolation as far as the agent can tell (see
+    /// [`crate::isolation::devices::posture`]), for every name an answer may use: each GPU's UUID
+    /// and each MIG instance's. Reads the CDI specs and the toolkit's configuration again; logs
+    /// every check (WARN for one that fails or cannot be told) and sets
+    /// `baleen_device_isolation` where the metrics are on.
+    pub fn report_device_posture(&self) -> Vec<crate::isolation::devices::Check> {
+        use crate::isolation::devices::CheckState;
+        let visible: Vec<String> = {
+            let inner = self.lock();
+            inner
+                .state
+                .gpus()
+                .flat_map(|g| {
+                    std::iter::once(g.uuid.to_string())
+                        .chain(g.mig.instances().iter().map(|m| m.uuid.to_string()))
+                })
+                .collect()
+        };
+        let checks = self.devices.posture(&visible);
+        let strategy = self.devices.config().strategy.name();
+        for c in &checks {
+            match c.state {
+                CheckState::Ok => {
+                    tracing::info!(check = c.name, strategy, detail = c.detail, "device isolation: ok");
+                }
+                CheckState::Failed => tracing::warn!(check = c.name, strategy, detail = c.detail, "device isolation: FAILED: a container may reach GPUs it was not granted, or a grant may not reach its GPUs"),
+                CheckState::Unknown => tracing::warn!(check = c.name, strategy, detail = c.detail, "device isolation: cannot tell"),
+            }
+        }
+        if let Some((node, i)) = self.instruments.get() {
+            for c in &checks {
+                for state in [CheckState::Ok, CheckState::Failed, CheckState::Unknown] {
+                    i.device_isolation
+                        .with_label_values(&[node.as_str(), strategy, c.name, state.name()])
+                        .set(i64::from(c.state == state));
+                }
+            }
+        }
+        checks
     }
 
     /// Whether gpu-memory shares are enforced by MPS (not accounting only).
@@ -246,6 +315,10 @@ impl NodeResources {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn answers_lock(&self) -> MutexGuard<'_, Answers> {
+        self.answers.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// One backend per view.
@@ -534,6 +607,48 @@ impl mps::supervisor::Enforcement for NodeResources {
     }
 }
 
+/// A grant's key: its resource and sorted device IDs.
+type RecordKey = (String, Vec<String>);
+
+/// When each grant of this run was answered, in the order of answers. A pod-resources list
+/// shows only what the kubelet recorded before it was asked, and the kubelet records a grant
+/// only once its Allocate answer came back: a list asked before a grant was answered (or while
+/// it is still being answered) cannot say that grant's container ended, so it never lets
+/// another Allocate replace it. Grants restored at start have no entry: the kubelet has known
+/// them for as long as the agent has run.
+#[derive(Debug, Default)]
+struct Answers {
+    /// The number the next answer gets; read before a list is asked.
+    next: u64,
+    /// Per grant, the number of its answer; `u64::MAX` while it is being answered.
+    by_key: BTreeMap<RecordKey, u64>,
+}
+
+impl Answers {
+    /// Whether a list asked at `asked` (a value of `next`) can judge the grant `key`.
+    fn known_to_list(&self, key: &RecordKey, asked: u64) -> bool {
+        self.by_key.get(key).is_none_or(|&answered| answered < asked)
+    }
+
+    /// Forgets the grants no longer held, once the map is well past the ledger's size.
+    fn prune(&mut self, held: &[AllocationRecord]) {
+        if self.by_key.len() > 2 * held.len() + 64 {
+            let held: BTreeSet<RecordKey> =
+                held.iter().map(|r| (r.resource.clone(), r.device_ids.clone())).collect();
+            self.by_key.retain(|k, _| held.contains(k));
+        }
+    }
+}
+
+/// A request past the checks before the ledger's lock.
+struct Checked {
+    containers: Vec<Vec<String>>,
+    /// The earlier allocations checked against the kubelet's list (the grant may replace them).
+    replaceable: BTreeSet<RecordKey>,
+    /// `Answers::next` before the list was asked.
+    asked: u64,
+}
+
 /// One view of the ledger, served as one extended resource.
 pub struct ViewBackend {
     resources: Arc<NodeResources>,
@@ -600,11 +715,22 @@ impl ViewBackend {
         }
     }
 
-    /// Grants every container of one Allocate request, or none (see `DeviceBackend::allocate`).
+    /// Grants every container of one Allocate request, or none (see `DeviceBackend::allocate`):
+    /// checks it, commits the grant, answers. Each step is its own function so that tests can
+    /// interleave two requests at every point.
     async fn grant(
         &self,
         containers: Vec<Vec<String>>,
     ) -> Result<Vec<ContainerAllocation>, BackendError> {
+        let checked = self.check(containers).await?;
+        let grants = self.commit(checked).await?;
+        Ok(self.respond(&grants).await)
+    }
+
+    /// The checks before the ledger's lock: no device named twice, every share enforced, and the
+    /// earlier allocations the request would replace checked against the kubelet's list.
+    async fn check(&self, containers: Vec<Vec<String>>) -> Result<Checked, BackendError> {
+        refuse_overlaps(&containers)?;
         // Devices of this resource that an older allocation holds, exactly or in part: the
         // kubelet repeats an Allocate only for an init container's devices (which pod-resources
         // does not list) and reassigns only devices whose container ended, but a kubelet that
@@ -627,6 +753,8 @@ impl ViewBackend {
                 .filter(|(_, held)| !held.is_empty())
                 .collect()
         };
+        // Grants answered from here on are not in the list about to be asked.
+        let asked = self.resources.answers_lock().next;
         if let (Some((first, _)), Some(socket)) = (held.first(), &self.resources.pod_resources) {
             let listed = reconcile::fetch(socket, Duration::from_secs(2)).await.map_err(|e| {
                 BackendError::Unavailable {
@@ -652,10 +780,26 @@ impl ViewBackend {
                 }
             }
         }
+        // What was checked against the kubelet's list: the grant may replace these and only
+        // these. An allocation of the same devices granted meanwhile (a second Allocate on
+        // another connection, answered while this one asked pod-resources) was never checked:
+        // this request is then refused rather than answered beside it.
+        let replaceable: BTreeSet<RecordKey> = held
+            .iter()
+            .flat_map(|(_, records)| records.iter())
+            .map(|r| (r.resource.clone(), r.device_ids.clone()))
+            .collect();
+        Ok(Checked { containers, replaceable, asked })
+    }
+
+    /// Grants a checked request in one change of the ledger, refusing it if anything it would
+    /// replace was not checked or could not be judged by the list it was checked against.
+    async fn commit(&self, checked: Checked) -> Result<Vec<Grant>, BackendError> {
+        let Checked { containers, replaceable: checked, asked } = checked;
         // All containers in one change: a refusal of any leaves the ledger as it was. The
         // checkpoint write blocks (fsync): off the async worker threads.
         let resources = self.resources.clone();
-        let view = self.view.clone();
+        let (view, resource) = (self.view.clone(), self.resource.clone());
         let grants = tokio::task::spawn_blocking(move || {
             resources.change(|state, _| {
                 // Again under the lock: the daemon may have died while pod-resources answered.
@@ -665,16 +809,47 @@ impl ViewBackend {
                         return Err(unavailable(&unenforced));
                     }
                 }
+                // The check and the grant are one step: nothing granted since the check, and
+                // nothing the list could not have shown yet.
+                let mut answers = resources.answers_lock();
+                for ids in &containers {
+                    for r in state.sharing_devices(&view, ids) {
+                        let key = (r.resource.clone(), r.device_ids.clone());
+                        let why = if !checked.contains(&key) {
+                            "were granted to another container while this request was being checked"
+                        } else if !answers.known_to_list(&key, asked) {
+                            "were granted to a container the kubelet had not been told of when its list was asked"
+                        } else {
+                            continue;
+                        };
+                        return Err(BackendError::Conflict {
+                            ids: ids.clone(),
+                            reason: format!(
+                                "devices {:?} {why}; refused rather than handing them out twice",
+                                r.device_ids
+                            ),
+                        });
+                    }
+                }
                 let now = boot_seconds();
                 let grants = containers
                     .iter()
                     .map(|ids| state.allocate(&view, ids, now))
                     .collect::<Result<Vec<Grant>, Refusal>>()?;
+                answers.prune(&state.records());
+                for g in &grants {
+                    answers.by_key.insert((resource.clone(), g.device_ids.clone()), u64::MAX);
+                }
                 Ok((grants, Trust::Granted))
             })
         })
         .await
         .map_err(|e| BackendError::Internal { reason: format!("allocation task failed: {e}") })??;
+        Ok(grants)
+    }
+
+    /// The kubelet's answers for `grants`, after which a list asked may show them.
+    async fn respond(&self, grants: &[Grant]) -> Vec<ContainerAllocation> {
         // The MPS client priority of the pod's class, when co-location runs: the pod is found
         // after the grant (its identity never decides a device).
         let mut answers = Vec::with_capacity(grants.len());
@@ -686,7 +861,7 @@ impl ViewBackend {
             }
             _ => BTreeMap::new(),
         };
-        for g in &grants {
+        for g in grants {
             let priority = match (identifier, &g.share) {
                 (Some(id), Some(_)) => {
                     let count = u64::try_from(g.device_ids.len()).unwrap_or(u64::MAX);
@@ -699,9 +874,22 @@ impl ViewBackend {
                 }
                 _ => None,
             };
-            answers.push(container_response(g, &self.resources.responses, priority));
+            let devices = self.resources.devices.answer(&g.visible);
+            if !devices.fell_back.is_empty()
+                && let Some((node, i)) = self.resources.instruments.get()
+            {
+                i.device_list_fallbacks.with_label_values(&[node.as_str()]).inc();
+            }
+            answers.push(container_response(g, devices, &self.resources.responses.mps, priority));
         }
-        Ok(answers)
+        // Answered: a list asked from now on may show these grants.
+        let mut numbers = self.resources.answers_lock();
+        let number = numbers.next;
+        numbers.next += 1;
+        for g in grants {
+            numbers.by_key.insert((self.resource.clone(), g.device_ids.clone()), number);
+        }
+        answers
     }
 }
 
@@ -775,6 +963,83 @@ mod tests {
         // list asked before this repeat is not applied after it.
         grant().expect("repeat granted");
         assert_eq!(resources.generation(), first + 1);
+    }
+
+    /// The gpu-memory backend over a fresh ledger of the L4 node, and the first GPU's UUID.
+    fn memory_backend() -> (tempfile::TempDir, Arc<NodeResources>, Arc<ViewBackend>, String) {
+        let inventory = test_support::l4_inventory();
+        let ledger = DeviceLedger::new("n", &inventory, crate::ledger::ViewConfig::default())
+            .expect("ledger");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let resources = test_support::resources(ledger, Checkpoint::in_dir(dir.path()));
+        let backend = resources
+            .backends()
+            .into_iter()
+            .find(|b| b.view == View::GpuMemory)
+            .expect("a gpu-memory view");
+        (dir, resources, backend, inventory.gpus[0].uuid.to_string())
+    }
+
+    fn units(gpu: &str, range: std::ops::Range<u32>) -> Vec<String> {
+        range.map(|n| format!("{gpu}::{n}")).collect()
+    }
+
+    #[tokio::test]
+    async fn a_request_naming_a_device_twice_is_refused_and_nothing_granted() {
+        let (_dir, resources, backend, gpu) = memory_backend();
+        // Containers [u0, u1] and [u1, u2]: answering both would leave u0 in use and free.
+        let overlapping = vec![units(&gpu, 0..2), units(&gpu, 1..3)];
+        let err = backend.allocate(overlapping).await.expect_err("overlap refused");
+        assert!(
+            matches!(&err, BackendError::InvalidRequest { reason, .. } if reason.contains("containers 0 and 1")),
+            "{err:?}"
+        );
+        let twice = vec![vec![format!("{gpu}::0"), format!("{gpu}::0")]];
+        let err = backend.allocate(twice).await.expect_err("a unit twice refused");
+        assert!(
+            matches!(&err, BackendError::InvalidRequest { reason, .. } if reason.contains("twice for one container")),
+            "{err:?}"
+        );
+        assert!(resources.records().is_empty(), "nothing granted: {:?}", resources.records());
+        // Disjoint containers in one request are granted, each its own.
+        backend.allocate(vec![units(&gpu, 0..2), units(&gpu, 2..4)]).await.expect("granted");
+        assert_eq!(resources.records().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn two_overlapping_allocates_never_both_answer_whatever_the_interleaving() {
+        // [u0, u1] and [u1, u2] on two connections: the kubelet never does this, but a ledger
+        // that answers both has handed u1 out twice and keeps only one of them.
+        let refused = |r: Result<Vec<Grant>, BackendError>| match r {
+            Err(BackendError::Conflict { reason, .. }) => reason,
+            other => panic!("not refused: {other:?}"),
+        };
+        // Both checked before either is granted: the second is refused at the grant.
+        let (_dir, resources, backend, gpu) = memory_backend();
+        let a = backend.check(vec![units(&gpu, 0..2)]).await.expect("checked");
+        let b = backend.check(vec![units(&gpu, 1..3)]).await.expect("checked");
+        let granted = backend.commit(a).await.expect("granted");
+        let why = refused(backend.commit(b).await);
+        assert!(why.contains("while this request was being checked"), "{why}");
+        backend.respond(&granted).await;
+        assert_eq!(resources.records().len(), 1);
+        assert_eq!(resources.records()[0].device_ids, units(&gpu, 0..2));
+        // The second checked after the first was granted but before it was answered: the
+        // kubelet cannot have listed the first yet, so its list cannot say it ended.
+        let (_dir, resources, backend, gpu) = memory_backend();
+        let a = backend.check(vec![units(&gpu, 0..2)]).await.expect("checked");
+        let granted = backend.commit(a).await.expect("granted");
+        let b = backend.check(vec![units(&gpu, 1..3)]).await.expect("checked");
+        let why = refused(backend.commit(b).await);
+        assert!(why.contains("had not been told of"), "{why}");
+        backend.respond(&granted).await;
+        assert_eq!(resources.records()[0].device_ids, units(&gpu, 0..2));
+        // Checked after the first was answered: the list asked then is the kubelet's word that
+        // the first container ended (here no list: trusted), and the second replaces it.
+        let b = backend.check(vec![units(&gpu, 1..3)]).await.expect("checked");
+        backend.commit(b).await.expect("a reassignment the kubelet vouches for");
+        assert_eq!(resources.records().len(), 1);
+        assert_eq!(resources.records()[0].device_ids, units(&gpu, 1..3));
     }
 
     mod properties {

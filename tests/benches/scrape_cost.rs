@@ -56,7 +56,10 @@ fn main() -> anyhow::Result<()> {
             boot_id_file: root.join("boot_id"),
             views: ViewConfig::default(),
             responses: ResponseConfig {
-                cdi_kind: None,
+                devices: baleen_agent::isolation::devices::DeviceListConfig {
+                strategy: baleen_agent::isolation::devices::Strategy::Envvar,
+                ..Default::default()
+            },
                 mps: MpsConfig {
                     root: root.join("mps"),
                     control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),

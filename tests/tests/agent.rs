@@ -13,6 +13,7 @@ use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
 use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
+use baleen_agent::isolation::devices::{DeviceListConfig, Strategy};
 use baleen_agent::isolation::mps::MpsConfig;
 use baleen_agent::ledger::{AllocationRecord, ViewConfig};
 use baleen_agent::resources::ResponseConfig;
@@ -30,6 +31,30 @@ const MEM: &str = "awesome-ai-company.com/gpu-memory";
 
 fn example(name: &str) -> Result<Inventory> {
     Ok(SimulatedInventory::from_file(&Path::new(EXAMPLES).join(name))?.discover()?)
+}
+
+/// Writes `dir/nvidia.yaml`, a CDI spec naming every GPU and MIG instance of `inventory` by UUID
+/// but those in `leave_out`.
+fn write_cdi_spec(dir: &Path, inventory: &Inventory, leave_out: &[String]) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut text = String::from("cdiVersion: 0.6.0\nkind: nvidia.com/gpu\ndevices:\n");
+    for gpu in &inventory.gpus {
+        let names = std::iter::once(gpu.uuid.to_string())
+            .chain(gpu.mig.instances().iter().map(|m| m.uuid.to_string()));
+        for name in names.filter(|n| !leave_out.contains(n)) {
+            text.push_str(&format!(
+                "  - name: {name}\n    containerEdits:\n      deviceNodes:\n        - path: /dev/nvidia{}\n",
+                gpu.index
+            ));
+        }
+    }
+    std::fs::write(dir.join("nvidia.yaml"), text)?;
+    Ok(())
+}
+
+/// The CDI names of an Allocate answer.
+fn cdi_names(response: &baleen_proto::deviceplugin::v1beta1::ContainerAllocateResponse) -> Vec<String> {
+    response.cdi_devices.iter().map(|d| d.name.clone()).collect()
 }
 
 /// A node: temp dirs, a fake kubelet serving pod-resources, and how to start the agent.
@@ -54,6 +79,9 @@ impl Node {
         kubelet.serve_pod_resources(&root.join("pod-resources/kubelet.sock"))?;
         std::fs::write(root.join("boot_id"), "boot-1\n")?;
         let expected = example(example_name)?;
+        // The node's CDI spec, as `nvidia-ctk cdi generate --device-name-strategy=uuid`
+        // names devices: every GPU and MIG instance by UUID.
+        write_cdi_spec(&root.join("run-cdi"), &expected, &[])?;
         let (inventory, nvml): (Arc<dyn GpuInventory>, _) = match backend {
             Backend::Simulated => (Arc::new(SimulatedInventory::new(expected)), None),
             Backend::FakeNvml => {
@@ -69,7 +97,13 @@ impl Node {
             boot_id_file: root.join("boot_id"),
             views: ViewConfig::default(),
             responses: ResponseConfig {
-                cdi_kind: None,
+                // CDI names, the default, resolved in the node's spec (written below).
+                devices: DeviceListConfig {
+                    strategy: Strategy::Cdi,
+                    cdi_spec_dirs: vec![root.join("etc-cdi"), root.join("run-cdi")],
+                    toolkit_config: root.join("nvidia-container-runtime/config.toml"),
+                    ..DeviceListConfig::default()
+                },
                 mps: MpsConfig {
                     root: root.join("mps"),
                     control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
@@ -192,7 +226,8 @@ async fn every_view_registers_and_packs(backend: Backend) -> Result<()> {
     let d = node.kubelet.admit_to("ns/d", "c", MEM, 30).await?;
     assert!(d.device_ids.iter().all(|id| gpu_of(id) == gpu_a), "30 fits only beside the 100");
     assert_eq!(d.response.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=30720M");
-    assert_eq!(d.response.envs["NVIDIA_VISIBLE_DEVICES"], gpu_a);
+    assert_eq!(cdi_names(&d.response), [format!("nvidia.com/gpu={gpu_a}")]);
+    assert_eq!(d.response.envs["NVIDIA_VISIBLE_DEVICES"], "void", "an image's `all` adds nothing");
 
     // Two containers never share a unit.
     let mut all: Vec<&String> = [&a, &b, &c, &d].iter().flat_map(|x| x.device_ids.iter()).collect();
@@ -396,6 +431,49 @@ async fn a_critical_xid_makes_the_gpu_unhealthy() -> Result<()> {
     stop(agent, token).await
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpus_are_answered_as_cdi_names_the_spec_holds_else_by_volume_mounts() -> Result<()> {
+    // A spec that lacks one GPU (the pain of nvidia-container-toolkit#1895): the agent says so
+    // at start, answers that GPU's grants with volume-mounts (never a CDI name the runtime
+    // cannot resolve) and counts them; the toolkit's configuration, mounted, says the variable
+    // is refused for unprivileged containers.
+    let expected = example("l4-4x-pcie.yaml")?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let missing = expected.gpus[3].uuid.to_string();
+    let spec_dir = node.config.responses.devices.cdi_spec_dirs[1].clone();
+    write_cdi_spec(&spec_dir, &expected, std::slice::from_ref(&missing))?;
+    let toolkit = node.config.responses.devices.toolkit_config.clone();
+    std::fs::create_dir_all(toolkit.parent().context("dir")?)?;
+    std::fs::write(
+        &toolkit,
+        "accept-nvidia-visible-devices-envvar-when-unprivileged = false\naccept-nvidia-visible-devices-as-volume-mounts = true\n",
+    )?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let named = node.kubelet.allocate_raw(GPU, vec![vec![expected.gpus[0].uuid.to_string()]]).await?;
+    let named = &named.container_responses[0];
+    assert_eq!(cdi_names(named), [format!("nvidia.com/gpu={}", expected.gpus[0].uuid)]);
+    assert!(named.mounts.is_empty(), "{named:?}");
+    let fallback = node.kubelet.allocate_raw(GPU, vec![vec![missing.clone()]]).await?;
+    let fallback = &fallback.container_responses[0];
+    assert!(fallback.cdi_devices.is_empty(), "never a name the spec lacks: {fallback:?}");
+    assert_eq!(fallback.envs["NVIDIA_VISIBLE_DEVICES"], "/var/run/nvidia-container-devices");
+    let mount = fallback.mounts.first().context("a device mount")?;
+    assert_eq!(mount.container_path, format!("/var/run/nvidia-container-devices/{missing}"));
+    assert_eq!((mount.host_path.as_str(), mount.read_only), ("/dev/null", true));
+    let text = http_get(agent.metrics_address().context("metrics")?, "/metrics").await?.1;
+    assert_eq!(sample(&text, "baleen_device_list_fallbacks_total", &[]), Some(1.0), "{text}");
+    let state = |check: &str, state: &str| {
+        sample(&text, "baleen_device_isolation", &[("check", check), ("state", state)])
+    };
+    assert_eq!(state("strategy", "ok"), Some(1.0), "{text}");
+    assert_eq!(state("cdi-spec", "failed"), Some(1.0));
+    assert_eq!(state("cdi-spec", "ok"), Some(0.0));
+    assert_eq!(state("toolkit-envvar", "ok"), Some(1.0));
+    assert_eq!(state("toolkit-volume-mounts", "ok"), Some(1.0), "fallbacks need it");
+    stop(agent, token).await
+}
+
 async fn mig_views(backend: Backend) -> Result<()> {
     let node = Node::new("a100-4x-mig.yaml", backend).await?;
     let (agent, token) = node.start().await?;
@@ -417,7 +495,7 @@ async fn mig_views(backend: Backend) -> Result<()> {
     assert_eq!(view.healthy(GPU).len(), 2, "the MIG GPUs are not whole GPUs");
     let mig = node.kubelet.admit_to("ns/m", "c", "awesome-ai-company.com/mig-1g.10gb", 1).await?;
     assert!(mig.device_ids[0].starts_with("MIG-"));
-    assert_eq!(mig.response.envs["NVIDIA_VISIBLE_DEVICES"], mig.device_ids[0]);
+    assert_eq!(cdi_names(&mig.response), [format!("nvidia.com/gpu={}", mig.device_ids[0])]);
     stop(agent, token).await
 }
 
@@ -865,7 +943,7 @@ async fn a_multi_container_allocate_is_all_or_nothing() -> Result<()> {
         .allocate_raw(MEM, vec![vec![format!("{free}::0")], vec![format!("{other}::0")]])
         .await?;
     assert_eq!(answer.container_responses.len(), 2);
-    assert_eq!(answer.container_responses[1].envs["NVIDIA_VISIBLE_DEVICES"], other);
+    assert_eq!(cdi_names(&answer.container_responses[1]), [format!("nvidia.com/gpu={other}")]);
     assert_eq!(agent.resources().records().len(), 3);
     stop(agent, token).await
 }

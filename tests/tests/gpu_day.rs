@@ -83,7 +83,11 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         // the fake control daemon (the answers are compared with the root put back).
         views: ViewConfig::default(),
         responses: ResponseConfig {
-            cdi_kind: None,
+            // The device-list strategy the agent answered with on that day (the variable).
+            devices: baleen_agent::isolation::devices::DeviceListConfig {
+                strategy: baleen_agent::isolation::devices::Strategy::Envvar,
+                ..Default::default()
+            },
             mps: MpsConfig {
                 root: root.join("mps"),
                 control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
@@ -178,7 +182,11 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
         boot_id_file: root.join("boot_id"),
         views: ViewConfig::default(),
         responses: ResponseConfig {
-            cdi_kind: None,
+            // The device-list strategy the agent answered with on that day (the variable).
+            devices: baleen_agent::isolation::devices::DeviceListConfig {
+                strategy: baleen_agent::isolation::devices::Strategy::Envvar,
+                ..Default::default()
+            },
             mps: MpsConfig {
                 root: root.join("mps"),
                 control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),

@@ -268,6 +268,9 @@ impl Agent {
         } else {
             None
         };
+        // Whether a container can reach GPUs beyond its grant, as far as the agent can tell:
+        // logged and exported before the first answer.
+        resources.report_device_posture();
         let mut tasks = Tasks::default();
         mps::start(&mut tasks, &config, &resources, &shutdown).await;
         // Before the plugins: their first Allocate already finds its pod's class.

@@ -18,6 +18,8 @@ pub struct FileConfig {
     /// Which views to offer.
     #[serde(default)]
     pub resources: ResourcesFile,
+    /// How Allocate answers hand out GPUs: `cdi` (default), `volume-mounts`, `envvar`.
+    pub device_list_strategy: Option<String>,
     /// Container Device Interface names in Allocate answers.
     #[serde(default)]
     pub cdi: CdiFile,
@@ -100,10 +102,12 @@ pub struct ResourcesFile {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct CdiFile {
-    /// Answer CDI device names (default false).
+    /// Replaced by `deviceListStrategy` (a problem when set, saying so).
     pub enabled: Option<bool>,
     /// CDI kind (default `nvidia.com/gpu`).
     pub kind: Option<String>,
+    /// Where the node's CDI spec files are (default `/etc/cdi` and `/var/run/cdi`).
+    pub spec_dirs: Option<Vec<PathBuf>>,
 }
 
 /// `inventory:` in the file.
@@ -134,6 +138,9 @@ pub struct PathsFile {
     pub boot_id_file: Option<PathBuf>,
     /// The host's `/proc` (default `/proc`).
     pub proc_root: Option<PathBuf>,
+    /// The NVIDIA container toolkit's `config.toml`, read to report whether the node refuses
+    /// `NVIDIA_VISIBLE_DEVICES` from unprivileged containers.
+    pub toolkit_config: Option<PathBuf>,
 }
 
 /// `reconcile:` in the file.

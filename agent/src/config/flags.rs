@@ -29,6 +29,9 @@ pub struct RunArgs {
     /// Host directory of the per-GPU MPS pipe directories.
     #[arg(long, value_name = "DIR", help = format!("Host directory of the per-GPU MPS pipe directories [default: {}]", defaults::MPS_ROOT))]
     pub mps_root: Option<PathBuf>,
+    /// How Allocate answers hand out GPUs: cdi, volume-mounts or envvar (insecure).
+    #[arg(long, value_name = "STRATEGY", help = format!("How Allocate answers hand out GPUs: cdi, volume-mounts, or envvar (insecure: any pod that sets NVIDIA_VISIBLE_DEVICES sees every GPU unless the toolkit refuses it) [default: {}]", defaults::DEVICE_LIST_STRATEGY))]
+    pub device_list_strategy: Option<String>,
     /// Do not enforce gpu-memory grants with MPS: the units are accounting only (for simulated
     /// nodes, which have no GPU to run MPS on; the agent logs a warning and every Allocate
     /// answer says so). Same as `mps.enabled: false` in the file.

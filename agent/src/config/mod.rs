@@ -16,6 +16,7 @@ use crate::defaults;
 use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
 use crate::inventory::simulated::SimulatedInventory;
 use crate::inventory::{GpuInventory, InventoryError};
+use crate::isolation::devices::{DeviceListConfig, Strategy};
 use crate::isolation::mps::{DaemonPlacement, MpsConfig, ThreadPercentage};
 use crate::isolation::watchdog::{WatchdogAction, WatchdogConfig};
 use crate::ledger::ViewConfig;
@@ -216,14 +217,40 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             problems.push(format!("NVLink group size {n} is not between 2 and 64"));
         }
     }
-    let cdi_kind = if file.cdi.enabled.unwrap_or(false) {
-        let kind = file.cdi.kind.clone().unwrap_or_else(|| defaults::CDI_KIND.into());
-        if !kind.contains('/') || kind.contains('=') {
-            problems.push(format!("CDI kind {kind:?} must look like vendor.com/class"));
-        }
-        Some(kind)
-    } else {
-        None
+    if file.cdi.enabled.is_some() {
+        problems.push(
+            "cdi.enabled is replaced by deviceListStrategy: cdi (the default), volume-mounts or envvar; remove it".into(),
+        );
+    }
+    let strategy_name = args
+        .device_list_strategy
+        .clone()
+        .or(file.device_list_strategy.clone())
+        .unwrap_or_else(|| defaults::DEVICE_LIST_STRATEGY.into());
+    let strategy = Strategy::parse(&strategy_name).unwrap_or_else(|| {
+        problems.push(format!(
+            "deviceListStrategy {strategy_name:?} is none of cdi, volume-mounts, envvar"
+        ));
+        Strategy::Cdi
+    });
+    let cdi_kind = file.cdi.kind.clone().unwrap_or_else(|| defaults::CDI_KIND.into());
+    let (vendor, class) = cdi_kind.split_once('/').unwrap_or(("", ""));
+    if vendor.is_empty() || class.is_empty() || class.contains('/') || cdi_kind.contains('=') {
+        problems.push(format!("CDI kind {cdi_kind:?} must look like vendor.com/class"));
+    }
+    let devices = DeviceListConfig {
+        strategy,
+        cdi_kind,
+        cdi_spec_dirs: file
+            .cdi
+            .spec_dirs
+            .clone()
+            .unwrap_or_else(|| defaults::CDI_SPEC_DIRS.iter().map(PathBuf::from).collect()),
+        toolkit_config: file
+            .paths
+            .toolkit_config
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(defaults::TOOLKIT_CONFIG)),
     };
 
     let mut duration = |what: &str, text: Option<&String>, default: Duration| match text {
@@ -412,7 +439,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             nvlink_group_sizes: sizes,
         },
         responses: ResponseConfig {
-            cdi_kind,
+            devices,
             mps: MpsConfig {
                 enabled: !args.no_mps && file.mps.enabled.unwrap_or(true),
                 root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
@@ -551,7 +578,7 @@ mod tests {
         let file = dir.path().join("agent.yaml");
         std::fs::write(
             &file,
-            "nodeName: from-file\nmemoryUnit: 512MiB\ndomain: example.com\nresources:\n  nvlinkGroupSizes: [2]\ncdi:\n  enabled: true\nreconcile:\n  interval: 5s\npaths:\n  stateDir: /tmp/state\n",
+            "nodeName: from-file\nmemoryUnit: 512MiB\ndomain: example.com\nresources:\n  nvlinkGroupSizes: [2]\ndeviceListStrategy: volume-mounts\ncdi:\n  kind: example.com/gpu\n  specDirs: [/host/cdi]\nreconcile:\n  interval: 5s\npaths:\n  stateDir: /tmp/state\n",
         )
         .expect("write");
         let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
@@ -560,7 +587,9 @@ mod tests {
         assert_eq!(s.agent.views.memory_unit_bytes, 512 << 20);
         assert_eq!(s.agent.views.domain, "example.com");
         assert_eq!(s.agent.views.nvlink_group_sizes, [2]);
-        assert_eq!(s.agent.responses.cdi_kind.as_deref(), Some("nvidia.com/gpu"));
+        assert_eq!(s.agent.responses.devices.strategy, Strategy::VolumeMounts);
+        assert_eq!(s.agent.responses.devices.cdi_kind, "example.com/gpu");
+        assert_eq!(s.agent.responses.devices.cdi_spec_dirs, [PathBuf::from("/host/cdi")]);
         assert_eq!(s.agent.reconcile_interval, Duration::from_secs(5));
         assert_eq!(s.agent.reconcile_grace, Duration::from_secs(600));
         assert_eq!(s.agent.state_dir, PathBuf::from("/tmp/state"));
@@ -600,6 +629,31 @@ mod tests {
             assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
         }
         assert_eq!(err.problems.len(), 6, "{text}");
+    }
+
+    #[test]
+    fn the_device_list_strategy_defaults_to_cdi_and_bad_values_are_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        std::fs::write(&file, "nodeName: n\n").expect("write");
+        let d = resolve(&args, &Environment::default()).expect("valid").agent.responses.devices;
+        assert_eq!(d, DeviceListConfig::default());
+        assert_eq!(d.strategy, Strategy::Cdi, "secure by default");
+        let flag = RunArgs { device_list_strategy: Some("envvar".into()), ..args.clone() };
+        let d = resolve(&flag, &Environment::default()).expect("valid").agent.responses.devices;
+        assert_eq!(d.strategy, Strategy::Envvar, "an explicit opt-in");
+        std::fs::write(
+            &file,
+            "nodeName: n\ndeviceListStrategy: all\ncdi:\n  enabled: true\n  kind: nvidia.com\n",
+        )
+        .expect("write");
+        let err = resolve(&args, &Environment::default()).expect_err("three problems");
+        let text = err.to_string();
+        for expected in ["deviceListStrategy \"all\"", "cdi.enabled is replaced", "CDI kind"] {
+            assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+        }
+        assert_eq!(err.problems.len(), 3, "{text}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Isolation of the containers that share a GPU: what a container needs so that its share is
-//! enforced: the MPS daemons and the client setup of a gpu-memory grant ([`mps`]), and the
+//! Isolation of the containers that share a GPU: how a container is given exactly the GPUs of its
+//! grant in a form the runtime enforces ([`devices`]); what a container needs so that its share
+//! is enforced: the MPS daemons and the client setup of a gpu-memory grant ([`mps`]), and the
 //! per-container memory [`watchdog`] for what MPS does not enforce. Called by the device-plugin
 //! adapter (`crate::resources`) when it answers Allocate.
 //!
@@ -9,6 +10,7 @@
 
 pub mod cgroups;
 pub mod colocation;
+pub mod devices;
 pub mod mps;
 pub mod node_pods;
 pub mod pod_identity;

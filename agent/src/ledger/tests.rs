@@ -5,6 +5,7 @@ use super::*;
 use crate::defaults::MPS_PIPE_IN_CONTAINER;
 use crate::inventory::GpuInventory;
 use crate::inventory::simulated::SimulatedInventory;
+use crate::isolation::devices::{self, DeviceListConfig, DeviceLister};
 use crate::resources::{ResponseConfig, container_response};
 use baleen_device_plugin::ContainerAllocation;
 
@@ -28,9 +29,13 @@ fn healthy(devices: &[DeviceState]) -> usize {
     devices.iter().filter(|d| d.healthy).count()
 }
 
-/// The kubelet answer for a grant, with the default response settings.
+/// The kubelet answer for a grant under the envvar strategy (the GPUs read from the variable).
 fn respond(grant: &Grant) -> ContainerAllocation {
-    container_response(grant, &ResponseConfig::default(), None)
+    let devices = DeviceLister::new(DeviceListConfig {
+        strategy: devices::Strategy::Envvar,
+        ..DeviceListConfig::default()
+    });
+    container_response(grant, devices.answer(&grant.visible), &ResponseConfig::default().mps, None)
 }
 
 fn all_ids(state: &DeviceLedger, view: &View) -> Vec<String> {
