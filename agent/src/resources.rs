@@ -20,8 +20,8 @@ use tokio::sync::watch;
 use crate::checkpoint::Checkpoint;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
-use crate::isolation::pod_identity::{self, PodIdentifier};
 use crate::isolation::devices::{DeviceAnswer, DeviceListConfig, DeviceLister};
+use crate::isolation::pod_identity::{self, PodIdentifier};
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{
     AllocationRecord, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal, View,
@@ -257,10 +257,25 @@ impl NodeResources {
         for c in &checks {
             match c.state {
                 CheckState::Ok => {
-                    tracing::info!(check = c.name, strategy, detail = c.detail, "device isolation: ok");
+                    tracing::info!(
+                        check = c.name,
+                        strategy,
+                        detail = c.detail,
+                        "device isolation: ok"
+                    );
                 }
-                CheckState::Failed => tracing::warn!(check = c.name, strategy, detail = c.detail, "device isolation: FAILED: a container may reach GPUs it was not granted, or a grant may not reach its GPUs"),
-                CheckState::Unknown => tracing::warn!(check = c.name, strategy, detail = c.detail, "device isolation: cannot tell"),
+                CheckState::Failed => tracing::warn!(
+                    check = c.name,
+                    strategy,
+                    detail = c.detail,
+                    "device isolation: FAILED: a container may reach GPUs it was not granted, or a grant may not reach its GPUs"
+                ),
+                CheckState::Unknown => tracing::warn!(
+                    check = c.name,
+                    strategy,
+                    detail = c.detail,
+                    "device isolation: cannot tell"
+                ),
             }
         }
         if let Some((node, i)) = self.instruments.get() {

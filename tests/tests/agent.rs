@@ -53,7 +53,9 @@ fn write_cdi_spec(dir: &Path, inventory: &Inventory, leave_out: &[String]) -> Re
 }
 
 /// The CDI names of an Allocate answer.
-fn cdi_names(response: &baleen_proto::deviceplugin::v1beta1::ContainerAllocateResponse) -> Vec<String> {
+fn cdi_names(
+    response: &baleen_proto::deviceplugin::v1beta1::ContainerAllocateResponse,
+) -> Vec<String> {
     response.cdi_devices.iter().map(|d| d.name.clone()).collect()
 }
 
@@ -438,7 +440,7 @@ async fn gpus_are_answered_as_cdi_names_the_spec_holds_else_by_volume_mounts() -
     // cannot resolve) and counts them; the toolkit's configuration, mounted, says the variable
     // is refused for unprivileged containers.
     let expected = example("l4-4x-pcie.yaml")?;
-    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     let missing = expected.gpus[3].uuid.to_string();
     let spec_dir = node.config.responses.devices.cdi_spec_dirs[1].clone();
     write_cdi_spec(&spec_dir, &expected, std::slice::from_ref(&missing))?;
@@ -450,7 +452,8 @@ async fn gpus_are_answered_as_cdi_names_the_spec_holds_else_by_volume_mounts() -
     )?;
     let (agent, token) = node.start().await?;
     node.registered(&agent, 1).await?;
-    let named = node.kubelet.allocate_raw(GPU, vec![vec![expected.gpus[0].uuid.to_string()]]).await?;
+    let named =
+        node.kubelet.allocate_raw(GPU, vec![vec![expected.gpus[0].uuid.to_string()]]).await?;
     let named = &named.container_responses[0];
     assert_eq!(cdi_names(named), [format!("nvidia.com/gpu={}", expected.gpus[0].uuid)]);
     assert!(named.mounts.is_empty(), "{named:?}");

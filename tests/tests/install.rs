@@ -17,6 +17,9 @@ use baleen_agent::inventory::GpuInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::ledger::DeviceLedger;
 use clap::Parser;
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, Pod, PodSpec, Service, ServiceAccount,
@@ -150,6 +153,8 @@ struct Install {
     services: Vec<Service>,
     service_monitors: Vec<ServiceMonitor>,
     deployments: Vec<Deployment>,
+    admission_policies: Vec<ValidatingAdmissionPolicy>,
+    policy_bindings: Vec<ValidatingAdmissionPolicyBinding>,
     roles: Vec<(Option<String>, Vec<PolicyRule>)>,
     bindings: Vec<(String, String, Vec<String>)>,
 }
@@ -166,6 +171,10 @@ impl Install {
                 "Service" => install.services.push(strict(&doc)?),
                 "ServiceMonitor" => install.service_monitors.push(strict(&doc)?),
                 "Deployment" => install.deployments.push(strict(&doc)?),
+                "ValidatingAdmissionPolicy" => install.admission_policies.push(strict(&doc)?),
+                "ValidatingAdmissionPolicyBinding" => {
+                    install.policy_bindings.push(strict(&doc)?);
+                }
                 "Role" => {
                     let r: Role = strict(&doc)?;
                     install.roles.push((r.metadata.name, r.rules.unwrap_or_default()));
@@ -363,6 +372,13 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     if a.colocation.enabled {
         used.push(a.colocation.cgroup_root.clone());
     }
+    // What the device-isolation checks read at start.
+    used.extend(a.responses.devices.cdi_spec_dirs.iter().cloned());
+    used.push(a.responses.devices.toolkit_config.parent().context("toolkit dir")?.to_path_buf());
+    ensure!(
+        a.responses.devices.strategy != baleen_agent::isolation::devices::Strategy::Envvar,
+        "{overlay}: the envvar strategy lets any pod name any GPU"
+    );
     // The watchdog reads the host's /proc: the host's PID namespace or a mount.
     if a.watchdog.proc_root == Path::new("/proc") {
         ensure!(spec.host_pid == Some(true), "procRoot /proc needs hostPID");
@@ -401,17 +417,14 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
         let list = list.as_ref().with_context(|| format!("no {what}"))?;
         ensure!(list.contains_key("cpu") && list.contains_key("memory"), "{what}: cpu and memory");
     }
-    // The least privilege: not privileged, no escalation, only the capabilities explained.
+    // Privileged: with the toolkit refusing NVIDIA_VISIBLE_DEVICES from unprivileged
+    // containers (the install's device isolation), that is how the agent gets every GPU; its
+    // root file system stays read-only and every path it writes is a named mount.
     let security = c.security_context.as_ref().context("securityContext")?;
-    ensure!(
-        security.privileged == Some(false) && security.allow_privilege_escalation == Some(false)
-    );
-    let caps = security.capabilities.as_ref().context("capabilities")?;
-    ensure!(caps.drop.clone().unwrap_or_default() == ["ALL"], "drop ALL");
-    let added: BTreeSet<String> = caps.add.clone().unwrap_or_default().into_iter().collect();
-    let allowed: BTreeSet<String> =
-        ["DAC_READ_SEARCH", "SYS_PTRACE", "KILL"].map(str::to_owned).into_iter().collect();
-    ensure!(added.is_subset(&allowed), "capabilities {added:?} beyond {allowed:?}");
+    ensure!(security.privileged == Some(true), "the agent needs every GPU: privileged");
+    ensure!(security.read_only_root_filesystem == Some(true), "a read-only root file system");
+    let visible = c.env.iter().flatten().find(|e| e.name == "NVIDIA_VISIBLE_DEVICES");
+    ensure!(visible.and_then(|e| e.value.as_deref()) == Some("all"), "the agent sees every GPU");
     // A surge would start a second agent that waits for the first one's lock forever.
     let strategy =
         agent.spec.as_ref().and_then(|s| s.update_strategy.as_ref()).context("strategy")?;
@@ -453,6 +466,10 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
             "a rollout of the MPS DaemonSet would kill every tenant"
         );
         ensure!(c.liveness_probe.is_none(), "a failed probe would restart the daemons");
+        ensure!(
+            c.security_context.as_ref().and_then(|s| s.privileged) == Some(true),
+            "the MPS daemons need every shared GPU: privileged"
+        );
         ensure!(
             c.resources
                 .as_ref()
@@ -642,6 +659,7 @@ fn advertised() -> Result<BTreeSet<String>> {
 #[test]
 fn example_pods_are_valid_and_ask_for_what_the_agent_advertises() -> Result<()> {
     let advertised = advertised()?;
+    let policy = tenant_policy()?;
     let dir = repo().join("packaging/examples/pods");
     let mut asked = BTreeSet::new();
     for entry in std::fs::read_dir(&dir)? {
@@ -649,6 +667,10 @@ fn example_pods_are_valid_and_ask_for_what_the_agent_advertises() -> Result<()> 
         let text = std::fs::read_to_string(&path)?;
         for doc in documents(&text)? {
             let pod: Pod = strict(&doc).with_context(|| path.display().to_string())?;
+            // What the install's tenant policy matches, it admits (the examples run as shown).
+            if cel_true(&policy.0, &doc)? {
+                ensure!(cel_true(&policy.1, &doc)?, "{}: refused by the install", path.display());
+            }
             let spec = pod.spec.context("spec")?;
             for c in &spec.containers {
                 let limits =
@@ -850,5 +872,133 @@ fn check_extender(install: &Install) -> Result<()> {
     for name in &advertised {
         ensure!(managed.contains(name), "{name} is advertised on an example node but not managed");
     }
+    Ok(())
+}
+
+/// The install's tenant policy's two CEL expressions: whether a pod is matched, and whether it
+/// is admitted.
+fn tenant_policy() -> Result<(String, String)> {
+    let install = Install::parse(&render("default")?)?;
+    ensure!(install.admission_policies.len() == 1, "one ValidatingAdmissionPolicy");
+    let policy = &install.admission_policies[0];
+    let name = policy.metadata.name.clone().context("name")?;
+    let binding = install.policy_bindings.first().context("a binding")?;
+    let bound = binding.spec.as_ref().context("binding spec")?;
+    ensure!(bound.policy_name.as_deref() == Some(name.as_str()), "the binding names the policy");
+    ensure!(bound.validation_actions.as_deref() == Some(&["Deny".to_owned()][..]), "it denies");
+    let spec = policy.spec.as_ref().context("policy spec")?;
+    ensure!(spec.failure_policy.as_deref() == Some("Fail"), "an error admits nothing");
+    let matched = spec.match_conditions.as_ref().and_then(|m| m.first()).context("condition")?;
+    let valid = spec.validations.as_ref().and_then(|v| v.first()).context("validation")?;
+    Ok((matched.expression.clone(), valid.expression.clone()))
+}
+
+fn cel_true(expression: &str, pod: &serde_json::Value) -> Result<bool> {
+    let program = cel::Program::compile(expression).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut context = cel::Context::default();
+    context.add_variable_from_value("object", cel::to_value(pod)?);
+    match program.execute(&context).map_err(|e| anyhow::anyhow!("{e}"))? {
+        cel::Value::Bool(b) => Ok(b),
+        other => bail!("{expression} gave {other:?}, not a bool"),
+    }
+}
+
+#[test]
+fn gpu_memory_pods_that_may_run_as_root_are_refused_by_the_install() -> Result<()> {
+    // A root process in a gpu-memory container can connect to its GPU's MPS control socket
+    // (root passes the socket's mode) and send `quit`: the API server must refuse the pod.
+    let (matched, valid) = tenant_policy()?;
+    let gpu_memory = serde_json::json!({"limits": {"awesome-ai-company.com/gpu-memory": "8"}});
+    let pod = |pod_ctx: serde_json::Value, containers: serde_json::Value| {
+        let mut pod = serde_json::json!({"spec": {"containers": containers}});
+        if !pod_ctx.is_null() {
+            pod["spec"]["securityContext"] = pod_ctx;
+        }
+        pod
+    };
+    let cases = [
+        // (what, pod, matched, admitted)
+        (
+            "no security context",
+            pod(
+                serde_json::Value::Null,
+                serde_json::json!([{"name": "c", "resources": gpu_memory}]),
+            ),
+            true,
+            false,
+        ),
+        (
+            "runAsNonRoot on the pod",
+            pod(
+                serde_json::json!({"runAsNonRoot": true}),
+                serde_json::json!([{"name": "c", "resources": gpu_memory}]),
+            ),
+            true,
+            true,
+        ),
+        (
+            "runAsNonRoot on the container",
+            pod(
+                serde_json::Value::Null,
+                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": {"runAsNonRoot": true}}]),
+            ),
+            true,
+            true,
+        ),
+        (
+            "the container undoes the pod's",
+            pod(
+                serde_json::json!({"runAsNonRoot": true}),
+                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": {"runAsNonRoot": false}}]),
+            ),
+            true,
+            false,
+        ),
+        (
+            "a root sidecar beside the GPU container",
+            pod(
+                serde_json::Value::Null,
+                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": {"runAsNonRoot": true}}, {"name": "side"}]),
+            ),
+            true,
+            false,
+        ),
+        (
+            "gpu-memory in requests only",
+            pod(
+                serde_json::Value::Null,
+                serde_json::json!([{"name": "c", "resources": {"requests": {"awesome-ai-company.com/gpu-memory": "1"}}}]),
+            ),
+            true,
+            false,
+        ),
+        (
+            "a whole GPU (no MPS)",
+            pod(
+                serde_json::Value::Null,
+                serde_json::json!([{"name": "c", "resources": {"limits": {"awesome-ai-company.com/gpu": "1"}}}]),
+            ),
+            false,
+            false,
+        ),
+        (
+            "no resources at all",
+            pod(serde_json::Value::Null, serde_json::json!([{"name": "c"}])),
+            false,
+            false,
+        ),
+    ];
+    for (what, pod, want_matched, want_admitted) in cases {
+        ensure!(cel_true(&matched, &pod)? == want_matched, "{what}: matched is not {want_matched}");
+        if want_matched {
+            ensure!(
+                cel_true(&valid, &pod)? == want_admitted,
+                "{what}: admitted is not {want_admitted}"
+            );
+        }
+    }
+    // An init container asking for gpu-memory is matched and held to the same rule.
+    let init = serde_json::json!({"spec": {"containers": [{"name": "c"}], "initContainers": [{"name": "i", "resources": gpu_memory}]}});
+    ensure!(cel_true(&matched, &init)? && !cel_true(&valid, &init)?, "an init container");
     Ok(())
 }

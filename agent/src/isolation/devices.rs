@@ -425,7 +425,8 @@ impl DeviceLister {
         if gone.is_empty() || specs.1.elapsed() < SPEC_REREAD {
             return gone;
         }
-        *specs = (read_cdi_specs(&self.config.cdi_spec_dirs, &self.config.cdi_kind), Instant::now());
+        *specs =
+            (read_cdi_specs(&self.config.cdi_spec_dirs, &self.config.cdi_kind), Instant::now());
         missing(&specs.0)
     }
 
@@ -538,7 +539,8 @@ mod tests {
         spec(&dir.path().join("run-cdi"), "c.yaml", "example.com/nic", &["GPU-x"]);
         std::fs::write(dir.path().join("run-cdi/notes.txt"), "not a spec").expect("txt");
         std::fs::write(dir.path().join("run-cdi/broken.yaml"), "kind: [").expect("broken");
-        let specs = read_cdi_specs(&config(dir.path(), Strategy::Cdi).cdi_spec_dirs, "nvidia.com/gpu");
+        let specs =
+            read_cdi_specs(&config(dir.path(), Strategy::Cdi).cdi_spec_dirs, "nvidia.com/gpu");
         assert_eq!(specs.names, BTreeSet::from([GPU_A.to_owned(), GPU_B.to_owned()]));
         assert_eq!(specs.files.len(), 2);
         assert_eq!(specs.problems.len(), 1, "{:?}", specs.problems);
@@ -579,13 +581,18 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("config.toml");
         assert_eq!(read_toolkit_config(&path), Ok(None), "not mounted");
-        std::fs::write(&path, "disable-require = false\n[nvidia-container-cli]\nldconfig = \"@/sbin/ldconfig\"\n").expect("toml");
+        std::fs::write(
+            &path,
+            "disable-require = false\n[nvidia-container-cli]\nldconfig = \"@/sbin/ldconfig\"\n",
+        )
+        .expect("toml");
         assert_eq!(
             read_toolkit_config(&path),
             Ok(Some(ToolkitSettings { envvar_when_unprivileged: true, volume_mounts: false })),
             "the toolkit's defaults"
         );
-        std::fs::write(&path, format!("{ENVVAR_KEY} = false\n{VOLUME_MOUNTS_KEY} = true\n")).expect("toml");
+        std::fs::write(&path, format!("{ENVVAR_KEY} = false\n{VOLUME_MOUNTS_KEY} = true\n"))
+            .expect("toml");
         assert_eq!(
             read_toolkit_config(&path),
             Ok(Some(ToolkitSettings { envvar_when_unprivileged: false, volume_mounts: true }))
@@ -600,9 +607,8 @@ mod tests {
     fn the_posture_names_what_fails() {
         let dir = tempfile::tempdir().expect("tempdir");
         let ids = [GPU_A.to_owned(), GPU_B.to_owned()];
-        let state = |checks: &[Check], name: &str| {
-            checks.iter().find(|c| c.name == name).map(|c| c.state)
-        };
+        let state =
+            |checks: &[Check], name: &str| checks.iter().find(|c| c.name == name).map(|c| c.state);
         let cdi = config(dir.path(), Strategy::Cdi);
         let safe_toolkit =
             Ok(Some(ToolkitSettings { envvar_when_unprivileged: false, volume_mounts: true }));

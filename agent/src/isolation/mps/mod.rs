@@ -138,7 +138,12 @@ pub fn client_setup(config: &MpsConfig, share: &Share) -> ContainerSetup {
         mounts: vec![BindMount {
             host: config.pipe_dir(&share.gpu_uuid),
             container: pipe_in_container.to_path_buf(),
-            read_only: false,
+            // A client only connects to the `control` socket (connecting needs no write to the
+            // file system); read-only, a tenant cannot delete or replace the socket, so that
+            // later clients run outside MPS. The privileged control socket beside it is refused
+            // to non-root processes by its mode: the install refuses gpu-memory pods that may
+            // run as root (docs/agent.md, "What a tenant can and cannot do").
+            read_only: true,
         }],
     }
 }
@@ -156,6 +161,7 @@ mod tests {
         assert_eq!(envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=4096M");
         assert_eq!(envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "18");
         assert_eq!(setup.mounts[0].host, PathBuf::from("/host/mps/GPU-1/pipe"));
+        assert!(setup.mounts[0].read_only, "a tenant cannot delete or replace the sockets");
         let tiny = Share { units: 1, gpu_units: 1000, ..share.clone() };
         assert_eq!(thread_percentage(&tiny), 1, "never 0 %");
         let fixed = MpsConfig { thread_percentage: ThreadPercentage::Fixed(30), ..config.clone() };
