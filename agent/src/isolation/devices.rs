@@ -301,49 +301,37 @@ pub fn posture(
         });
     }
     let path = config.toolkit_config.display();
-    checks.push(match toolkit {
-        Ok(Some(t)) if !t.envvar_when_unprivileged => check(
-            "toolkit-envvar",
-            CheckState::Ok,
-            format!("{path}: {ENVVAR_KEY} = false"),
+    // One check of the toolkit's configuration: `holds` says whether its key is set safely.
+    let toolkit_check =
+        |name, holds: fn(&ToolkitSettings) -> bool, ok, failed, unmounted| match toolkit {
+            Ok(Some(t)) if holds(t) => check(name, CheckState::Ok, ok),
+            Ok(Some(_)) => check(name, CheckState::Failed, failed),
+            Ok(None) => check(name, CheckState::Unknown, unmounted),
+            Err(e) => check(name, CheckState::Unknown, e.clone()),
+        };
+    checks.push(toolkit_check(
+        "toolkit-envvar",
+        |t| !t.envvar_when_unprivileged,
+        format!("{path}: {ENVVAR_KEY} = false"),
+        format!(
+            "{path}: {ENVVAR_KEY} is true (the toolkit's default): any unprivileged container that sets NVIDIA_VISIBLE_DEVICES, as CUDA images do, sees every GPU of the node"
         ),
-        Ok(Some(_)) => check(
-            "toolkit-envvar",
-            CheckState::Failed,
-            format!(
-                "{path}: {ENVVAR_KEY} is true (the toolkit's default): any unprivileged container that sets NVIDIA_VISIBLE_DEVICES, as CUDA images do, sees every GPU of the node"
-            ),
+        format!(
+            "{path} is not mounted into the agent's container; cannot tell whether the toolkit refuses NVIDIA_VISIBLE_DEVICES for unprivileged containers"
         ),
-        Ok(None) => check(
-            "toolkit-envvar",
-            CheckState::Unknown,
-            format!("{path} is not mounted into the agent's container; cannot tell whether the toolkit refuses NVIDIA_VISIBLE_DEVICES for unprivileged containers"),
-        ),
-        Err(e) => check("toolkit-envvar", CheckState::Unknown, e.clone()),
-    });
+    ));
     let volume_mounts_used = config.strategy == Strategy::VolumeMounts
         || (config.strategy == Strategy::Cdi && !cdi_complete);
     if volume_mounts_used {
-        checks.push(match toolkit {
-            Ok(Some(t)) if t.volume_mounts => check(
-                "toolkit-volume-mounts",
-                CheckState::Ok,
-                format!("{path}: {VOLUME_MOUNTS_KEY} = true"),
+        checks.push(toolkit_check(
+            "toolkit-volume-mounts",
+            |t| t.volume_mounts,
+            format!("{path}: {VOLUME_MOUNTS_KEY} = true"),
+            format!(
+                "{path}: {VOLUME_MOUNTS_KEY} is false: containers answered with volume-mounts get no GPU"
             ),
-            Ok(Some(_)) => check(
-                "toolkit-volume-mounts",
-                CheckState::Failed,
-                format!(
-                    "{path}: {VOLUME_MOUNTS_KEY} is false: containers answered with volume-mounts get no GPU"
-                ),
-            ),
-            Ok(None) => check(
-                "toolkit-volume-mounts",
-                CheckState::Unknown,
-                format!("{path} is not mounted into the agent's container"),
-            ),
-            Err(e) => check("toolkit-volume-mounts", CheckState::Unknown, e.clone()),
-        });
+            format!("{path} is not mounted into the agent's container"),
+        ));
     }
     checks
 }
