@@ -27,9 +27,10 @@ pub enum RunError {
     /// The agent failed.
     #[error(transparent)]
     Agent(#[from] AgentError),
-    /// The node-state annotation or co-location is on and no Kubernetes API client can be made.
+    /// The node-state annotation, co-location or the watchdog is on and no Kubernetes API client
+    /// can be made.
     #[error(
-        "annotation.enabled or colocation.enabled is true (both are the default in a pod) but the Kubernetes API cannot be used; set them to false to run without publishing the node state and without co-location classes"
+        "annotation.enabled, colocation.enabled or watchdog.enabled is true (each is the default in a pod) but the Kubernetes API cannot be used; set them to false to run without publishing the node state, without co-location classes and without the memory watchdog"
     )]
     KubeApi(#[source] crate::kube_api::ApiError),
 }
@@ -69,7 +70,10 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
             "starting; each resource registers as soon as a kubelet listens there (waiting if none does)"
         );
         let registry = prometheus::Registry::new();
-        let node_api: Option<Arc<dyn crate::kube_api::NodeApi>> = if settings.agent.annotation.enabled || settings.agent.colocation.enabled {
+        let node_api: Option<Arc<dyn crate::kube_api::NodeApi>> = if settings.agent.annotation.enabled
+            || settings.agent.colocation.enabled
+            || settings.agent.watchdog.enabled
+        {
             Some(crate::kube_api::KubeNodeApi::from_environment().await.map_err(RunError::KubeApi)?)
         } else {
             None

@@ -46,6 +46,12 @@ pub const MPS_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const MPS_RESTART_BACKOFF_MAX: Duration = Duration::from_secs(60);
 /// Time between two reads of the memory watchdog.
 pub const WATCHDOG_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a container may stay over its grant before the watchdog kills its processes, and
+/// how long a process may belong to no grant before it is reported (three rounds: the API's
+/// view of a new container and the kubelet's list trail it by a few seconds).
+pub const WATCHDOG_GRACE: Duration = Duration::from_secs(30);
+/// How many watchdog Events may wait for the API server before more are dropped (and counted).
+pub const WATCHDOG_EVENT_QUEUE: usize = 64;
 /// Where the host's `/proc` is (the agent runs in the host's PID namespace).
 pub const PROC_ROOT: &str = "/proc";
 /// Where the metrics endpoint listens.

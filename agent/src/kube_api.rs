@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::isolation::node_pods::{NodePods, PodInfo};
+use crate::isolation::watchdog::{Notice, Regarding};
 
 /// Why a call to the API server failed.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +45,56 @@ pub trait NodeApi: Send + Sync {
         view: watch::Sender<NodePods>,
         shutdown: CancellationToken,
     );
+
+    /// Records `notice` as a Warning Event (`events.k8s.io/v1`) about its pod, or about `node`,
+    /// reported by the agent of `node`.
+    async fn record_event(&self, node: &str, notice: &Notice) -> Result<(), ApiError>;
+}
+
+/// The Event of `notice`, reported by the agent on `node`, and its namespace.
+pub fn event_of(node: &str, notice: &Notice) -> (String, k8s_openapi::api::events::v1::Event) {
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+    let (namespace, regarding) = match &notice.regarding {
+        Regarding::Pod { namespace, name, uid } => (
+            namespace.clone(),
+            ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                namespace: Some(namespace.clone()),
+                name: Some(name.clone()),
+                uid: (!uid.is_empty()).then(|| uid.clone()),
+                ..ObjectReference::default()
+            },
+        ),
+        // Node events live in `default`, as the kubelet's do.
+        Regarding::Node => (
+            "default".to_owned(),
+            ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(node.to_owned()),
+                ..ObjectReference::default()
+            },
+        ),
+    };
+    let event = k8s_openapi::api::events::v1::Event {
+        metadata: ObjectMeta {
+            generate_name: Some("baleen-watchdog-".into()),
+            namespace: Some(namespace.clone()),
+            ..ObjectMeta::default()
+        },
+        event_time: Some(MicroTime(k8s_openapi::chrono::Utc::now())),
+        action: Some(notice.action.into()),
+        reason: Some(notice.reason.into()),
+        note: Some(notice.note.chars().take(1024).collect()),
+        regarding: Some(regarding),
+        reporting_controller: Some(crate::kube_access::EVENT_CONTROLLER.into()),
+        reporting_instance: Some(format!("{}-{node}", crate::kube_access::EVENT_CONTROLLER)),
+        type_: Some("Warning".into()),
+        ..Default::default()
+    };
+    (namespace, event)
 }
 
 /// [`NodeApi`] over kube-rs.
@@ -100,6 +151,17 @@ impl NodeApi for KubeNodeApi {
         })
     }
 
+    async fn record_event(&self, node: &str, notice: &Notice) -> Result<(), ApiError> {
+        let (namespace, event) = event_of(node, notice);
+        let events: Api<k8s_openapi::api::events::v1::Event> =
+            Api::namespaced(self.client.clone(), &namespace);
+        events
+            .create(&kube::api::PostParams::default(), &event)
+            .await
+            .map(drop)
+            .map_err(|e| ApiError::Call(Box::new(e)))
+    }
+
     async fn follow_pods(
         &self,
         node: &str,
@@ -124,7 +186,7 @@ impl NodeApi for KubeNodeApi {
                 Ok(e) => e,
                 Err(e) => {
                     if !failing {
-                        tracing::warn!(node, error = %e, "cannot follow the node's pods; retrying with backoff (the co-location policy keeps its last view meanwhile)");
+                        tracing::warn!(node, error = %e, "cannot follow the node's pods; retrying with backoff (co-location and the memory watchdog keep the last view meanwhile)");
                     }
                     failing = true;
                     continue;

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
 use crate::inventory::{CallFailures, GpuInventory, GpuTelemetry};
-use crate::isolation::watchdog::{Over, Usage};
+use crate::isolation::watchdog::Published;
 use crate::ledger::GpuMode;
 use crate::resources::NodeResources;
 
@@ -143,6 +143,10 @@ pub struct Metrics {
     grant_bytes: IntGaugeVec,
     grant_used: IntGaugeVec,
     grant_episodes: IntCounterVec,
+    stray_processes: IntGaugeVec,
+    stray_bytes: IntGaugeVec,
+    watchdog_kills: IntCounterVec,
+    watchdog_events: IntCounterVec,
     nvml_failures: IntCounterVec,
     /// One render at a time: a render resets the families and sets them again, so two at once
     /// could drop each other's series or add a counter twice.
@@ -365,7 +369,7 @@ impl Metrics {
             grant_used: gauge(
                 r,
                 "baleen_grant_memory_used_bytes",
-                "GPU memory the processes of a gpu-memory grant use together on its GPU (the memory watchdog's last read); labels as baleen_grant_memory_bytes.",
+                "GPU memory the processes of a grant's container use together on its GPU (the memory watchdog's last read, processes attributed by their cgroup); labels as baleen_grant_memory_bytes.",
                 &GRANT_LABELS,
             )?,
             grant_episodes: counter(
@@ -373,6 +377,30 @@ impl Metrics {
                 "baleen_grant_over_grant_episodes_total",
                 "Times the processes of a gpu-memory grant went over it on its GPU together (the memory watchdog); labels as baleen_grant_memory_bytes.",
                 &GRANT_LABELS,
+            )?,
+            stray_processes: gauge(
+                r,
+                "baleen_gpu_processes_without_grant",
+                "Processes of a pod's container using a GPU that no grant of the container covers, for at least watchdog.grace (the memory watchdog; reported, not killed), by reason: no-grant, unknown-pod, unknown-container.",
+                &["node", "gpu_uuid", "reason"],
+            )?,
+            stray_bytes: gauge(
+                r,
+                "baleen_gpu_memory_without_grant_bytes",
+                "GPU memory those processes use; labels as baleen_gpu_processes_without_grant.",
+                &["node", "gpu_uuid", "reason"],
+            )?,
+            watchdog_kills: counter(
+                r,
+                "baleen_watchdog_killed_processes_total",
+                "Processes the memory watchdog killed: their container stayed over its gpu-memory grant for watchdog.grace (watchdog.action: kill).",
+                &["node"],
+            )?,
+            watchdog_events: counter(
+                r,
+                "baleen_watchdog_events_total",
+                "Kubernetes Events of the memory watchdog, by outcome: queued (for the API server), dropped (the queue was full), failed (the API server refused or did not answer).",
+                &["node", "outcome"],
             )?,
             nvml_failures: counter(
                 r,
@@ -390,7 +418,7 @@ impl Metrics {
         &self,
         node: &str,
         resources: &NodeResources,
-        (over, usage): (&[Over], &[Usage]),
+        watchdog: &Published,
         calls: &CallFailures,
         telemetry: &TelemetryRead,
         mps_enforced: bool,
@@ -415,6 +443,8 @@ impl Metrics {
             &self.over_grant,
             &self.grant_bytes,
             &self.grant_used,
+            &self.stray_processes,
+            &self.stray_bytes,
             &self.unhealthy_reason,
             &self.mps_clients,
             &self.largest_free,
@@ -437,10 +467,28 @@ impl Metrics {
         }
         self.grant_episodes.reset();
         self.nvml_failures.reset();
+        self.watchdog_kills.reset();
+        self.watchdog_events.reset();
+        let over = watchdog.over.borrow().clone();
+        let usage = watchdog.usage.borrow().clone();
+        let counts = &watchdog.counts;
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        self.watchdog_kills.with_label_values(&[node]).inc_by(load(&counts.kills));
+        for (outcome, c) in
+            [("queued", &counts.queued), ("dropped", &counts.dropped), ("failed", &counts.failed)]
+        {
+            self.watchdog_events.with_label_values(&[node, outcome]).inc_by(load(c));
+        }
         for (call, n) in calls.counts() {
             self.nvml_failures.with_label_values(&[node, call]).inc_by(n);
         }
         let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for s in watchdog.strays.borrow().iter() {
+            let gpu = s.gpu.to_string();
+            let labels = [node, gpu.as_str(), s.reason.label()];
+            self.stray_processes.with_label_values(&labels).inc();
+            self.stray_bytes.with_label_values(&labels).add(int(s.used_bytes));
+        }
         for g in &gpus {
             let index = g.index.to_string();
             let labels = [node, g.uuid.as_str(), index.as_str(), g.model.as_str()];
@@ -524,14 +572,17 @@ impl Metrics {
                 gpu.as_str(),
             ];
             self.grant_bytes.with_label_values(&labels).set(int(bytes));
-            let used =
-                usage.iter().find(|u| u.gpu.as_str() == gpu && u.device_ids == record.device_ids);
+            let used = usage.iter().find(|u| {
+                u.gpu.as_str() == gpu
+                    && u.resource == record.resource
+                    && u.device_ids == record.device_ids
+            });
             if let Some(u) = used {
                 self.grant_used.with_label_values(&labels).set(int(u.used_bytes));
                 self.grant_episodes.with_label_values(&labels).inc_by(u.over_grant_episodes);
             }
         }
-        for o in over {
+        for o in &over {
             let gpu = o.gpu.to_string();
             let pod = o.container.pod_uid.as_deref().unwrap_or("");
             self.over_grant
@@ -555,10 +606,8 @@ pub struct Endpoint {
     pub resources: Arc<NodeResources>,
     /// Each resource's plugin state.
     pub plugins: Vec<(String, watch::Receiver<PluginState>)>,
-    /// The watchdog's episodes.
-    pub over: watch::Receiver<Vec<Over>>,
-    /// The watchdog's per-grant usage.
-    pub usage: watch::Receiver<Vec<Usage>>,
+    /// What the memory watchdog publishes.
+    pub watchdog: Published,
     /// NVML call failures so far.
     pub calls: Arc<CallFailures>,
     /// The last good telemetry read.
@@ -634,13 +683,11 @@ async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
             .with_label_values(&[endpoint.node.as_str(), resource.as_str()]);
         counter.inc_by(registrations.saturating_sub(counter.get()));
     }
-    let over = endpoint.over.borrow().clone();
     let telemetry = endpoint.telemetry.borrow().clone();
-    let usage = endpoint.usage.borrow().clone();
     let text = endpoint.metrics.render(
         &endpoint.node,
         &endpoint.resources,
-        (&over, &usage),
+        &endpoint.watchdog,
         &endpoint.calls,
         &telemetry,
         endpoint.mps_enforced,

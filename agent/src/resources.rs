@@ -20,8 +20,10 @@ use tokio::sync::watch;
 use crate::checkpoint::Checkpoint;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
+use crate::inventory::GpuUuid;
 use crate::isolation::devices::{DeviceAnswer, DeviceListConfig, DeviceLister};
 use crate::isolation::pod_identity::{self, PodIdentifier};
+use crate::isolation::watchdog::Holding;
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{
     AllocationRecord, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal, View,
@@ -45,6 +47,9 @@ pub struct ResponseConfig {
     pub mps: mps::MpsConfig,
 }
 
+/// The variable naming a gpu-memory container's devices (informational).
+pub const DEVICES_VARIABLE: &str = "BALEEN_DEVICE_IDS";
+
 /// The kubelet's Allocate answer for one container's grant: its GPUs as `answer` gives them (CDI
 /// names by default, see [`DeviceLister::answer`]) and, for a gpu-memory share, the MPS client
 /// setup, with the client `priority` of its co-location class when given (and MPS runs).
@@ -59,12 +64,9 @@ pub fn container_response(
     a.cdi_devices = answer.cdi_devices;
     let mut mounts = answer.mounts;
     if let Some(share) = &grant.share {
-        // Which grant the container's processes belong to, for the memory watchdog and the
-        // per-grant metrics (a process's environment names its grant).
-        a.envs.insert(
-            crate::isolation::watchdog::DEVICES_VARIABLE.into(),
-            grant.device_ids.join(","),
-        );
+        // The grant's devices, for the workload's own information: nothing the agent decides
+        // reads it back (the watchdog attributes processes by their cgroup).
+        a.envs.insert(DEVICES_VARIABLE.into(), grant.device_ids.join(","));
         let ContainerSetup { envs, mounts: mps_mounts } = mps::client_setup(mps_config, share);
         a.envs.extend(envs);
         if let Some(p) = priority.filter(|_| mps_config.enabled) {
@@ -163,6 +165,9 @@ struct Inner {
     unhealthy: BTreeMap<String, String>,
     /// MPS client processes per GPU at the last probe (for the metrics).
     mps_clients: BTreeMap<String, usize>,
+    /// The MPS server PIDs each GPU's daemon named at its last answered probe (the watchdog
+    /// leaves them alone).
+    mps_servers: BTreeMap<String, Vec<u32>>,
 }
 
 /// The node's device ledger shared by every view, persisted on every change.
@@ -222,6 +227,7 @@ impl NodeResources {
                 listed: Vec::new(),
                 unhealthy: BTreeMap::new(),
                 mps_clients: BTreeMap::new(),
+                mps_servers: BTreeMap::new(),
             }),
             views,
             state_changes: watch::channel(0).0,
@@ -392,6 +398,36 @@ impl NodeResources {
                 (record, gpu, bytes, holder)
             })
             .collect()
+    }
+
+    /// What the memory watchdog attributes GPU processes with: each listed container's grants
+    /// per GPU (with the bytes of a gpu-memory share as its limit), the `(resource, GPU)` of
+    /// grants the kubelet has not listed (an ordinary init container's, or one just granted),
+    /// and the MPS servers' PIDs.
+    pub fn watchdog_view(&self) -> (Vec<Holding>, Vec<(String, GpuUuid)>, BTreeSet<u32>) {
+        let shares: BTreeSet<&str> = self
+            .views
+            .iter()
+            .filter(|(v, _)| matches!(v, View::GpuMemory))
+            .map(|(_, (name, _))| name.as_str())
+            .collect();
+        let mut holdings = Vec::new();
+        let mut unlisted = Vec::new();
+        for (record, gpu, bytes, holder) in self.grants() {
+            let Ok(gpu) = GpuUuid::new(&gpu) else { continue };
+            match holder {
+                Some(k) => holdings.push(Holding {
+                    holder: (k.namespace, k.pod, k.container),
+                    limit_bytes: shares.contains(record.resource.as_str()).then_some(bytes),
+                    resource: record.resource,
+                    device_ids: record.device_ids,
+                    gpu,
+                }),
+                None => unlisted.push((record.resource, gpu)),
+            }
+        }
+        let servers = self.lock().mps_servers.values().flatten().copied().collect();
+        (holdings, unlisted, servers)
     }
 
     /// The node's fragmentation now (see [`DeviceLedger::fragmentation`]).
@@ -619,6 +655,10 @@ impl mps::supervisor::Enforcement for NodeResources {
 
     fn set_clients(&self, gpu_uuid: &str, clients: usize) {
         self.lock().mps_clients.insert(gpu_uuid.to_owned(), clients);
+    }
+
+    fn set_servers(&self, gpu_uuid: &str, servers: &[u32]) {
+        self.lock().mps_servers.insert(gpu_uuid.to_owned(), servers.to_vec());
     }
 }
 

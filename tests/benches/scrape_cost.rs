@@ -66,7 +66,7 @@ fn main() -> anyhow::Result<()> {
                     ..MpsConfig::default()
                 },
             },
-            watchdog: WatchdogConfig::default(),
+            watchdog: WatchdogConfig { enabled: false, ..WatchdogConfig::default() },
             metrics: MetricsConfig {
                 enabled: true,
                 address: "127.0.0.1:0".parse()?,

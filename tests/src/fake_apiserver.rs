@@ -10,7 +10,10 @@
 //!   agent's node-state publisher sends): merges, answers the Node's metadata
 //!   (`PartialObjectMetadata`), and tells watchers (`MODIFIED`); 404 for an unknown node;
 //! - `POST /api/v1/namespaces/{ns}/pods/{name}/binding` (what a scheduler sends): sets the pod's
-//!   `spec.nodeName`.
+//!   `spec.nodeName`;
+//! - `POST /apis/events.k8s.io/v1/namespaces/{ns}/events` (the agent's watchdog): validated as
+//!   the real server does for the required fields, named, recorded (read them with
+//!   [`FakeApiServer::requests`]).
 //!
 //! Tests put and delete objects directly ([`FakeApiServer::put_node`], ...). Every request is
 //! recorded. [`FakeApiServer::stop`] closes the listener and every connection, watches included
@@ -243,6 +246,7 @@ fn serve(
         .route("/api/v1/pods", get(list_pods))
         .route("/api/v1/namespaces/{ns}/pods/{name}", get(get_pod))
         .route("/api/v1/namespaces/{ns}/pods/{name}/binding", post(bind_pod))
+        .route("/apis/events.k8s.io/v1/namespaces/{ns}/events", post(create_event))
         .with_state(AppState { shared, stop: stop.clone() });
     let token = stop.clone();
     let listening = tokio::spawn(async move {
@@ -532,6 +536,46 @@ async fn patch_node(
         "metadata": stored["metadata"]
     });
     json_response(StatusCode::OK, &meta)
+}
+
+/// `POST` of an `events.k8s.io/v1` Event: checked for what the real server requires of one
+/// (namespace matching the path, `eventTime`, `reportingController`, `reportingInstance`,
+/// `action`, `reason`, a `type` of Normal or Warning), named from `generateName`, answered.
+async fn create_event(
+    State(app): State<AppState>,
+    Path(ns): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let path = format!("/apis/events.k8s.io/v1/namespaces/{ns}/events");
+    record(&app.shared, "POST", path, &headers, &body);
+    let Ok(mut event) = serde_json::from_slice::<Value>(&body) else {
+        return status(StatusCode::BAD_REQUEST, "BadRequest", "invalid JSON".into());
+    };
+    let missing: Vec<&str> =
+        ["eventTime", "reportingController", "reportingInstance", "action", "reason", "type"]
+            .into_iter()
+            .filter(|f| event[*f].as_str().is_none_or(str::is_empty))
+            .collect();
+    let namespace_ok = event["metadata"]["namespace"].as_str().is_none_or(|n| n == ns);
+    let type_ok = matches!(event["type"].as_str(), Some("Normal" | "Warning"));
+    if !missing.is_empty() || !namespace_ok || !type_ok {
+        return status(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            format!(
+                "Event is invalid: missing {missing:?}, namespace ok {namespace_ok}, type ok {type_ok}"
+            ),
+        );
+    }
+    let mut world = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+    world.rv += 1;
+    let name =
+        format!("{}{}", event["metadata"]["generateName"].as_str().unwrap_or("event-"), world.rv);
+    event["metadata"]["name"] = Value::String(name);
+    event["metadata"]["namespace"] = Value::String(ns);
+    event["metadata"]["resourceVersion"] = Value::String(world.rv.to_string());
+    json_response(StatusCode::CREATED, &event)
 }
 
 async fn bind_pod(

@@ -113,7 +113,11 @@ impl Node {
                     ..MpsConfig::default()
                 },
             },
-            watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
+            // Off unless a test turns it on (it needs the API's pods).
+            watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
+                enabled: false,
+                ..Default::default()
+            },
             metrics: baleen_agent::metrics::MetricsConfig {
                 enabled: true,
                 address: "127.0.0.1:0".parse().expect("loopback"),
@@ -1148,103 +1152,183 @@ async fn an_mps_process_of_its_own_keeps_the_daemons_across_agent_restarts() -> 
     Ok(())
 }
 
-/// Issue 12, item 7: the memory watchdog on the fake NVML: a container whose processes together
-/// use more than its grant is found, one under is not, a process of no container is ignored.
+/// A pod bound to node-a whose container `container` runs as runtime ID `id` (as the kubelet
+/// reports it in the pod's status), asking for `asks` of the gpu-memory resource.
+fn running_pod(
+    ns_name: &str,
+    uid: &str,
+    container: &str,
+    id: &str,
+    asks: u64,
+) -> serde_json::Value {
+    let (ns, name) = ns_name.split_once('/').expect("ns/name");
+    let resources = if asks > 0 {
+        serde_json::json!({"limits": {MEM: asks.to_string()}})
+    } else {
+        serde_json::json!({})
+    };
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "uid": uid},
+        "spec": {"nodeName": "node-a", "containers": [{"name": container, "image": "cuda", "resources": resources}]},
+        "status": {"phase": "Running", "qosClass": "BestEffort", "containerStatuses": [{
+            "name": container, "image": "cuda", "imageID": "", "ready": true, "restartCount": 0,
+            "containerID": format!("containerd://{id}"), "state": {"running": {}}}]}
+    })
+}
+
+/// A process `pid` under `proc_root` in container `id` of pod `uid` (systemd driver, cgroup
+/// v2), with `environ` as its environment.
+fn fake_process(proc_root: &Path, pid: u32, uid: &str, id: &str, environ: &str) -> Result<()> {
+    let dir = proc_root.join(pid.to_string());
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join("cgroup"),
+        format!(
+            "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{id}.scope\n",
+            uid.replace('-', "_")
+        ),
+    )?;
+    Ok(std::fs::write(dir.join("environ"), environ)?)
+}
+
+/// The watchdog's Events the fake API server received: `(reason, regarding name, note)`.
+fn watchdog_events(
+    api: &baleen_tests::fake_apiserver::FakeApiServer,
+) -> Vec<(String, String, String)> {
+    api.requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path.ends_with("/events"))
+        .map(|r| {
+            let text =
+                |p: &str| r.body.pointer(p).and_then(|v| v.as_str()).unwrap_or_default().to_owned();
+            (text("/reason"), text("/regarding/name"), text("/note"))
+        })
+        .collect()
+}
+
+/// Issue 21, item 4 (and issue 12, item 7): the memory watchdog on the fake NVML, with the
+/// API's pods and the kubelet's list. A process is held to the grant its cgroup leads to, with
+/// its limit variable unset; a pod's process on a GPU its container holds nothing on is
+/// reported (metric, Event on its pod); a container over its grant is announced, then killed
+/// after the grace with an Event naming pod and container, and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_watchdog_finds_a_container_over_its_grant_on_the_fake_nvml() -> Result<()> {
+async fn the_watchdog_holds_processes_to_the_grant_their_cgroup_names_and_kills_after_the_grace()
+-> Result<()> {
     let expected = example("l4-4x-pcie.yaml")?;
     let fake = FakeNvml::new(&expected)?;
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
     let proc_root = tempfile::tempdir()?;
-    node.config.watchdog.interval = Duration::from_millis(100);
-    node.config.watchdog.proc_root = proc_root.path().to_path_buf();
-    let container = |id: char| {
-        format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod9f8e_7d6c.slice/cri-containerd-{}.scope\n",
-            id.to_string().repeat(64)
-        )
+    node.config.watchdog = baleen_agent::isolation::watchdog::WatchdogConfig {
+        enabled: true,
+        interval: Duration::from_millis(100),
+        action: baleen_agent::isolation::watchdog::WatchdogAction::Kill,
+        grace: Duration::from_millis(600),
+        proc_root: proc_root.path().to_path_buf(),
     };
-    let process = |pid: u32, cgroup: String, grant: Option<u64>| -> Result<()> {
-        let dir = proc_root.path().join(pid.to_string());
-        std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join("cgroup"), cgroup)?;
-        let env = grant.map(|g| format!("HOME=/\0BALEEN_GPU_MEMORY_LIMIT_BYTES={g}\0"));
-        Ok(std::fs::write(dir.join("environ"), env.unwrap_or_default())?)
-    };
-    // Container a: two processes on GPU 0, 3 + 2 GiB of a 4 GiB grant; container b: 1 of 8 GiB
-    // on GPU 1; the MPS server, in no container.
-    process(101, container('a'), Some(4 << 30))?;
-    process(102, container('a'), Some(4 << 30))?;
-    process(201, container('b'), Some(8 << 30))?;
-    process(301, "0::/system.slice/nvidia-mps.service\n".into(), None)?;
-    fake.set_processes(&[
-        (0, 101, 3 << 30),
-        (0, 102, 2 << 30),
-        (1, 201, 1 << 30),
-        (0, 301, 66 << 20),
-    ])?;
-    let (agent, token) = node.start().await?;
-    let mut over = agent.over_grant();
-    let found = tokio::time::timeout(WAIT, over.wait_for(|o| !o.is_empty())).await??.clone();
-    assert_eq!(found.len(), 1, "{found:?}");
-    assert_eq!(found[0].container.container_id, "a".repeat(64));
-    assert_eq!(found[0].gpu.to_string(), expected.gpus[0].uuid.to_string());
-    assert_eq!((found[0].used_bytes, found[0].granted_bytes), (5 << 30, 4 << 30));
-    // One of its processes ends: back within the grant.
-    fake.set_processes(&[(0, 101, 3 << 30), (1, 201, 1 << 30)])?;
-    tokio::time::timeout(WAIT, over.wait_for(|o| o.is_empty())).await??;
-    // A grant's processes, named by the environment its Allocate answer gave them: their memory
-    // appears as the grant's used memory, labelled with its pod.
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    let (w_uid, w_id) = ("9f8e7d6c-0000-4000-8000-000000000001", "e".repeat(64));
+    let (s_uid, s_id) = ("9f8e7d6c-0000-4000-8000-000000000002", "5".repeat(64));
+    api.put_pod(running_pod("ns/w", w_uid, "c", &w_id, 4));
+    api.put_pod(running_pod("ns/steal", s_uid, "x", &s_id, 0));
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    let (agent, token) = node.start_with(Some(client)).await?;
     node.registered(&agent, 1).await?;
     let granted = node.kubelet.admit_to("ns/w", "c", MEM, 4).await?;
     let gpu = gpu_of(&granted.device_ids[0]).to_owned();
-    let index = expected.gpus.iter().position(|g| g.uuid.as_str() == gpu).context("gpu")?;
-    let mut ids = granted.device_ids.clone();
-    ids.sort();
-    let dir = proc_root.path().join("501");
-    std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("cgroup"), container('e'))?;
-    std::fs::write(
-        dir.join("environ"),
-        format!(
-            "BALEEN_GPU_MEMORY_LIMIT_BYTES={}\0BALEEN_DEVICE_IDS={}\0",
-            4u64 << 30,
-            ids.join(",")
-        ),
-    )?;
-    fake.set_processes(&[(u32::try_from(index)?, 501, 3 << 30)])?;
+    let index =
+        u32::try_from(expected.gpus.iter().position(|g| g.uuid.as_str() == gpu).context("gpu")?)?;
+    let other = (index + 1) % 4;
+    // The grant's one process, a real one (it will be killed), with the limit variable unset:
+    // 3 GiB of its 4 GiB, attributed all the same.
+    let mut child = std::process::Command::new("sleep").arg("60").spawn()?;
+    let pid = child.id();
+    fake_process(proc_root.path(), pid, w_uid, &w_id, "HOME=/\0")?;
+    // A pod that asked for nothing, using 7 GiB of another GPU (a fake PID: strays are never
+    // killed), and a host process (the MPS server, say), left alone.
+    fake_process(proc_root.path(), 3_999_001, s_uid, &s_id, "")?;
+    let host = proc_root.path().join("3999002");
+    std::fs::create_dir_all(&host)?;
+    std::fs::write(host.join("cgroup"), "0::/system.slice/nvidia-mps.service\n")?;
+    fake.set_processes(&[
+        (index, pid, 3 << 30),
+        (other, 3_999_001, 7 << 30),
+        (index, 3_999_002, 66 << 20),
+    ])?;
     let address = agent.metrics_address().context("metrics")?;
-    let used = async {
+    let metric = |name: &'static str, labels: Vec<(&'static str, String)>, want: f64| async move {
         loop {
             let text = http_get(address, "/metrics").await?.1;
-            let labels = [("pod", "w"), ("gpu_uuid", gpu.as_str())];
-            if let Some(v) = sample(&text, "baleen_grant_memory_used_bytes", &labels) {
-                return anyhow::Ok(v);
+            let labels: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            if sample(&text, name, &labels) == Some(want) {
+                return anyhow::Ok(());
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    assert_eq!(tokio::time::timeout(WAIT, used).await??, (3u64 << 30) as f64);
-    // It goes over its 4 GiB: the grant's first over-grant episode.
-    fake.set_processes(&[(u32::try_from(index)?, 501, 5 << 30)])?;
-    let episodes = async {
+    let used = metric(
+        "baleen_grant_memory_used_bytes",
+        vec![("pod", "w".into()), ("gpu_uuid", gpu.clone())],
+        (3u64 << 30) as f64,
+    );
+    tokio::time::timeout(WAIT, used).await.context("the grant's usage")??;
+    let other_gpu = expected.gpus[other as usize].uuid.to_string();
+    let stray = metric(
+        "baleen_gpu_processes_without_grant",
+        vec![("gpu_uuid", other_gpu.clone()), ("reason", "no-grant".into())],
+        1.0,
+    );
+    tokio::time::timeout(WAIT, stray).await.context("the stray")??;
+    let strays = agent.strays().borrow().clone();
+    assert_eq!(strays.len(), 1, "the host process is nobody's: {strays:?}");
+    assert_eq!(strays[0].pod, Some(("ns".into(), "steal".into())));
+    assert!(child.try_wait()?.is_none(), "within its grant: alive");
+    // It goes over (5 of 4 GiB): announced, killed after the grace, counted.
+    fake.set_processes(&[(index, pid, 5 << 30), (other, 3_999_001, 7 << 30)])?;
+    let status =
+        tokio::time::timeout(WAIT, tokio::task::spawn_blocking(move || child.wait())).await???;
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "SIGKILL");
+    let kills = metric("baleen_watchdog_killed_processes_total", vec![], 1.0);
+    tokio::time::timeout(WAIT, kills).await.context("the kill counted")??;
+    let events = async {
         loop {
-            let text = http_get(address, "/metrics").await?.1;
-            let labels = [("pod", "w"), ("gpu_uuid", gpu.as_str())];
-            let used = sample(&text, "baleen_grant_memory_used_bytes", &labels);
-            if used == Some((5u64 << 30) as f64) {
-                return anyhow::Ok(sample(
-                    &text,
-                    "baleen_grant_over_grant_episodes_total",
-                    &labels,
-                ));
+            let events = watchdog_events(&api);
+            if events.iter().any(|e| e.0 == "GpuMemoryOverGrantKilled") {
+                return events;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    assert_eq!(tokio::time::timeout(WAIT, episodes).await??, Some(1.0));
+    let events = tokio::time::timeout(WAIT, events).await.context("the Events")?;
+    let reasons: Vec<(&str, &str)> = events.iter().map(|e| (e.0.as_str(), e.1.as_str())).collect();
+    assert_eq!(
+        reasons,
+        [
+            ("GpuProcessWithoutGrant", "steal"),
+            ("GpuMemoryOverGrant", "w"),
+            ("GpuMemoryOverGrantKilled", "w")
+        ],
+        "{events:?}"
+    );
+    assert!(
+        events[2].2.contains(&format!("container c: processes [{pid}] killed")),
+        "{}",
+        events[2].2
+    );
+    assert!(events[0].2.contains("holds no grant"), "{}", events[0].2);
     stop(agent, token).await
+}
+
+/// Issue 21, item 4: the watchdog needs the API's pods; without an API it refuses to start
+/// rather than judge nothing in silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watchdog_without_the_api_is_a_start_error() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.config.watchdog.enabled = true;
+    let err = node.start().await.err().context("refused")?;
+    assert!(err.to_string().contains("watchdog.enabled"), "{err:#}");
+    Ok(())
 }
 
 /// Issue 12, item 6: `baleen-agent inventory` says, per shared GPU, whether its MPS daemon
@@ -1557,29 +1641,22 @@ async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query()
     );
     node.inventory = simulated.clone();
     let proc_root = tempfile::tempdir()?;
-    node.config.watchdog.interval = Duration::from_millis(200);
-    node.config.watchdog.proc_root = proc_root.path().to_path_buf();
-    let (agent, token) = node.start().await?;
+    node.config.watchdog = baleen_agent::isolation::watchdog::WatchdogConfig {
+        enabled: true,
+        interval: Duration::from_millis(200),
+        action: baleen_agent::isolation::watchdog::WatchdogAction::Log,
+        proc_root: proc_root.path().to_path_buf(),
+        ..Default::default()
+    };
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    let (uid, id) = ("1111-2222", "d".repeat(64));
+    api.put_pod(running_pod("ns/a", uid, "c", &id, 4));
+    let (agent, token) =
+        node.start_with(Some(baleen_agent::kube_api::KubeNodeApi::at(&api.url())?)).await?;
     node.registered(&agent, 1).await?;
     let granted = node.kubelet.admit_to("ns/a", "c", MEM, 4).await?;
     // A process of the grant's container, 1 GiB on its GPU: the grant's used memory.
-    let process = proc_root.path().join("700");
-    std::fs::create_dir_all(&process)?;
-    std::fs::write(
-        process.join("cgroup"),
-        format!(
-            "0::/kubepods.slice/kubepods-pod1111_2222.slice/cri-containerd-{}.scope\n",
-            "d".repeat(64)
-        ),
-    )?;
-    std::fs::write(
-        process.join("environ"),
-        format!(
-            "BALEEN_GPU_MEMORY_LIMIT_BYTES={}\0BALEEN_DEVICE_IDS={}\0",
-            4u64 << 30,
-            granted.device_ids.join(",")
-        ),
-    )?;
+    fake_process(proc_root.path(), 700, uid, &id, "")?;
     simulated.set_processes(vec![baleen_agent::inventory::GpuProcess {
         gpu: baleen_agent::inventory::GpuUuid::new(gpu_of(&granted.device_ids[0]))?,
         pid: 700,

@@ -31,7 +31,7 @@ fn recorded(name: &str) -> Result<Value> {
 }
 
 /// An answer's environment as the GPU days recorded it: since then the agent also names the
-/// grant's devices in `BALEEN_DEVICE_IDS` (for the memory watchdog), checked here and left out.
+/// grant's devices in `BALEEN_DEVICE_IDS` (informational), checked here and left out.
 fn recorded_envs(
     admitted: &baleen_tests::fake_kubelet::Admission,
 ) -> Result<std::collections::HashMap<String, String>> {
@@ -94,7 +94,11 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
                 ..MpsConfig::default()
             },
         },
-        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
+        // Off: no API server on the GPU machine (the watchdog needs the node's pods).
+        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
+            enabled: false,
+            ..Default::default()
+        },
         metrics: baleen_agent::metrics::MetricsConfig {
             enabled: true,
             address: "127.0.0.1:0".parse().expect("loopback"),
@@ -193,7 +197,11 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
                 ..MpsConfig::default()
             },
         },
-        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig::default(),
+        // Off: no API server on the GPU machine (the watchdog needs the node's pods).
+        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
+            enabled: false,
+            ..Default::default()
+        },
         metrics: baleen_agent::metrics::MetricsConfig {
             enabled: true,
             address: "127.0.0.1:0".parse().expect("loopback"),

@@ -1,5 +1,5 @@
-//! The co-location subsystem: follows the node's pods through the Kubernetes API (a watcher
-//! restricted to `spec.nodeName`), applies the class policy to their cgroups
+//! The co-location subsystem: from the node's pods as the Kubernetes API says (the agent's one
+//! watcher restricted to `spec.nodeName`, shared with the memory watchdog), applies the class policy to their cgroups
 //! (`crate::isolation::colocation`) whenever they change and every `resync`, and gives the
 //! device plugins the pod identifier that sets MPS client priorities
 //! (`crate::isolation::pod_identity`).
@@ -126,7 +126,7 @@ pub fn start(
     config: &ColocationConfig,
     state_dir: &Path,
     resources: &Arc<NodeResources>,
-    api: Option<Arc<dyn NodeApi>>,
+    (api, pods): (Option<Arc<dyn NodeApi>>, Option<watch::Receiver<NodePods>>),
     node: &str,
     shutdown: &CancellationToken,
 ) -> Result<(), AgentError> {
@@ -171,10 +171,11 @@ pub fn start(
     if !config.enabled {
         return Ok(());
     }
-    let api = api.ok_or(AgentError::NoNodeApi { what: "colocation.enabled" })?;
+    let (Some(api), Some(pods)) = (api, pods) else {
+        return Err(AgentError::NoNodeApi { what: "colocation.enabled" });
+    };
     let layout =
         Layout::detect(&config.cgroup_root, config.cgroup_driver).map_err(ColocationError::Tree)?;
-    let (view, pods) = watch::channel(NodePods::default());
     if config.mps_priority && resources.mps_enforced() {
         resources.set_pod_identifier(Arc::new(PodIdentifier::new(
             pods.clone(),
@@ -182,11 +183,6 @@ pub fn start(
             config.identify_wait,
         )));
     }
-    let (watcher_api, node_name, token) = (api.clone(), node.to_owned(), shutdown.clone());
-    tasks.spawn("node pod watcher", async move {
-        watcher_api.follow_pods(&node_name, view, token).await;
-        Ok(())
-    });
     up(resources, true);
     let run = Reconciler {
         resources: resources.clone(),

@@ -9,8 +9,9 @@
 //! | one device plugin per resource view | [`plugins`] | one each |
 //! | reconciliation with pod-resources | [`reconciler`] | one |
 //! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
-//! | per-container GPU memory against the grant | `crate::isolation::watchdog` | one |
-//! | co-location: the node's pods, their cgroup classes, MPS client priorities | [`colocation`] | two (watcher, policy) |
+//! | the node's pods as the API says (for co-location and the watchdog) | `crate::kube_api` | one (watcher) |
+//! | per-container GPU memory against the grant, processes of no grant | [`watchdog`] | two (watchdog, Events) |
+//! | co-location: the pods' cgroup classes, MPS client priorities | [`colocation`] | one (policy) |
 //! | the node-state annotation for the extender | [`node_state`] | one |
 //!
 //! A new subsystem is a module here and one line in [`Agent::start`].
@@ -28,6 +29,7 @@ pub mod node_state;
 pub mod plugins;
 pub mod reconciler;
 pub mod startup;
+pub mod watchdog;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -43,7 +45,8 @@ use crate::checkpoint::CheckpointError;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
 use crate::inventory::{GpuInventory, InventoryError};
-use crate::isolation::watchdog::{Over, Watchdog, WatchdogConfig};
+use crate::isolation::node_pods::NodePods;
+use crate::isolation::watchdog::{Over, Stray, WatchdogConfig};
 use crate::ledger::{BuildError, ViewConfig};
 use crate::metrics::{Endpoint, Metrics, MetricsConfig, MetricsError, TelemetryRead};
 use crate::resources::{NodeResources, ResponseConfig};
@@ -237,7 +240,7 @@ pub struct Agent {
     tasks: Tasks,
     health_stop: CancellationToken,
     health: Option<std::thread::JoinHandle<()>>,
-    episodes: watch::Receiver<Vec<Over>>,
+    watchdog: crate::isolation::watchdog::Published,
     metrics_address: Option<std::net::SocketAddr>,
     /// Held for the agent's life; declared last, so released after everything else is dropped.
     _lock: lock::InstanceLock,
@@ -273,13 +276,14 @@ impl Agent {
         resources.report_device_posture();
         let mut tasks = Tasks::default();
         mps::start(&mut tasks, &config, &resources, &shutdown).await;
+        let pods = follow_node_pods(&mut tasks, &config, deps.node_api.as_ref(), &shutdown);
         // Before the plugins: their first Allocate already finds its pod's class.
         colocation::start(
             &mut tasks,
             &config.colocation,
             &config.state_dir,
             &resources,
-            deps.node_api.clone(),
+            (deps.node_api.clone(), pods.clone()),
             &config.node_name,
             &shutdown,
         )?;
@@ -307,15 +311,15 @@ impl Agent {
             reconciler::run(resources.clone(), reconcile, shutdown.clone()),
         );
         let calls = Arc::new(crate::inventory::CallFailures::default());
-        let watchdog = Watchdog::new(config.watchdog.clone());
-        let episodes = watchdog.episodes();
-        let usage = watchdog.usage();
-        let (inventory, token, failures) =
-            (deps.inventory.clone(), shutdown.clone(), calls.clone());
-        tasks.spawn("memory watchdog", async move {
-            watchdog.run(inventory, failures, token).await;
-            Ok(())
-        });
+        let watchdog = watchdog::start(
+            &mut tasks,
+            &config,
+            (&deps.inventory, calls.clone()),
+            &resources,
+            deps.node_api.clone(),
+            pods,
+            &shutdown,
+        )?;
         let metrics_address = if let Some(instruments) = instruments {
             let metrics = Metrics::new(deps.registry.clone())?;
             let (publish, telemetry) = tokio::sync::watch::channel(TelemetryRead::default());
@@ -336,8 +340,7 @@ impl Agent {
                 node: config.node_name.clone(),
                 resources: resources.clone(),
                 plugins: plugins.clone(),
-                over: episodes.clone(),
-                usage,
+                watchdog: watchdog.clone(),
                 calls: calls.clone(),
                 telemetry,
                 instruments,
@@ -361,7 +364,7 @@ impl Agent {
             tasks,
             health_stop,
             health,
-            episodes,
+            watchdog,
             metrics_address,
             _lock: lock,
         })
@@ -379,7 +382,12 @@ impl Agent {
 
     /// The containers over their GPU memory grant, as of the watchdog's last round.
     pub fn over_grant(&self) -> watch::Receiver<Vec<Over>> {
-        self.episodes.clone()
+        self.watchdog.over.clone()
+    }
+
+    /// The GPU processes of no grant the watchdog reported at its last round.
+    pub fn strays(&self) -> watch::Receiver<Vec<Stray>> {
+        self.watchdog.strays.clone()
     }
 
     /// The resources served, with each plugin's state.
@@ -410,6 +418,27 @@ impl Agent {
         }
         result
     }
+}
+
+/// Follows the node's pods through the API when co-location or the watchdog needs them (and
+/// the API is there); the view, kept current.
+fn follow_node_pods(
+    tasks: &mut Tasks,
+    config: &AgentConfig,
+    api: Option<&Arc<dyn crate::kube_api::NodeApi>>,
+    shutdown: &CancellationToken,
+) -> Option<watch::Receiver<NodePods>> {
+    let api = api?.clone();
+    if !config.colocation.enabled && !config.watchdog.enabled {
+        return None;
+    }
+    let (view, pods) = watch::channel(NodePods::default());
+    let (node, token) = (config.node_name.clone(), shutdown.clone());
+    tasks.spawn("node pod watcher", async move {
+        api.follow_pods(&node, view, token).await;
+        Ok(())
+    });
+    Some(pods)
 }
 
 impl Drop for Agent {

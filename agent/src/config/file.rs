@@ -178,10 +178,15 @@ pub struct MpsFile {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct WatchdogFile {
+    /// Run it (default: inside a pod; it needs the Kubernetes API).
+    pub enabled: Option<bool>,
     /// Time between reads, e.g. `10s` (default).
     pub interval: Option<String>,
-    /// `log` (default) or `kill`.
+    /// `kill` (default) or `log`.
     pub action: Option<String>,
+    /// How long a container may stay over its grant before it is killed, and a process of no
+    /// grant before it is reported, e.g. `30s` (default).
+    pub grace: Option<String>,
 }
 
 /// `metrics:` in the file.

@@ -290,6 +290,11 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
     );
     let watchdog_interval =
         duration("watchdog interval", file.watchdog.interval.as_ref(), defaults::WATCHDOG_INTERVAL);
+    let watchdog_grace =
+        duration("watchdog grace", file.watchdog.grace.as_ref(), defaults::WATCHDOG_GRACE);
+    // As the annotation: inside a pod the API server (the node's pods) is there; outside one,
+    // only when asked.
+    let watchdog_enabled = file.watchdog.enabled.unwrap_or(env.in_pod);
     let colocation_resync =
         duration("colocation resync", file.colocation.resync.as_ref(), defaults::COLOCATION_RESYNC);
     let identify_wait = match file.colocation.identify_wait.as_ref().map(|t| parse_duration(t)) {
@@ -314,7 +319,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         ));
     }
 
-    let watchdog_action = match file.watchdog.action.as_deref().unwrap_or("log") {
+    let watchdog_action = match file.watchdog.action.as_deref().unwrap_or("kill") {
         "log" => WatchdogAction::Log,
         "kill" => WatchdogAction::Kill,
         other => {
@@ -406,10 +411,13 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         flag.clone().or(file.clone()).unwrap_or_else(|| PathBuf::from(default))
     };
     let proc_root = pick(&None, &file.paths.proc_root, defaults::PROC_ROOT);
-    if watchdog_action == WatchdogAction::Kill && proc_root != Path::new(defaults::PROC_ROOT) {
+    if watchdog_enabled
+        && watchdog_action == WatchdogAction::Kill
+        && proc_root != Path::new(defaults::PROC_ROOT)
+    {
         // PIDs read under another /proc may name other processes in the agent's own namespace.
         problems.push(format!(
-            "watchdog action kill needs the host's /proc at {} (paths.procRoot is {}): the PIDs it kills must be the agent's own namespace's",
+            "watchdog action kill (the default) needs the host's /proc at {} (paths.procRoot is {}): the PIDs it kills must be the agent's own namespace's; or set watchdog.action: log",
             defaults::PROC_ROOT,
             proc_root.display()
         ));
@@ -456,8 +464,10 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             },
         },
         watchdog: WatchdogConfig {
+            enabled: watchdog_enabled,
             interval: watchdog_interval,
             action: watchdog_action,
+            grace: watchdog_grace,
             proc_root: proc_root.clone(),
         },
         metrics: MetricsConfig {
@@ -675,9 +685,11 @@ mod tests {
         let write = |text: &str| std::fs::write(&file, text).expect("write");
         let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
         write(
-            "nodeName: n\nmps:\n  probeInterval: 1s\n  stopOnExit: true\n  threadPercentage: 40\n  daemons: external\nwatchdog:\n  interval: 3s\npaths:\n  procRoot: /host/proc\n",
+            "nodeName: n\nmps:\n  probeInterval: 1s\n  stopOnExit: true\n  threadPercentage: 40\n  daemons: external\nwatchdog:\n  interval: 3s\n  grace: 1m\n  action: log\npaths:\n  procRoot: /host/proc\n",
         );
         let s = resolve(&args, &Environment::default()).expect("valid");
+        assert_eq!(s.agent.watchdog.grace, Duration::from_secs(60));
+        assert!(!s.agent.watchdog.enabled, "off outside a pod unless asked");
         let mps = &s.agent.responses.mps;
         assert!(mps.enabled && mps.stop_on_exit);
         assert_eq!(mps.probe_interval, Duration::from_secs(1));
@@ -689,13 +701,18 @@ mod tests {
         let s = resolve(&RunArgs { no_mps: true, ..args.clone() }, &Environment::default())
             .expect("valid");
         assert!(!s.agent.responses.mps.enabled, "--no-mps wins over the file");
-        // Killing by PID needs the host's own /proc.
-        write("nodeName: n\nwatchdog:\n  action: kill\npaths:\n  procRoot: /host/proc\n");
+        // Killing by PID (the default action) needs the host's own /proc.
+        write("nodeName: n\nwatchdog:\n  enabled: true\npaths:\n  procRoot: /host/proc\n");
         let err = resolve(&args, &Environment::default()).expect_err("kill needs the host /proc");
-        assert!(err.to_string().contains("watchdog action kill needs the host's /proc"), "{err}");
-        write("nodeName: n\nwatchdog:\n  action: kill\n");
+        assert!(
+            err.to_string().contains("watchdog action kill (the default) needs the host's /proc"),
+            "{err}"
+        );
+        write("nodeName: n\nwatchdog:\n  enabled: true\n");
         let s = resolve(&args, &Environment::default()).expect("valid");
-        assert_eq!(s.agent.watchdog.action, WatchdogAction::Kill);
+        assert_eq!(s.agent.watchdog.action, WatchdogAction::Kill, "the default");
+        assert_eq!(s.agent.watchdog.grace, defaults::WATCHDOG_GRACE);
+        assert!(s.agent.watchdog.enabled);
         write(
             "nodeName: n\nmps:\n  threadPercentage: 150\n  daemons: host\nwatchdog:\n  action: shout\n",
         );

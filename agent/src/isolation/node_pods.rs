@@ -35,6 +35,10 @@ pub struct PodInfo {
     pub memory_request_bytes: u64,
     /// Every container's (init and app) extended-resource asks: `(container, resource, count)`.
     pub asks: Vec<(String, String, u64)>,
+    /// The runtime's IDs of its containers (init, app, ephemeral; the current one and the last
+    /// ended one of each, from `status`), without the `<runtime>://` prefix: `(ID, container)`.
+    /// What the memory watchdog maps a process's cgroup to a container name with.
+    pub container_ids: Vec<(String, String)>,
 }
 
 impl PodInfo {
@@ -88,6 +92,27 @@ impl PodInfo {
             Some("BestEffort") => Qos::BestEffort,
             _ => qos_of(&apps, &inits),
         };
+        let mut container_ids = Vec::new();
+        for c in status.into_iter().flat_map(|s| {
+            s.container_statuses
+                .iter()
+                .flatten()
+                .chain(s.init_container_statuses.iter().flatten())
+                .chain(s.ephemeral_container_statuses.iter().flatten())
+        }) {
+            let last = c.last_state.as_ref().and_then(|l| l.terminated.as_ref());
+            let ended = c.state.as_ref().and_then(|s| s.terminated.as_ref());
+            let ids = [c.container_id.as_deref(), last.and_then(|t| t.container_id.as_deref())]
+                .into_iter()
+                .chain([ended.and_then(|t| t.container_id.as_deref())])
+                .flatten();
+            for id in ids {
+                let bare = id.rsplit_once("://").map_or(id, |(_, bare)| bare);
+                if !bare.is_empty() && !container_ids.iter().any(|(known, _)| known == bare) {
+                    container_ids.push((bare.to_owned(), c.name.clone()));
+                }
+            }
+        }
         let started = status
             .into_iter()
             .flat_map(|s| {
@@ -110,7 +135,13 @@ impl PodInfo {
             cpu_request_milli: cpu,
             memory_request_bytes: memory,
             asks,
+            container_ids,
         })
+    }
+
+    /// The name of the container the runtime knows as `id`, if its status names it.
+    pub fn container_named_by(&self, id: &str) -> Option<&str> {
+        self.container_ids.iter().find(|(known, _)| known == id).map(|(_, name)| name.as_str())
     }
 
     /// `namespace/name`.
@@ -277,5 +308,32 @@ mod tests {
         })))
         .expect("uid");
         assert!(!p.admitting());
+    }
+
+    #[test]
+    fn containers_are_named_by_the_ids_the_runtime_gave_them() {
+        let p = PodInfo::of(&pod(json!({
+            "metadata": {"name": "p", "uid": "u"},
+            "spec": {"containers": [{"name": "a"}, {"name": "b"}],
+                     "initContainers": [{"name": "init"}]},
+            "status": {"phase": "Running",
+                "containerStatuses": [
+                    {"name": "a", "image": "i", "imageID": "", "ready": true, "restartCount": 1,
+                     "containerID": "containerd://aaaa", "state": {"running": {}},
+                     "lastState": {"terminated": {"exitCode": 1, "containerID": "containerd://a0a0"}}},
+                    {"name": "b", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+                     "state": {"waiting": {"reason": "ContainerCreating"}}}
+                ],
+                "initContainerStatuses": [
+                    {"name": "init", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+                     "containerID": "cri-o://c0c0", "state": {"terminated": {"exitCode": 0, "containerID": "cri-o://c0c0"}}}
+                ]}
+        })))
+        .expect("uid");
+        assert_eq!(p.container_named_by("aaaa"), Some("a"));
+        assert_eq!(p.container_named_by("a0a0"), Some("a"), "the restarted container's last");
+        assert_eq!(p.container_named_by("c0c0"), Some("init"));
+        assert_eq!(p.container_named_by("bbbb"), None, "b has no ID yet");
+        assert_eq!(p.container_ids.len(), 3);
     }
 }

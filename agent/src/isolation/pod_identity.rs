@@ -204,6 +204,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, n)| (format!("c{i}"), R.to_owned(), *n))
                 .collect(),
+            container_ids: Vec::new(),
         }
     }
 

@@ -24,6 +24,9 @@ pub trait Enforcement: Send + Sync {
 
     /// The number of MPS client processes on the GPU `gpu_uuid`, at the last probe.
     fn set_clients(&self, _gpu_uuid: &str, _clients: usize) {}
+
+    /// The MPS server PIDs of the GPU `gpu_uuid`'s daemon, at the last answered probe.
+    fn set_servers(&self, _gpu_uuid: &str, _servers: &[u32]) {}
 }
 
 /// One GPU's daemon as the supervisor sees it.
@@ -131,6 +134,7 @@ impl Supervisor {
         let problem = match probe {
             Ok(servers) => {
                 self.set_ready(i, "answers");
+                self.enforcement.set_servers(&self.daemons[i].gpu, &servers);
                 let mut clients = 0;
                 for server in servers {
                     let listed = self.control.clients(&self.daemons[i].dirs, server, timeout).await;
