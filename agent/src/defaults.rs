@@ -74,10 +74,9 @@ pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 pub const CGROUP_DRIVER: &str = "systemd";
 /// The class of a pod without the class label that is not Guaranteed.
 pub const COLOCATION_DEFAULT_CLASS: &str = "training";
-/// CPU weight of inference pods (cgroup v2 scale: 1..10000, the kernel's default 100).
+/// CPU weight of Guaranteed inference pods (cgroup v2 scale: 1..10000, the kernel's default
+/// 100); they are capped at their request plus their share of the CPU no pod requested.
 pub const INFERENCE_CPU_WEIGHT: u64 = 1000;
-/// CPU weight of training pods.
-pub const TRAINING_CPU_WEIGHT: u64 = 10;
 /// How long an Allocate waits for the API's view to show the pod it is for.
 pub const IDENTIFY_WAIT: Duration = Duration::from_secs(1);
 /// The longest `colocation.identifyWait` accepted (the kubelet's Allocate has no deadline of

@@ -7,7 +7,9 @@
 //! node, not from the API server. It writes one thing: the node-state annotation on its own Node
 //! (`agent::node_state`, a JSON merge patch). Co-location (`agent::colocation`) reads its Node's
 //! allocatable CPU (get) and follows the pods bound to its node (list and watch with the field
-//! selector `spec.nodeName`; kube-rs's watcher never gets a single pod); the memory watchdog
+//! selector `spec.nodeName`; kube-rs's watcher never gets a single pod) and the class labels of
+//! namespaces (list and watch, label selector `awesome-ai-company.com/workload-class`: a
+//! namespace's class is set by the cluster admin); the memory watchdog
 //! follows the same pods and records Warning Events (`events.k8s.io/v1`, create) about the pods
 //! whose processes it found over their grant, killed, or holding no grant. RBAC cannot limit a
 //! rule to the agent's own node or its pods, so the rules cover every node and pod; the agent
@@ -28,6 +30,7 @@ pub struct ApiRule {
 pub const AGENT: &[ApiRule] = &[
     ApiRule { api_group: "", resource: "nodes", verbs: &["get", "patch"] },
     ApiRule { api_group: "", resource: "pods", verbs: &["list", "watch"] },
+    ApiRule { api_group: "", resource: "namespaces", verbs: &["list", "watch"] },
     ApiRule { api_group: "events.k8s.io", resource: "events", verbs: &["create"] },
 ];
 

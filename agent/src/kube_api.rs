@@ -46,6 +46,11 @@ pub trait NodeApi: Send + Sync {
         shutdown: CancellationToken,
     );
 
+    /// Follows the class labels of the namespaces that have one
+    /// ([`crate::isolation::colocation::CLASS_LABEL`], a label selector) into `view`'s
+    /// `namespace_classes` until `shutdown`, as [`NodeApi::follow_pods`] follows the pods.
+    async fn follow_namespaces(&self, view: watch::Sender<NodePods>, shutdown: CancellationToken);
+
     /// Records `notice` as a Warning Event (`events.k8s.io/v1`) about its pod, or about `node`,
     /// reported by the agent of `node`.
     async fn record_event(&self, node: &str, notice: &Notice) -> Result<(), ApiError>;
@@ -162,6 +167,76 @@ impl NodeApi for KubeNodeApi {
             .map_err(|e| ApiError::Call(Box::new(e)))
     }
 
+    async fn follow_namespaces(&self, view: watch::Sender<NodePods>, shutdown: CancellationToken) {
+        use crate::isolation::colocation::CLASS_LABEL;
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
+        let config = watcher::Config::default().labels(CLASS_LABEL);
+        let stream = watcher::watcher(namespaces, config).default_backoff();
+        futures::pin_mut!(stream);
+        let class_of = |ns: &k8s_openapi::api::core::v1::Namespace| {
+            let name = ns.metadata.name.clone()?;
+            let value = ns.metadata.labels.as_ref()?.get(CLASS_LABEL)?.clone();
+            Some((name, value))
+        };
+        let mut listing: Option<std::collections::BTreeMap<String, String>> = None;
+        let mut failing = false;
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return,
+                event = stream.next() => match event {
+                    Some(e) => e,
+                    None => return,
+                },
+            };
+            let event = match event {
+                Ok(e) => e,
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %e, "cannot follow the namespaces' class labels; retrying with backoff (co-location keeps the last ones meanwhile)");
+                    }
+                    failing = true;
+                    continue;
+                }
+            };
+            if failing {
+                tracing::info!("following the namespaces' class labels again");
+                failing = false;
+            }
+            match event {
+                Event::Init => listing = Some(std::collections::BTreeMap::new()),
+                Event::InitApply(ns) => {
+                    if let (Some(list), Some((name, value))) = (listing.as_mut(), class_of(&ns)) {
+                        list.insert(name, value);
+                    }
+                }
+                Event::InitDone => {
+                    if let Some(list) = listing.take() {
+                        view.send_modify(|v| {
+                            v.namespaces_synced = true;
+                            v.namespace_classes = list;
+                        });
+                    }
+                }
+                Event::Apply(ns) => match (class_of(&ns), ns.metadata.name) {
+                    (Some((name, value)), _) => view.send_modify(|v| {
+                        v.namespace_classes.insert(name, value);
+                    }),
+                    (None, Some(name)) => view.send_modify(|v| {
+                        v.namespace_classes.remove(&name);
+                    }),
+                    (None, None) => {}
+                },
+                Event::Delete(ns) => {
+                    if let Some(name) = ns.metadata.name {
+                        view.send_modify(|v| {
+                            v.namespace_classes.remove(&name);
+                        });
+                    }
+                }
+            }
+        }
+    }
+
     async fn follow_pods(
         &self,
         node: &str,
@@ -197,7 +272,7 @@ impl NodeApi for KubeNodeApi {
                 failing = false;
             }
             match event {
-                Event::Init => listing = Some(NodePods { synced: true, ..NodePods::default() }),
+                Event::Init => listing = Some(NodePods::default()),
                 Event::InitApply(pod) => {
                     if let (Some(list), Some(p)) = (listing.as_mut(), PodInfo::of(&pod)) {
                         list.pods.insert(p.uid.clone(), p);
@@ -205,7 +280,11 @@ impl NodeApi for KubeNodeApi {
                 }
                 Event::InitDone => {
                     if let Some(list) = listing.take() {
-                        view.send_replace(list);
+                        // The namespaces' labels, followed by another watcher, stay.
+                        view.send_modify(|v| {
+                            v.synced = true;
+                            v.pods = list.pods;
+                        });
                     }
                 }
                 Event::Apply(pod) => {

@@ -7,16 +7,19 @@
 //! request every 2 ms and times the answer. The training pod is four busy loops
 //! (`sh -c 'while :; do :; done'`) in its own pod cgroup (Burstable:
 //! `kubepods/burstable/pod<uid>`), on a 2-core machine. The kubelet's settings: `cpu.shares` from
-//! the requests (inference 500m -> 512, training 2 CPUs -> 2048, the Burstable slice the sum of
-//! its pods' requests, 2048). baleen's: the plan of `colocation::plan` for a node of 2
-//! allocatable CPUs, written with `cgroups::apply` over the kubelet's and put back after. The
+//! the requests (inference 500m -> 512, training 1 CPU -> 1024, the Burstable slice the sum of
+//! its pods' requests, 1024: 1.5 of the node's 2 CPUs requested, as kube-scheduler would fit
+//! them). baleen's: the plan of `colocation::plan` for a node of 2 allocatable CPUs, written
+//! with `cgroups::apply` over the kubelet's and put back after. The
 //! settings take turns, `ROUNDS` rounds of 1,000 requests each (after 100 warm-up requests), so
 //! that the machine's noise falls on both alike; the latencies of each setting are pooled.
 //!
 //! `cargo bench -p baleen-tests --bench colocation` (needs root and a writable
 //! `/sys/fs/cgroup/cpu`; it says so and stops otherwise). `ROUNDS=n` sets the rounds (default
-//! 5); `VARIANTS=1` adds two more settings to the turns: the policy without `cpu.idle`, and
-//! `cpu.idle` alone (no caps, the kubelet's shares); `PERIOD_US=p QUOTA_US=q` adds the policy
+//! 5); `VARIANTS=1` adds three more settings to the turns: the policy with `cpu.idle` (the
+//! opt-in), `cpu.idle` alone (no caps, the kubelet's shares), and the unbounded policy of issue
+//! 16 written by hand (inference `cpu.shares` 10240, training `cpu.idle` and a 1.5-CPU cap),
+//! which pushed training below its request; `PERIOD_US=p QUOTA_US=q` adds the policy
 //! with the training cap set by hand; `INFERENCE_WEIGHT=w` the policy with another inference
 //! weight.
 
@@ -90,6 +93,9 @@ enum Setting {
     IdleOnly,
     /// The default policy, then these training files written over it (`PERIOD`/`QUOTA` runs).
     PolicyThen(Vec<(&'static str, String)>),
+    /// These files written over the kubelet's, `(inference pod?, file, value)`, and put back in
+    /// the reverse order.
+    Raw(Vec<(bool, &'static str, &'static str)>),
 }
 
 fn pods() -> [NodePod; 2] {
@@ -98,6 +104,7 @@ fn pods() -> [NodePod; 2] {
             uid: INFERENCE.into(),
             qos: Qos::Guaranteed,
             label: None,
+            namespace_label: Some("inference".into()),
             cpu_request_milli: 500,
             memory_request_bytes: 1 << 30,
             running: true,
@@ -106,19 +113,21 @@ fn pods() -> [NodePod; 2] {
             uid: TRAINING.into(),
             qos: Qos::Burstable,
             label: None,
-            cpu_request_milli: 2000,
+            namespace_label: Some("training".into()),
+            cpu_request_milli: 1000,
             memory_request_bytes: 1 << 30,
             running: true,
         },
     ]
 }
 
-/// Measures under `setting`; the cgroups are back at the kubelet's settings afterwards.
-fn measure_with(
+/// Measures `what` under `setting`; the cgroups are back at the kubelet's settings afterwards.
+fn measure_with<T>(
     layout: &Layout,
     setting: &Setting,
-    training_dir: &Path,
-) -> (Vec<Duration>, String) {
+    (inference_dir, training_dir): (&Path, &Path),
+    what: impl FnOnce() -> T,
+) -> (T, String) {
     // The co-location plan under `policy`, written by the agent's own code.
     let apply = |policy: &ClassPolicy| {
         let mut written = Vec::new();
@@ -143,6 +152,15 @@ fn measure_with(
             }
             written
         }
+        Setting::Raw(files) => files
+            .iter()
+            .map(|(inference, file, value)| {
+                let path = if *inference { inference_dir } else { training_dir }.join(file);
+                let previous = cgroups::read(&path).expect("readable");
+                write(&path, value);
+                cgroups::Written { path, previous, value: (*value).to_owned() }
+            })
+            .collect(),
     };
     let shown: Vec<String> = written
         .iter()
@@ -155,12 +173,18 @@ fn measure_with(
             format!("{pod} {file} = {}", w.value)
         })
         .collect();
-    let t = measure();
+    let t = what();
     if matches!(setting, Setting::PolicyThen(_)) {
         write(&training_dir.join("cpu.cfs_quota_us"), "-1");
         write(&training_dir.join("cpu.cfs_period_us"), "100000");
     }
-    cgroups::restore(&written).expect("put back");
+    if matches!(setting, Setting::Raw(_)) {
+        for w in written.iter().rev() {
+            write(&w.path, &w.previous);
+        }
+    } else {
+        cgroups::restore(&written).expect("put back");
+    }
     if matches!(setting, Setting::IdleOnly) {
         write(&training_dir.join("cpu.idle"), "0");
     }
@@ -191,9 +215,9 @@ fn main() {
     }
     // The kubelet's shares from the requests (the Burstable slice: the sum of its pods').
     write(&inference_dir.join("cpu.shares"), "512");
-    write(&training_dir.join("cpu.shares"), "2048");
+    write(&training_dir.join("cpu.shares"), "1024");
     if let Some(burstable) = training_dir.parent() {
-        write(&burstable.join("cpu.shares"), "2048");
+        write(&burstable.join("cpu.shares"), "1024");
     }
     write(&inference_dir.join("cgroup.procs"), &std::process::id().to_string());
     let mut training: Vec<std::process::Child> = (0..4)
@@ -230,10 +254,19 @@ fn main() {
     ];
     if std::env::var_os("VARIANTS").is_some() {
         settings.push((
-            "policy without cpu.idle",
-            Setting::Policy(ClassPolicy { idle_training: false, ..ClassPolicy::default() }),
+            "policy with cpu.idle",
+            Setting::Policy(ClassPolicy { idle_training: true, ..ClassPolicy::default() }),
         ));
         settings.push(("cpu.idle alone", Setting::IdleOnly));
+        settings.push((
+            "unbounded (issue 16)",
+            Setting::Raw(vec![
+                (true, "cpu.shares", "10240"),
+                (false, "cpu.cfs_period_us", "100000"),
+                (false, "cpu.cfs_quota_us", "150000"),
+                (false, "cpu.idle", "1"),
+            ]),
+        ));
     }
     // The policy with another inference weight: `INFERENCE_WEIGHT`.
     if let Some(w) = std::env::var("INFERENCE_WEIGHT").ok().and_then(|w| w.parse::<u64>().ok()) {
@@ -258,11 +291,59 @@ fn main() {
     let mut written: Vec<String> = vec![String::new(); settings.len()];
     for _ in 0..rounds {
         for (i, (_, setting)) in settings.iter().enumerate() {
-            let (t, shown) = measure_with(&layout, setting, &training_dir);
+            let (t, shown) =
+                measure_with(&layout, setting, (&inference_dir, &training_dir), measure);
             per_round[i].push(pct(&t, 990));
             pooled[i].extend(t);
             written[i] = shown;
         }
+    }
+    // Contention: the inference pod busy too (two loops of its own, as a saturated service
+    // would be): the CPU the training pod gets under each setting, against its 1-CPU request
+    // (issue 21, item 5: no pod pushed below its request).
+    let mut busy: Vec<std::process::Child> = (0..2)
+        .map(|_| {
+            let child = std::process::Command::new("sh")
+                .args(["-c", "while :; do :; done"])
+                .spawn()
+                .expect("a busy loop");
+            write(&inference_dir.join("cgroup.procs"), &child.id().to_string());
+            child
+        })
+        .collect();
+    // CPU seconds the training loops used so far (utime + stime of /proc/<pid>/stat, in clock
+    // ticks of 10 ms: cpuacct is a hierarchy of its own on this machine).
+    let training_pids: Vec<u32> = training.iter().map(std::process::Child::id).collect();
+    let usage = |_: &Path| -> f64 {
+        training_pids
+            .iter()
+            .map(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                // After the command name's closing parenthesis: fields 3.. ; utime and stime are
+                // fields 14 and 15.
+                let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+                let fields: Vec<&str> = rest.split_whitespace().collect();
+                let ticks =
+                    |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+                (ticks(11) + ticks(12)) / 100.0
+            })
+            .sum()
+    };
+    let mut training_cpus: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
+    for _ in 0..3 {
+        for (i, (_, setting)) in settings.iter().enumerate() {
+            let (cpus, _) = measure_with(&layout, setting, (&inference_dir, &training_dir), || {
+                std::thread::sleep(Duration::from_millis(300));
+                let (start, begun) = (usage(&training_dir), Instant::now());
+                std::thread::sleep(Duration::from_secs(2));
+                (usage(&training_dir) - start) / begun.elapsed().as_secs_f64()
+            });
+            training_cpus[i].push(cpus);
+        }
+    }
+    for c in &mut busy {
+        let _ = c.kill();
+        let _ = c.wait();
     }
     // Clean up: this process back to the root cgroup, the loops ended, the cgroups removed.
     write(&cpu.join("cgroup.procs"), &std::process::id().to_string());
@@ -305,4 +386,11 @@ fn main() {
     }
     let p99 = |i: usize| pct(&pooled[i], 990);
     println!("pooled p99, kubelet's / baleen's: {:.1}x", p99(0) / p99(1));
+    println!(
+        "under contention (inference busy on 2 loops), the training pod's CPUs (request 1.0):"
+    );
+    for (i, (name, _)) in settings.iter().enumerate() {
+        let runs: Vec<String> = training_cpus[i].iter().map(|c| format!("{c:.2}")).collect();
+        println!("{name:>26}: {}", runs.join(" "));
+    }
 }

@@ -1,11 +1,13 @@
 //! A fake Kubernetes API server on loopback, answering the calls baleen makes the way the real
 //! one does, and able to go away and come back on the same address:
-//! - Nodes (`/api/v1/nodes`) and Pods (`/api/v1/pods`, `/api/v1/namespaces/{ns}/pods/{name}`):
+//! - Nodes (`/api/v1/nodes`), Namespaces (`/api/v1/namespaces`) and Pods (`/api/v1/pods`,
+//!   `/api/v1/namespaces/{ns}/pods/{name}`):
 //!   `list` (with the collection's `resourceVersion`), `watch` (`?watch=true`: newline-separated
 //!   `ADDED`/`MODIFIED`/`DELETED` events after the given `resourceVersion`, kept open) and `get`;
 //!   A `fieldSelector` of `spec.nodeName=<node>` (pods) or `metadata.name=<name>` is honoured as
-//!   the real server does: a watch sees an object that comes to match as `ADDED` and one that
-//!   stops matching as `DELETED`; any other field selector is refused (400);
+//!   the real server does, and so is a label selector naming one key that must exist: a watch
+//!   sees an object that comes to match as `ADDED` and one that stops matching as `DELETED`;
+//!   any other selector is refused (400);
 //! - `PATCH /api/v1/nodes/{name}` with a JSON merge patch of `metadata.annotations` (what the
 //!   agent's node-state publisher sends): merges, answers the Node's metadata
 //!   (`PartialObjectMetadata`), and tells watchers (`MODIFIED`); 404 for an unknown node;
@@ -55,6 +57,7 @@ pub struct Recorded {
 enum Kind {
     Node,
     Pod,
+    Namespace,
 }
 
 impl Kind {
@@ -62,6 +65,7 @@ impl Kind {
         match self {
             Kind::Node => "NodeList",
             Kind::Pod => "PodList",
+            Kind::Namespace => "NamespaceList",
         }
     }
 }
@@ -123,7 +127,7 @@ pub struct FakeApiServer {
 fn key_of(kind: Kind, object: &Value) -> String {
     let name = object["metadata"]["name"].as_str().unwrap_or_default();
     match kind {
-        Kind::Node => name.to_owned(),
+        Kind::Node | Kind::Namespace => name.to_owned(),
         Kind::Pod => {
             format!("{}/{name}", object["metadata"]["namespace"].as_str().unwrap_or("default"))
         }
@@ -195,6 +199,12 @@ impl FakeApiServer {
         self.world().put(Kind::Pod, key, pod)
     }
 
+    /// Adds or replaces a Namespace (watchers see it).
+    pub fn put_namespace(&self, namespace: Value) -> Value {
+        let key = key_of(Kind::Namespace, &namespace);
+        self.world().put(Kind::Namespace, key, namespace)
+    }
+
     /// Deletes a Pod (`namespace/name`).
     pub fn delete_pod(&self, key: &str) {
         self.world().delete(Kind::Pod, key);
@@ -244,6 +254,7 @@ fn serve(
         .route("/api/v1/nodes", get(list_nodes))
         .route("/api/v1/nodes/{name}", get(get_node).patch(patch_node))
         .route("/api/v1/pods", get(list_pods))
+        .route("/api/v1/namespaces", get(list_namespaces))
         .route("/api/v1/namespaces/{ns}/pods/{name}", get(get_pod))
         .route("/api/v1/namespaces/{ns}/pods/{name}/binding", post(bind_pod))
         .route("/apis/events.k8s.io/v1/namespaces/{ns}/events", post(create_event))
@@ -338,11 +349,26 @@ fn decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// A field selector the server can answer: `(JSON pointer, value)`.
-type Selector = Option<(&'static str, String)>;
+/// The selectors the server can answer: a field selector `(JSON pointer, value)` and a label
+/// selector naming one key that must exist.
+#[derive(Debug, Clone, Default)]
+struct Selector {
+    field: Option<(&'static str, String)>,
+    label: Option<String>,
+}
 
 fn selector(kind: Kind, q: &BTreeMap<String, String>) -> Result<Selector, String> {
-    let Some(text) = q.get("fieldSelector").filter(|s| !s.is_empty()) else { return Ok(None) };
+    let mut selector = Selector::default();
+    if let Some(text) = q.get("labelSelector").filter(|s| !s.is_empty()) {
+        // Only `key` (the label exists) is answered here; anything else is refused.
+        if text.contains(['=', '!', ',', '(', ' ']) {
+            return Err(format!("label selector not supported by the fake: {text}"));
+        }
+        selector.label = Some(text.clone());
+    }
+    let Some(text) = q.get("fieldSelector").filter(|s| !s.is_empty()) else {
+        return Ok(selector);
+    };
     // `field=value` or `field==value`, as the real server reads them.
     let (field, value) = text.split_once('=').unwrap_or((text, ""));
     let value = value.strip_prefix('=').unwrap_or(value);
@@ -351,13 +377,19 @@ fn selector(kind: Kind, q: &BTreeMap<String, String>) -> Result<Selector, String
         (_, "metadata.name") => "/metadata/name",
         _ => return Err(format!("field label not supported: {field}")),
     };
-    Ok(Some((pointer, value.to_owned())))
+    selector.field = Some((pointer, value.to_owned()));
+    Ok(selector)
 }
 
 fn matches(selector: &Selector, object: &Value) -> bool {
-    selector.as_ref().is_none_or(|(pointer, value)| {
+    let field = selector.field.as_ref().is_none_or(|(pointer, value)| {
         object.pointer(pointer).and_then(Value::as_str).unwrap_or_default() == value
-    })
+    });
+    let label = selector
+        .label
+        .as_ref()
+        .is_none_or(|key| object["metadata"]["labels"].get(key.as_str()).is_some());
+    field && label
 }
 
 /// The event a watch with `selector` sees for `e`, if any.
@@ -380,6 +412,10 @@ async fn list_nodes(State(app): State<AppState>, uri: Uri, headers: HeaderMap) -
 
 async fn list_pods(State(app): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
     list_or_watch(app, Kind::Pod, uri, headers)
+}
+
+async fn list_namespaces(State(app): State<AppState>, uri: Uri, headers: HeaderMap) -> Response {
+    list_or_watch(app, Kind::Namespace, uri, headers)
 }
 
 fn list_or_watch(app: AppState, kind: Kind, uri: Uri, headers: HeaderMap) -> Response {

@@ -1891,8 +1891,11 @@ fn api_pod(
         status["containerStatuses"] = serde_json::json!([{"name": "c", "image": "i", "imageID": "",
             "ready": true, "restartCount": 0, "state": {"running": {}}}]);
     }
+    // Guaranteed pods live in `serving` (an inference namespace in the co-location test), the
+    // others in `ml`.
+    let namespace = if qos == "Guaranteed" { "serving" } else { "ml" };
     serde_json::json!({
-        "metadata": {"name": name, "namespace": "ml", "uid": format!("uid-{name}"), "labels": labels},
+        "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}"), "labels": labels},
         "spec": {"nodeName": node, "containers": [{"name": "c", "resources": resources}]},
         "status": status
     })
@@ -1977,6 +1980,13 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     api.put_node(serde_json::json!({
         "metadata": {"name": "node-a"}, "status": {"allocatable": {"cpu": "8", "memory": "64Gi"}}
     }));
+    // Classes come from namespaces, labelled by the cluster admin: `serving` is an inference
+    // namespace; `ml` has no label (the default class, training).
+    let class = baleen_agent::isolation::colocation::CLASS_LABEL;
+    api.put_namespace(
+        serde_json::json!({"metadata": {"name": "serving", "labels": {class: "inference"}}}),
+    );
+    api.put_namespace(serde_json::json!({"metadata": {"name": "ml"}}));
     // Being admitted: two inference pods and a training pod; already running: a training pod
     // with the same ask as the second inference pod (not a candidate); on another node: an
     // inference pod the agent must not see.
@@ -1990,7 +2000,7 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     node.registered(&agent, 1).await?;
 
     // One candidate: the inference pod's client at normal priority.
-    let serve = node.kubelet.admit_to("ml/serve", "c", MEM, 4).await?;
+    let serve = node.kubelet.admit_to("serving/serve", "c", MEM, 4).await?;
     assert_eq!(priority(&serve), Some("0"));
     // Two candidates of different classes with the same ask (the pending training and inference
     // pods asking 6): the default class, training, below normal.
@@ -2007,14 +2017,15 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
             .any(|(_, _, _, k)| k.as_ref().is_some_and(|k| k.pod == "train"))
     })
     .await?;
-    let serve2 = node.kubelet.admit_to("ml/serve2", "c", MEM, 6).await?;
+    let serve2 = node.kubelet.admit_to("serving/serve2", "c", MEM, 6).await?;
     assert_eq!(priority(&serve2), Some("0"));
-    // Two pods of different classes with the same ask: the default class (training).
+    // Two pods of different classes with the same ask: the default class (training). The
+    // second labels itself `inference`, which counts for nothing: its namespace is `ml`.
     api.put_pod(api_pod("a", "node-a", "Guaranteed", None, "Pending", 2));
-    api.put_pod(api_pod("b", "node-a", "Burstable", Some("training"), "Pending", 2));
+    api.put_pod(api_pod("b", "node-a", "Burstable", Some("inference"), "Pending", 2));
     // (Both in the agent's view before the Allocate: the first alone would be one candidate.)
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let either = node.kubelet.admit_to("ml/a", "c", MEM, 2).await?;
+    let either = node.kubelet.admit_to("serving/a", "c", MEM, 2).await?;
     assert_eq!(priority(&either), Some("1"), "ambiguous: the default class");
     // No pod at all with this ask: the default class after the wait.
     let started = std::time::Instant::now();
@@ -2022,22 +2033,24 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     assert_eq!(priority(&nobody), Some("1"));
     assert!(started.elapsed() >= Duration::from_millis(400), "waited for the pod to appear");
 
-    // Running: the inference pod gets a high weight and its memory protected, the training pods
-    // a low weight and together a cap of the allocatable CPU less the inference requests
-    // (8 - 2 = 6 cores, 3 each); the other node's inference pod is not counted.
+    // Running: the inference pod gets weight 1000 (10240 shares: cgroup v2 weight 391) capped
+    // at its 2 cores plus the 6 nobody requested, and its memory protected; the training pods keep
+    // the kubelet's weight and together get a cap of the allocatable CPU less the inference
+    // requests (8 - 2 = 6 cores, 3 each, never below their requests); the other node's
+    // inference pod is not counted.
     api.put_pod(api_pod("serve", "node-a", "Guaranteed", None, "Running", 4));
     api.put_pod(api_pod("train", "node-a", "BestEffort", None, "Running", 6));
     let f = |uid: &str, qos, file: &str| cgroup_file(&cgroups, uid, qos, file);
     eventually("the classes applied", || {
         f("uid-train", Qos::BestEffort, "cpu.max") == "300000 100000"
-            && f("uid-train", Qos::BestEffort, "cpu.idle") == "1"
-            && f("uid-serve", Qos::Guaranteed, "cpu.weight") == "1000"
+            && f("uid-serve", Qos::Guaranteed, "cpu.weight") == "391"
+            && f("uid-serve", Qos::Guaranteed, "cpu.max") == "800000 100000"
             && f("uid-serve", Qos::Guaranteed, "memory.low") == (4u64 << 30).to_string()
     })
     .await?;
     assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), (4u64 << 30).to_string());
-    // Training is idle while inference runs: the kernel's idle weight, its own left as it was.
-    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.idle"), "1");
+    // Training keeps the kubelet's weight and is not SCHED_IDLE (the opt-in).
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.idle"), "0");
     assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "100");
     assert_eq!(f("uid-other", Qos::Guaranteed, "cpu.weight"), "100", "another node's pod");
     let state = node.config.state_dir.join("colocation.json");
@@ -2064,7 +2077,7 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     )?;
     std::fs::write(layout.pod_dir("cpu", Qos::Guaranteed, "uid-serve").join("cpu.weight"), "1")?;
     eventually("the weight written again", || {
-        f("uid-serve", Qos::Guaranteed, "cpu.weight") == "1000"
+        f("uid-serve", Qos::Guaranteed, "cpu.weight") == "391"
     })
     .await?;
 
@@ -2075,17 +2088,17 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
     // The API server goes away; meanwhile the inference pods end. Once it is back, the agent
     // lists again: the training cap goes, the inference pods' values are put back.
     api.stop().await;
-    api.delete_pod("ml/serve");
+    api.delete_pod("serving/serve");
     api.delete_pod("ml/old");
     api.start_again().await?;
-    eventually("the cap lifted, the training weight set", || {
+    eventually("the cap lifted, the inference values put back", || {
         f("uid-train", Qos::BestEffort, "cpu.max") == "max 100000"
-            && f("uid-train", Qos::BestEffort, "cpu.weight") == "10"
+            && f("uid-serve", Qos::Guaranteed, "cpu.weight") == "1"
     })
     .await?;
     assert_eq!(f("uid-serve", Qos::Guaranteed, "cpu.weight"), "1", "the kubelet's value put back");
     assert_eq!(f("uid-serve", Qos::Guaranteed, "memory.low"), "0", "put back");
-    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "10", "training, not idle now");
+    assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "100", "never touched");
     assert_eq!(f("uid-train", Qos::BestEffort, "cpu.idle"), "0");
     stop(agent, token).await?;
 
@@ -2152,11 +2165,70 @@ async fn the_node_pods_view_sees_only_its_node_follows_binding_and_the_api_comin
     // The API server goes away; a pod ends meanwhile; once it is back the watch goes on (or
     // lists again) and the pod is gone from the view.
     api.stop().await;
-    api.delete_pod("ml/mine");
+    api.delete_pod("serving/mine");
     api.start_again().await?;
     until("the ended pod gone", &|v| names(v) == ["unbound"]).await?;
     token.cancel();
     tokio::time::timeout(WAIT, follower).await??;
+    Ok(())
+}
+
+/// Issue 21, item 5: the namespaces' class labels are followed (a label selector: namespaces
+/// without the label are not even listed), labels added, changed and removed, and the pods'
+/// view is kept beside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_namespaces_class_labels_are_followed() -> Result<()> {
+    use baleen_agent::kube_api::NodeApi as _;
+    let class = baleen_agent::isolation::colocation::CLASS_LABEL;
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    api.put_namespace(
+        serde_json::json!({"metadata": {"name": "serving", "labels": {class: "inference"}}}),
+    );
+    api.put_namespace(serde_json::json!({"metadata": {"name": "ml", "labels": {"team": "a"}}}));
+    api.put_pod(api_pod("mine", "node-a", "Guaranteed", None, "Running", 1));
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    let (view, mut seen) =
+        tokio::sync::watch::channel(baleen_agent::isolation::node_pods::NodePods::default());
+    let token = CancellationToken::new();
+    let followers = {
+        let (client, token, view) = (client.clone(), token.clone(), view.clone());
+        tokio::spawn(async move {
+            tokio::join!(
+                client.follow_namespaces(view.clone(), token.clone()),
+                client.follow_pods("node-a", view, token)
+            )
+        })
+    };
+    let classes = |v: &baleen_agent::isolation::node_pods::NodePods| -> Vec<(String, String)> {
+        v.namespace_classes.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    };
+    let mut until = async |what: &str, want: Vec<(&str, &str)>| {
+        let want: Vec<(String, String)> =
+            want.into_iter().map(|(a, b)| (a.to_owned(), b.to_owned())).collect();
+        tokio::time::timeout(
+            WAIT,
+            seen.wait_for(|v| v.ready() && v.pods.len() == 1 && classes(v) == want),
+        )
+        .await
+        .with_context(|| format!("waiting for {what}"))?
+        .map(drop)
+        .context("the followers ended")
+    };
+    until("the first lists", vec![("serving", "inference")]).await?;
+    api.put_namespace(
+        serde_json::json!({"metadata": {"name": "ml", "labels": {class: "training"}}}),
+    );
+    until("a label added", vec![("ml", "training"), ("serving", "inference")]).await?;
+    api.put_namespace(
+        serde_json::json!({"metadata": {"name": "ml", "labels": {class: "inference"}}}),
+    );
+    until("a label changed", vec![("ml", "inference"), ("serving", "inference")]).await?;
+    api.put_namespace(serde_json::json!({"metadata": {"name": "serving"}}));
+    until("a label removed", vec![("ml", "inference")]).await?;
+    let listed = api.requests().into_iter().any(|r| r.path == "/api/v1/namespaces");
+    assert!(listed, "listed with the selector");
+    token.cancel();
+    tokio::time::timeout(WAIT, followers).await??;
     Ok(())
 }
 

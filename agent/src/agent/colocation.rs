@@ -119,8 +119,8 @@ fn save(path: &Path, state: &Colocation) -> Result<(), ColocationError> {
     crate::checkpoint::write_atomically(path, &bytes).map_err(io)
 }
 
-/// Starts co-location when it is on (the pod watcher and the policy, each a task), or puts back
-/// what an earlier run with it on changed when it is off.
+/// Starts co-location when it is on (the policy, a task, over the node pods' view it is given),
+/// or puts back what an earlier run with it on changed when it is off. Whether it runs.
 pub fn start(
     tasks: &mut Tasks,
     config: &ColocationConfig,
@@ -129,7 +129,7 @@ pub fn start(
     (api, pods): (Option<Arc<dyn NodeApi>>, Option<watch::Receiver<NodePods>>),
     node: &str,
     shutdown: &CancellationToken,
-) -> Result<(), AgentError> {
+) -> Result<bool, AgentError> {
     // 0 until the policy runs (and again if it stops).
     up(resources, false);
     let path = state_path(state_dir);
@@ -142,7 +142,7 @@ pub fn start(
                 error = %Chain(&e),
                 "co-location does not run: its saved state cannot be read; delete the file to start afresh (the values it recorded then stay in the pods' cgroups until they end)"
             );
-            return Ok(());
+            return Ok(false);
         }
     };
     let moved = state.root().is_some_and(|r| r != config.cgroup_root);
@@ -152,7 +152,7 @@ pub fn start(
         let outcome = state.restore_all();
         if let Err(e) = save(&path, &state) {
             tracing::error!(error = %Chain(&e), "co-location does not run: its state cannot be saved");
-            return Ok(());
+            return Ok(false);
         }
         match outcome {
             Ok(()) => tracing::info!(
@@ -164,12 +164,12 @@ pub fn start(
                     error = e,
                     "co-location does not run: values it wrote cannot be put back (is the cgroup root it used still mounted?); trying again at the next start"
                 );
-                return Ok(());
+                return Ok(false);
             }
         }
     }
     if !config.enabled {
-        return Ok(());
+        return Ok(false);
     }
     let (Some(api), Some(pods)) = (api, pods) else {
         return Err(AgentError::NoNodeApi { what: "colocation.enabled" });
@@ -195,7 +195,7 @@ pub fn start(
         state,
     };
     tasks.spawn("co-location", run.run(pods, shutdown.clone()));
-    Ok(())
+    Ok(true)
 }
 
 /// Sets `baleen_colocation_up`, where the metrics are on.
@@ -251,7 +251,7 @@ impl Reconciler {
                 }
             }
             let view = pods.borrow_and_update().clone();
-            if view.synced
+            if view.ready()
                 && let Some(cpu) = allocatable
                 && let Err(e) = self.reconcile(&view, cpu).await
             {
@@ -271,7 +271,7 @@ impl Reconciler {
 
     /// One reconciliation, off the async workers (file writes and fsync).
     async fn reconcile(&mut self, view: &NodePods, allocatable: u64) -> Result<(), AgentError> {
-        let pods: Vec<NodePod> = view.pods.values().map(|p| p.as_node_pod()).collect();
+        let pods: Vec<NodePod> = view.pods.values().map(|p| p.as_node_pod(view)).collect();
         let (layout, policy, path) = (self.layout.clone(), self.policy, self.path.clone());
         let mut state = std::mem::take(&mut self.state);
         let (state, outcome) = tokio::task::spawn_blocking(move || {

@@ -9,7 +9,7 @@
 //! | one device plugin per resource view | [`plugins`] | one each |
 //! | reconciliation with pod-resources | [`reconciler`] | one |
 //! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
-//! | the node's pods as the API says (for co-location and the watchdog) | `crate::kube_api` | one (watcher) |
+//! | the node's pods as the API says (for co-location and the watchdog), namespaces' class labels | `crate::kube_api` | one or two (watchers) |
 //! | per-container GPU memory against the grant, processes of no grant | [`watchdog`] | two (watchdog, Events) |
 //! | co-location: the pods' cgroup classes, MPS client priorities | [`colocation`] | one (policy) |
 //! | the node-state annotation for the extender | [`node_state`] | one |
@@ -276,17 +276,20 @@ impl Agent {
         resources.report_device_posture();
         let mut tasks = Tasks::default();
         mps::start(&mut tasks, &config, &resources, &shutdown).await;
-        let pods = follow_node_pods(&mut tasks, &config, deps.node_api.as_ref(), &shutdown);
+        // The node pods' view, followed once for co-location and the watchdog (where they run).
+        let (view, pods) = watch::channel(NodePods::default());
+        let api = deps.node_api.as_ref();
         // Before the plugins: their first Allocate already finds its pod's class.
-        colocation::start(
+        let colocating = colocation::start(
             &mut tasks,
             &config.colocation,
             &config.state_dir,
             &resources,
-            (deps.node_api.clone(), pods.clone()),
+            (deps.node_api.clone(), api.map(|_| pods.clone())),
             &config.node_name,
             &shutdown,
         )?;
+        let pods = follow_node_pods(&mut tasks, &config, colocating, api, view, pods, &shutdown);
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
         let reconcile = reconciler::Settings::of(&config);
         if config.annotation.enabled {
@@ -420,19 +423,33 @@ impl Agent {
     }
 }
 
-/// Follows the node's pods through the API when co-location or the watchdog needs them (and
-/// the API is there); the view, kept current.
+/// Follows the node's pods into `view` through the API when co-location runs or the watchdog
+/// needs them (and the API is there), and the namespaces' class labels when co-location takes
+/// classes from them; the view, kept current.
 fn follow_node_pods(
     tasks: &mut Tasks,
     config: &AgentConfig,
+    colocating: bool,
     api: Option<&Arc<dyn crate::kube_api::NodeApi>>,
+    view: watch::Sender<NodePods>,
+    pods: watch::Receiver<NodePods>,
     shutdown: &CancellationToken,
 ) -> Option<watch::Receiver<NodePods>> {
     let api = api?.clone();
-    if !config.colocation.enabled && !config.watchdog.enabled {
+    if !colocating && !config.watchdog.enabled {
         return None;
     }
-    let (view, pods) = watch::channel(NodePods::default());
+    let namespaces = colocating
+        && config.colocation.policy.class_from
+            == crate::isolation::colocation::ClassSource::Namespace;
+    view.send_modify(|v| v.namespaces_synced = !namespaces);
+    if namespaces {
+        let (api, view, token) = (api.clone(), view.clone(), shutdown.clone());
+        tasks.spawn("namespace class watcher", async move {
+            api.follow_namespaces(view, token).await;
+            Ok(())
+        });
+    }
     let (node, token) = (config.node_name.clone(), shutdown.clone());
     tasks.spawn("node pod watcher", async move {
         api.follow_pods(&node, view, token).await;

@@ -62,19 +62,22 @@ pub struct ColocationFile {
     pub cgroup_root: Option<PathBuf>,
     /// The kubelet's cgroup driver: `systemd` (default) or `cgroupfs`.
     pub cgroup_driver: Option<String>,
-    /// Class of pods without the label that are not Guaranteed: `training` (default) or
-    /// `inference`.
+    /// Where classes come from: `namespace` (default: the namespace's label, set by the
+    /// cluster admin) or `pod` (the pod's label, else its QoS class: tenant-set).
+    pub class_from: Option<String>,
+    /// Class of pods their source says nothing of: `training` (default) or `inference`.
     pub default_class: Option<String>,
-    /// CPU weight of inference pods, 1..10000 (cgroup v2 scale; default 1000).
+    /// CPU weight of Guaranteed inference pods, 1..10000 (cgroup v2 scale; default 1000); they
+    /// are capped at their request plus their share of the CPU no pod requested.
     pub inference_cpu_weight: Option<u64>,
-    /// CPU weight of training pods, 1..10000 (default 10).
-    pub training_cpu_weight: Option<u64>,
+    /// Removed: training pods keep the kubelet's weight (a config error naming why).
+    pub training_cpu_weight: Option<serde_yaml_ng::Value>,
     /// `memory.low` = the memory request of inference pods (cgroup v2; default true).
     pub protect_inference_memory: Option<bool>,
     /// Cap training pods while inference runs (default true).
     pub cap_training: Option<bool>,
-    /// Schedule training pods as SCHED_IDLE (`cpu.idle`) while inference runs (default true;
-    /// Linux 5.15 and later).
+    /// Schedule training pods as SCHED_IDLE (`cpu.idle`) while inference runs (default false:
+    /// it gives up their requests under contention; Linux 5.15 and later).
     pub idle_training: Option<bool>,
     /// MPS client priority by class (default true).
     pub mps_priority: Option<bool>,

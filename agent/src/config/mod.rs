@@ -510,7 +510,7 @@ fn colocation_config(
     resync: Duration,
 ) -> crate::agent::colocation::ColocationConfig {
     use crate::isolation::cgroups::Driver;
-    use crate::isolation::colocation::{Class, ClassPolicy};
+    use crate::isolation::colocation::{Class, ClassPolicy, ClassSource};
     let driver = match file.cgroup_driver.as_deref().unwrap_or(defaults::CGROUP_DRIVER) {
         "systemd" => Driver::Systemd,
         "cgroupfs" => Driver::Cgroupfs,
@@ -530,6 +530,19 @@ fn colocation_config(
                 Class::Training
             }
         };
+    if file.training_cpu_weight.is_some() {
+        problems.push(
+            "colocation trainingCpuWeight is removed: training pods keep the kubelet's weight (their requests), so that no pod is pushed below the CPU it requested; delete the key".to_owned(),
+        );
+    }
+    let class_from = match file.class_from.as_deref().unwrap_or("namespace") {
+        "namespace" => ClassSource::Namespace,
+        "pod" => ClassSource::Pod,
+        other => {
+            problems.push(format!("colocation classFrom {other:?} is not namespace or pod"));
+            ClassSource::Namespace
+        }
+    };
     let mut weight = |what: &str, value: Option<u64>, default: u64| match value {
         None => default,
         Some(w @ 1..=10_000) => w,
@@ -539,20 +552,16 @@ fn colocation_config(
         }
     };
     let policy = ClassPolicy {
+        class_from,
         default_class,
         inference_weight: weight(
             "inferenceCpuWeight",
             file.inference_cpu_weight,
             defaults::INFERENCE_CPU_WEIGHT,
         ),
-        training_weight: weight(
-            "trainingCpuWeight",
-            file.training_cpu_weight,
-            defaults::TRAINING_CPU_WEIGHT,
-        ),
         protect_memory: file.protect_inference_memory.unwrap_or(true),
         cap_training: file.cap_training.unwrap_or(true),
-        idle_training: file.idle_training.unwrap_or(true),
+        idle_training: file.idle_training.unwrap_or(false),
     };
     crate::agent::colocation::ColocationConfig {
         // As the annotation: inside a pod the API server is there; outside one, only when asked.
@@ -723,7 +732,7 @@ mod tests {
     #[test]
     fn colocation_settings_defaults_and_bad_values() {
         use crate::isolation::cgroups::Driver;
-        use crate::isolation::colocation::Class;
+        use crate::isolation::colocation::{Class, ClassSource};
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("agent.yaml");
         let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
@@ -741,7 +750,7 @@ mod tests {
         assert!(inside.agent.colocation.enabled, "on in a pod");
         std::fs::write(
             &file,
-            "nodeName: n\ncolocation:\n  enabled: true\n  cgroupRoot: /host/cgroup\n  cgroupDriver: cgroupfs\n  defaultClass: inference\n  inferenceCpuWeight: 500\n  trainingCpuWeight: 1\n  protectInferenceMemory: false\n  capTraining: false\n  idleTraining: false\n  mpsPriority: false\n  identifyWait: 0s\n  resync: 5s\n",
+            "nodeName: n\ncolocation:\n  enabled: true\n  cgroupRoot: /host/cgroup\n  cgroupDriver: cgroupfs\n  defaultClass: inference\n  inferenceCpuWeight: 500\n  classFrom: pod\n  protectInferenceMemory: false\n  capTraining: false\n  idleTraining: true\n  mpsPriority: false\n  identifyWait: 0s\n  resync: 5s\n",
         )
         .expect("write");
         let c = resolve(&args, &Environment::default()).expect("valid").agent.colocation;
@@ -749,16 +758,17 @@ mod tests {
         assert_eq!(c.cgroup_root, PathBuf::from("/host/cgroup"));
         assert_eq!(c.cgroup_driver, Driver::Cgroupfs);
         assert_eq!(c.policy.default_class, Class::Inference);
-        assert_eq!((c.policy.inference_weight, c.policy.training_weight), (500, 1));
-        assert!(!c.policy.protect_memory && !c.policy.cap_training && !c.policy.idle_training);
+        assert_eq!((c.policy.inference_weight, c.policy.class_from), (500, ClassSource::Pod));
+        assert!(!c.policy.protect_memory && !c.policy.cap_training && c.policy.idle_training);
         assert_eq!((c.identify_wait, c.resync), (Duration::ZERO, Duration::from_secs(5)));
         std::fs::write(
             &file,
-            "nodeName: n\ncolocation:\n  cgroupDriver: docker\n  defaultClass: batch\n  trainingCpuWeight: 0\n  inferenceCpuWeight: 20000\n  resync: 0s\n  identifyWait: soon\n",
+            "nodeName: n\ncolocation:\n  cgroupDriver: docker\n  defaultClass: batch\n  trainingCpuWeight: 10\n  inferenceCpuWeight: 20000\n  resync: 0s\n  identifyWait: soon\n  classFrom: label\n",
         )
         .expect("write");
-        let err = resolve(&args, &Environment::default()).expect_err("six problems");
-        assert_eq!(err.problems.len(), 6, "{err}");
+        let err = resolve(&args, &Environment::default()).expect_err("seven problems");
+        assert_eq!(err.problems.len(), 7, "{err}");
+        assert!(err.to_string().contains("trainingCpuWeight is removed"), "{err}");
         std::fs::write(&file, "nodeName: n\ncolocation:\n  identifyWait: 10s\n").expect("write");
         let err = resolve(&args, &Environment::default()).expect_err("too long a wait");
         assert!(err.to_string().contains("identifyWait 10s is above 5s"), "{err}");

@@ -131,16 +131,18 @@ impl Layout {
 /// What the policy gives one pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PodSettings {
-    /// CPU weight on cgroup v2's scale (1..=10000, default 100); v1's `cpu.shares` is
-    /// `weight * 1024 / 100`.
-    pub cpu_weight: u64,
+    /// CPU weight on the kubelet's `cpu.shares` scale (1024 a core of request), written as
+    /// `cpu.shares` on v1 and converted as the kubelet converts it for v2's `cpu.weight`
+    /// (`1 + (shares - 2) * 9999 / 262142`), so that it weighs against the kubelet's own values
+    /// alike on both; `None`: the kubelet's value is left alone.
+    pub cpu_shares: Option<u64>,
     /// A CPU cap in millicores, or none.
     pub cpu_cap_milli: Option<u64>,
     /// Memory kept from reclaim (`memory.low`, v2 only), in bytes, or none.
     pub memory_low_bytes: Option<u64>,
     /// Schedule the pod as SCHED_IDLE (`cpu.idle` = 1, v1 and v2, Linux 5.15 and later): the
     /// tasks of its sibling cgroups preempt it at once (beyond its parent, its parent's weight
-    /// counts). An idle group has the kernel's idle weight: `cpu_weight` is then not written
+    /// counts). An idle group has the kernel's idle weight: `cpu_shares` is then not written
     /// (the kernel refuses it).
     pub cpu_idle: bool,
 }
@@ -189,12 +191,16 @@ pub fn targets(
     settings: PodSettings,
 ) -> Vec<(PathBuf, String)> {
     let cpu = layout.pod_dir("cpu", qos, uid);
-    let (weight_file, weight) = match layout.version {
-        CgroupVersion::V2 => ("cpu.weight", settings.cpu_weight.clamp(1, 10_000)),
-        CgroupVersion::V1 => ("cpu.shares", (settings.cpu_weight * 1024 / 100).clamp(2, 262_144)),
+    let weight_file = match layout.version {
+        CgroupVersion::V2 => "cpu.weight",
+        CgroupVersion::V1 => "cpu.shares",
     };
-    let weight = if settings.cpu_idle { KEPT.to_owned() } else { weight.to_string() };
-    let mut targets = vec![(cpu.join(weight_file), weight)];
+    let mut targets = Vec::new();
+    if settings.cpu_idle {
+        targets.push((cpu.join(weight_file), KEPT.to_owned()));
+    } else if let Some(shares) = settings.cpu_shares {
+        targets.push((cpu.join(weight_file), weight_value(layout.version, shares).to_string()));
+    }
     let quota = settings.cpu_cap_milli.map(|m| (m * PERIOD_US / 1000).max(1000));
     match layout.version {
         CgroupVersion::V2 => {
@@ -217,6 +223,16 @@ pub fn targets(
         targets.push((cpu.join("cpu.idle"), "1".to_owned()));
     }
     targets
+}
+
+/// The value written for `shares` (the kubelet's scale) on `version`: `cpu.shares` itself on
+/// v1, the kubelet's conversion to `cpu.weight` on v2.
+pub fn weight_value(version: CgroupVersion, shares: u64) -> u64 {
+    let shares = shares.clamp(2, 262_144);
+    match version {
+        CgroupVersion::V1 => shares,
+        CgroupVersion::V2 => 1 + (shares - 2) * 9999 / 262_142,
+    }
 }
 
 /// The value of a target that is kept to put back but not written (see [`targets`]).
@@ -431,13 +447,13 @@ mod tests {
     #[test]
     fn settings_are_written_and_restored_on_every_layout() {
         let inference = PodSettings {
-            cpu_weight: 1000,
+            cpu_shares: Some(10240),
             cpu_cap_milli: None,
             memory_low_bytes: Some(8 << 30),
             cpu_idle: false,
         };
         let training = PodSettings {
-            cpu_weight: 10,
+            cpu_shares: None,
             cpu_cap_milli: Some(1500),
             memory_low_bytes: None,
             cpu_idle: true,
@@ -450,7 +466,8 @@ mod tests {
                     let on_inference = apply(&layout, qos, UID, inference).expect("applied");
                     match version {
                         CgroupVersion::V2 => {
-                            assert_eq!(get(&layout, qos, "cpu.weight"), "1000", "{what}");
+                            // 10240 shares as the kubelet converts them: 391.
+                            assert_eq!(get(&layout, qos, "cpu.weight"), "391", "{what}");
                             assert_eq!(get(&layout, qos, "cpu.max"), "max 100000", "{what}");
                             assert_eq!(
                                 get(&layout, qos, "memory.low"),
@@ -499,12 +516,32 @@ mod tests {
     }
 
     #[test]
+    fn weights_are_written_on_the_kubelets_scale_on_both_versions() {
+        // The kubelet's own conversion (pkg/kubelet/cm: CpuSharesToCpuWeight): 1024 shares (one
+        // core of request) are weight 39, 2 are 1, 262144 are 10000.
+        for (shares, weight) in [(2, 1), (512, 20), (1024, 39), (10240, 391), (262_144, 10_000)] {
+            assert_eq!(weight_value(CgroupVersion::V2, shares), weight, "{shares}");
+            assert_eq!(weight_value(CgroupVersion::V1, shares), shares);
+        }
+        assert_eq!(weight_value(CgroupVersion::V1, 1), 2, "clamped");
+        // No weight planned and not idle: the kubelet's file is not even a target.
+        let (_dir, layout) = tree(CgroupVersion::V2, Driver::Systemd, Qos::Burstable);
+        let none = PodSettings {
+            cpu_shares: None,
+            cpu_cap_milli: None,
+            memory_low_bytes: None,
+            cpu_idle: false,
+        };
+        assert!(targets(&layout, Qos::Burstable, UID, none).is_empty());
+    }
+
+    #[test]
     fn the_kubelets_cpu_limit_is_kept_when_tighter_and_never_lifted() {
         let (_dir, layout) = tree(CgroupVersion::V2, Driver::Systemd, Qos::Guaranteed);
         let pod = layout.pod_dir("cpu", Qos::Guaranteed, UID);
         std::fs::write(pod.join("cpu.max"), "200000 100000").expect("a 2-CPU limit");
         let settings = |cap| PodSettings {
-            cpu_weight: 10,
+            cpu_shares: Some(102),
             cpu_cap_milli: cap,
             memory_low_bytes: Some(4_000_000_000),
             cpu_idle: false,
@@ -542,7 +579,7 @@ mod tests {
         std::fs::remove_file(layout.pod_dir("cpu", Qos::Burstable, UID).join("memory.low"))
             .expect("rm");
         let settings = PodSettings {
-            cpu_weight: 1000,
+            cpu_shares: Some(10240),
             cpu_cap_milli: Some(2000),
             memory_low_bytes: Some(1),
             cpu_idle: false,
@@ -574,11 +611,12 @@ mod real {
     const INFERENCE: &str = "11111111-2222-3333-4444-555555555555";
     const TRAINING: &str = "66666666-7777-8888-9999-000000000000";
 
-    fn pod(uid: &str, qos: Qos, cpu: u64) -> NodePod {
+    fn pod(uid: &str, qos: Qos, class: &str, cpu: u64) -> NodePod {
         NodePod {
             uid: uid.into(),
             qos,
             label: None,
+            namespace_label: Some(class.into()),
             cpu_request_milli: cpu,
             memory_request_bytes: 1 << 30,
             running: true,
@@ -615,7 +653,7 @@ mod real {
         let mut children = Vec::new();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // mkdir in cgroupfs makes a cgroup, with the kernel's files.
-            for (dir, shares) in [(&inference, "512"), (&training, "2048")] {
+            for (dir, shares) in [(&inference, "512"), (&training, "1024")] {
                 std::fs::create_dir_all(dir).expect("a real cgroup");
                 // The kubelet's shares from the requests.
                 std::fs::write(dir.join("cpu.shares"), shares).expect("shares");
@@ -627,30 +665,37 @@ mod real {
                 assert!(own.contains(&name), "{own}");
                 children.push(child);
             }
-            let mut pods =
-                vec![pod(INFERENCE, Qos::Guaranteed, 500), pod(TRAINING, Qos::Burstable, 2000)];
-            let policy = ClassPolicy::default();
+            let mut pods = vec![
+                pod(INFERENCE, Qos::Guaranteed, "inference", 500),
+                pod(TRAINING, Qos::Burstable, "training", 1000),
+            ];
+            // SCHED_IDLE training is the opt-in; tested here for the order it is put back in.
+            let policy = ClassPolicy { idle_training: true, ..ClassPolicy::default() };
             let mut state = Colocation::default();
             let no_save = |_: &Colocation| Ok::<(), std::convert::Infallible>(());
             let report = state.reconcile(&layout, &pods, 2000, &policy, no_save).expect("saved");
             assert!(report.failed.is_empty(), "{:?}", report.failed);
             let get = |dir: &Path, file: &str| read(&dir.join(file)).expect("readable");
-            // Read back from the kernel: inference weight 1000 (shares 10240), training idle and
-            // capped at the 2 cores less the inference pod's 0.5.
+            // Read back from the kernel: the inference pod's weight 1000 (shares 10240) and a cap
+            // of its 0.5 CPU plus the 0.5 nobody requested, training idle and capped at the 2
+            // cores less the inference pod's 0.5.
             assert_eq!(get(&inference, "cpu.shares"), "10240");
+            assert_eq!(get(&inference, "cpu.cfs_quota_us"), "100000");
             assert_eq!(get(&training, "cpu.idle"), "1");
             assert_eq!(get(&training, "cpu.cfs_quota_us"), "150000");
             assert_eq!(get(&training, "cpu.cfs_period_us"), "100000");
-            // The cap changes while the pod stays idle (a node of 1.5 CPUs now): the record keeps
+            // The cap changes while the pod stays idle (a node of 1.5 CPUs now, all of it
+            // requested: each pod capped at its own request): the record keeps
             // cpu.idle last, so that putting back clears it before the kernel is given a weight
             // (it refuses one while the group is idle).
             let report = state.reconcile(&layout, &pods, 1500, &policy, no_save).expect("saved");
             assert!(report.failed.is_empty(), "{:?}", report.failed);
             assert_eq!(get(&training, "cpu.cfs_quota_us"), "100000");
+            assert_eq!(get(&inference, "cpu.cfs_quota_us"), "50000", "its own 0.5 CPU");
             let mut copy = state.clone();
             copy.restore_all().expect("put back while idle");
             assert_eq!(get(&training, "cpu.idle"), "0");
-            assert_eq!(get(&training, "cpu.shares"), "2048", "the kubelet's shares back");
+            assert_eq!(get(&training, "cpu.shares"), "1024", "the kubelet's shares back");
             assert_eq!(get(&inference, "cpu.shares"), "512");
             let report = state.reconcile(&layout, &pods, 2000, &policy, no_save).expect("saved");
             assert!(report.failed.is_empty(), "{:?}", report.failed);
@@ -663,9 +708,9 @@ mod real {
             assert_eq!(get(&inference, "cpu.shares"), "512");
             assert_eq!(get(&training, "cpu.idle"), "0");
             assert_eq!(get(&training, "cpu.cfs_quota_us"), "-1");
-            assert_eq!(get(&training, "cpu.shares"), "102", "training weight without inference");
+            assert_eq!(get(&training, "cpu.shares"), "1024", "the kubelet's: nothing to set");
             state.restore_all().expect("restored");
-            assert_eq!(get(&training, "cpu.shares"), "2048", "the kubelet's shares back");
+            assert_eq!(get(&training, "cpu.shares"), "1024", "the kubelet's shares back");
         }));
         // The processes end and go back to the root; cgroups are removed innermost first.
         for mut c in children {

@@ -1,15 +1,31 @@
 //! Co-location classes on the CPU side: the policy and its reconciliation on a cgroup tree
 //! (run by `crate::agent::colocation` over the node's pods).
 //!
-//! A pod is `inference` or `training`: its label `awesome-ai-company.com/workload-class`
-//! says so, else Guaranteed pods are inference and the rest training (the default class of
-//! non-Guaranteed pods is configurable). The default policy: inference pods get a high CPU
-//! weight and `memory.low` = their memory request (cgroup v2); training pods a low weight and,
-//! while any inference pod runs on the node, a CPU cap: together the training pods may use at
-//! most the node's allocatable CPU less the inference pods' requests, shared in proportion to
-//! their own requests. [`Colocation::reconcile`] applies the plan, puts back what it changed
-//! when a pod's settings change or the policy stops applying to it, and keeps what it must put
-//! back so that a restarted agent can.
+//! A pod is `inference` or `training`. By default its class is what its *namespace's* label
+//! `awesome-ai-company.com/workload-class` says (set by the cluster admin, as Pod Security's
+//! namespace labels are: a tenant cannot set it on its own), else `defaultClass`;
+//! `classFrom: pod` takes the pod's own label, else the QoS class (Guaranteed pods inference),
+//! which a tenant sets itself: only with an admission rule that guards the label.
+//!
+//! The policy never pushes a pod below the CPU it requested:
+//! - a Guaranteed inference pod gets the CPU weight `inferenceCpuWeight` (it wins every
+//!   wake-up against training) and a CPU cap of its request plus its share (in proportion to
+//!   the inference pods' requests) of the CPU no running pod requested; the kubelet's own limit
+//!   (a Guaranteed pod's limit is its request) stays where tighter. Capped so, a raised weight
+//!   takes nothing that another pod requested. (A non-Guaranteed inference pod shares its QoS
+//!   slice with other pods, whose slice weight is the sum of their requests: it keeps the
+//!   kubelet's weight and no cap.)
+//! - inference pods get `memory.low` = their memory request (cgroup v2);
+//! - while any inference pod runs, each training pod is capped at its share (in proportion to
+//!   the training pods' requests) of the node's allocatable CPU less the inference pods'
+//!   requests, and never below its own request: the inference pods' requested CPUs stay free
+//!   of training bursts, and training keeps its requests;
+//! - training pods keep the kubelet's weight; `cpu.idle` (SCHED_IDLE) is an opt-in
+//!   (`idleTraining`) that gives up their requests under contention for inference latency.
+//!
+//! [`Colocation::reconcile`] applies the plan, puts back what it changed when a pod's settings
+//! change or the policy stops applying to it, and keeps what it must put back so that a
+//! restarted agent can.
 
 use std::collections::BTreeMap;
 
@@ -17,7 +33,8 @@ use serde::{Deserialize, Serialize};
 
 use super::cgroups::{self, CgroupError, Layout, PodSettings, Qos, Written};
 
-/// The label that sets a pod's class.
+/// The label that sets a class: on a namespace (the default source) or, with `classFrom: pod`,
+/// on a pod.
 pub const CLASS_LABEL: &str = "awesome-ai-company.com/workload-class";
 
 /// A workload class.
@@ -38,6 +55,23 @@ impl Class {
             Class::Training => "training",
         }
     }
+
+    fn of_label(value: Option<&str>) -> Option<Self> {
+        match value {
+            Some("inference") => Some(Class::Inference),
+            Some("training") => Some(Class::Training),
+            _ => None,
+        }
+    }
+}
+
+/// Where a pod's class comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClassSource {
+    /// Its namespace's label, which the cluster admin sets (default).
+    Namespace,
+    /// Its own label, else its QoS class: set by the tenant; only behind an admission rule.
+    Pod,
 }
 
 /// One pod on the node, as the policy sees it.
@@ -47,8 +81,10 @@ pub struct NodePod {
     pub uid: String,
     /// Its QoS class.
     pub qos: Qos,
-    /// The value of [`CLASS_LABEL`], if any.
+    /// The value of [`CLASS_LABEL`] on the pod, if any.
     pub label: Option<String>,
+    /// The value of [`CLASS_LABEL`] on its namespace, if any.
+    pub namespace_label: Option<String>,
     /// CPU requested, millicores.
     pub cpu_request_milli: u64,
     /// Memory requested, bytes.
@@ -60,42 +96,56 @@ pub struct NodePod {
 /// The policy's knobs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClassPolicy {
-    /// Class of a pod without the label that is not Guaranteed.
+    /// Where classes come from.
+    pub class_from: ClassSource,
+    /// Class of a pod its source says nothing of.
     pub default_class: Class,
-    /// CPU weight of inference pods (cgroup v2 scale, default 100).
+    /// CPU weight of Guaranteed inference pods (cgroup v2's scale, 1..10000; on v1
+    /// `cpu.shares` = weight x 1024 / 100); they are capped at their request plus their share
+    /// of the CPU no pod requested.
     pub inference_weight: u64,
-    /// CPU weight of training pods.
-    pub training_weight: u64,
     /// Protect inference pods' requested memory from reclaim (`memory.low`, v2).
     pub protect_memory: bool,
-    /// Cap training pods while inference runs.
+    /// Cap training pods while inference runs (never below their requests).
     pub cap_training: bool,
-    /// Schedule training pods as SCHED_IDLE (`cpu.idle`) while inference runs.
+    /// Schedule training pods as SCHED_IDLE (`cpu.idle`) while inference runs: gives up their
+    /// requests under contention (off by default).
     pub idle_training: bool,
 }
 
 impl Default for ClassPolicy {
     fn default() -> Self {
         Self {
+            class_from: ClassSource::Namespace,
             default_class: Class::Training,
             inference_weight: crate::defaults::INFERENCE_CPU_WEIGHT,
-            training_weight: crate::defaults::TRAINING_CPU_WEIGHT,
             protect_memory: true,
             cap_training: true,
-            idle_training: true,
+            idle_training: false,
         }
     }
 }
 
-/// The class of `pod`: its label, else Guaranteed pods inference and the rest
-/// `policy.default_class`. An unknown label value is the same as none (and worth a log line).
+/// The class of `pod` from `policy.class_from`: its namespace's label, else
+/// `policy.default_class`; or (`Pod`) its own label, else Guaranteed pods inference and the rest
+/// `policy.default_class`. An unknown label value is the same as none.
 pub fn classify(pod: &NodePod, policy: &ClassPolicy) -> Class {
-    match pod.label.as_deref() {
-        Some("inference") => Class::Inference,
-        Some("training") => Class::Training,
-        _ if pod.qos == Qos::Guaranteed => Class::Inference,
-        _ => policy.default_class,
+    match policy.class_from {
+        ClassSource::Namespace => {
+            Class::of_label(pod.namespace_label.as_deref()).unwrap_or(policy.default_class)
+        }
+        ClassSource::Pod => match Class::of_label(pod.label.as_deref()) {
+            Some(class) => class,
+            None if pod.qos == Qos::Guaranteed => Class::Inference,
+            None => policy.default_class,
+        },
     }
+}
+
+/// The kubelet's `cpu.shares` for a CPU request (cgroup v1's scale; the kubelet converts the
+/// same value for v2's `cpu.weight`): 1024 per core, at least 2.
+pub fn kubelet_shares(cpu_request_milli: u64) -> u64 {
+    (cpu_request_milli.saturating_mul(1024) / 1000).max(2)
 }
 
 /// What each running pod of the node gets: `(uid, class, settings)`.
@@ -106,34 +156,63 @@ pub fn plan(
 ) -> Vec<(String, Class, PodSettings)> {
     let running: Vec<(&NodePod, Class)> =
         pods.iter().filter(|p| p.running).map(|p| (p, classify(p, policy))).collect();
+    let requested: u64 = running.iter().map(|(p, _)| p.cpu_request_milli).sum();
+    let unrequested = allocatable_cpu_milli.saturating_sub(requested);
     let inference_cpu: u64 = running
         .iter()
         .filter(|(_, c)| *c == Class::Inference)
         .map(|(p, _)| p.cpu_request_milli)
         .sum();
+    // The inference pods whose weight is raised: the Guaranteed ones, siblings of the QoS
+    // slices (whose weights the kubelet sets from their pods' requests).
+    let raised_cpu: u64 = running
+        .iter()
+        .filter(|(p, c)| *c == Class::Inference && p.qos == Qos::Guaranteed)
+        .map(|(p, _)| p.cpu_request_milli.max(1))
+        .sum();
     let any_inference = running.iter().any(|(_, c)| *c == Class::Inference);
-    let training: Vec<&NodePod> =
-        running.iter().filter(|(_, c)| *c == Class::Training).map(|(p, _)| *p).collect();
-    let training_cpu: u64 = training.iter().map(|p| p.cpu_request_milli.max(1)).sum();
-    // What the training pods may use together; at least a tenth of a core each.
+    let training_cpu: u64 = running
+        .iter()
+        .filter(|(_, c)| *c == Class::Training)
+        .map(|(p, _)| p.cpu_request_milli.max(1))
+        .sum();
+    // What the training pods may use together.
     let room = allocatable_cpu_milli.saturating_sub(inference_cpu);
+    let ceiling = policy.inference_weight.saturating_mul(1024) / 100;
+    let share = |total: u64, part: u64, whole: u64| {
+        u64::try_from(u128::from(total) * u128::from(part) / u128::from(whole.max(1)))
+            .unwrap_or(u64::MAX)
+    };
     running
         .iter()
         .map(|(p, class)| {
+            let request = p.cpu_request_milli;
             let settings = match class {
+                // A Guaranteed inference pod: the highest weight, and at most its request plus
+                // its share of the CPU nobody requested (the kubelet's own limit, its request,
+                // stays where tighter): a raised weight then takes nothing anyone requested.
+                Class::Inference if p.qos == Qos::Guaranteed => PodSettings {
+                    cpu_shares: Some(ceiling).filter(|&c| c > kubelet_shares(request)),
+                    cpu_cap_milli: Some(
+                        request
+                            .saturating_add(share(unrequested, request.max(1), raised_cpu))
+                            .max(1),
+                    ),
+                    memory_low_bytes: policy.protect_memory.then_some(p.memory_request_bytes),
+                    cpu_idle: false,
+                },
+                // In a QoS slice beside other pods, whose slice weight is the sum of their
+                // requests: any raise would come out of theirs.
                 Class::Inference => PodSettings {
-                    cpu_weight: policy.inference_weight,
+                    cpu_shares: None,
                     cpu_cap_milli: None,
                     memory_low_bytes: policy.protect_memory.then_some(p.memory_request_bytes),
                     cpu_idle: false,
                 },
                 Class::Training => PodSettings {
-                    cpu_weight: policy.training_weight,
-                    cpu_cap_milli: (policy.cap_training && any_inference).then(|| {
-                        let share = u128::from(room) * u128::from(p.cpu_request_milli.max(1))
-                            / u128::from(training_cpu.max(1));
-                        u64::try_from(share).unwrap_or(u64::MAX).max(100)
-                    }),
+                    cpu_shares: None,
+                    cpu_cap_milli: (policy.cap_training && any_inference)
+                        .then(|| share(room, request.max(1), training_cpu).max(request).max(100)),
                     memory_low_bytes: None,
                     cpu_idle: policy.idle_training && any_inference,
                 },
@@ -147,7 +226,8 @@ pub fn plan(
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Applied {
     class: Class,
-    weight: u64,
+    /// The `cpu.shares`-scale weight written (`None`: the kubelet's left alone).
+    weight: Option<u64>,
     cap: Option<u64>,
     low: Option<u64>,
     #[serde(default)]
@@ -164,7 +244,7 @@ impl Applied {
     fn of(class: Class, settings: PodSettings, written: &[Written]) -> Self {
         Self {
             class,
-            weight: settings.cpu_weight,
+            weight: settings.cpu_shares,
             cap: settings.cpu_cap_milli,
             low: settings.memory_low_bytes,
             idle: settings.cpu_idle,
@@ -179,7 +259,7 @@ impl Applied {
     fn same(&self, class: Class, settings: PodSettings) -> bool {
         !self.stale
             && self.class == class
-            && self.weight == settings.cpu_weight
+            && self.weight == settings.cpu_shares
             && self.cap == settings.cpu_cap_milli
             && self.low == settings.memory_low_bytes
             && self.idle == settings.cpu_idle
@@ -280,6 +360,14 @@ impl Colocation {
             }
             if !uncovered.is_empty() {
                 report.restored.push(uid.clone());
+            }
+            if targets.is_empty() {
+                // Nothing to write (a training pod while no inference runs keeps the
+                // kubelet's values): nothing to remember either.
+                if before.is_some() {
+                    save(self)?;
+                }
+                continue;
             }
             let original = |path: &std::path::Path| {
                 kept.iter().find(|k| k.path == path).map(|k| k.previous.clone())
@@ -434,49 +522,268 @@ mod tests {
         Ok(())
     }
 
-    fn pod(uid: &str, qos: Qos, label: Option<&str>, cpu: u64) -> NodePod {
+    /// A running pod whose namespace's class label is `class`.
+    fn pod(uid: &str, qos: Qos, class: Option<&str>, cpu: u64) -> NodePod {
         NodePod {
             uid: uid.into(),
             qos,
-            label: label.map(str::to_owned),
+            label: None,
+            namespace_label: class.map(str::to_owned),
             cpu_request_milli: cpu,
             memory_request_bytes: 4 << 30,
             running: true,
         }
     }
 
+    /// Issue 21, item 5: by default the class is the namespace's, whatever the pod says of
+    /// itself (its label, its QoS class); `classFrom: pod` is the tenant-set opt-in.
     #[test]
-    fn classes_come_from_the_label_then_the_qos() {
+    fn classes_come_from_the_namespace_not_from_what_a_tenant_sets() {
         let p = ClassPolicy::default();
-        assert_eq!(classify(&pod("a", Qos::Burstable, Some("inference"), 1), &p), Class::Inference);
-        assert_eq!(classify(&pod("a", Qos::Guaranteed, Some("training"), 1), &p), Class::Training);
-        assert_eq!(classify(&pod("a", Qos::Guaranteed, None, 1), &p), Class::Inference);
-        assert_eq!(classify(&pod("a", Qos::BestEffort, None, 1), &p), Class::Training);
-        assert_eq!(classify(&pod("a", Qos::Burstable, Some("serving"), 1), &p), Class::Training);
+        let with = |qos, label: Option<&str>, ns: Option<&str>| NodePod {
+            label: label.map(str::to_owned),
+            ..pod("a", qos, ns, 100)
+        };
+        assert_eq!(classify(&with(Qos::Burstable, None, Some("inference")), &p), Class::Inference);
+        assert_eq!(
+            classify(&with(Qos::Burstable, Some("inference"), None), &p),
+            Class::Training,
+            "a pod's own label is ignored"
+        );
+        assert_eq!(
+            classify(&with(Qos::Guaranteed, Some("inference"), Some("training")), &p),
+            Class::Training,
+            "the namespace's training wins over the pod's label and QoS"
+        );
+        assert_eq!(classify(&with(Qos::Guaranteed, None, None), &p), Class::Training);
+        assert_eq!(classify(&with(Qos::Guaranteed, None, Some("serving")), &p), Class::Training);
         let serving = ClassPolicy { default_class: Class::Inference, ..p };
-        assert_eq!(classify(&pod("a", Qos::Burstable, None, 1), &serving), Class::Inference);
+        assert_eq!(classify(&with(Qos::Burstable, None, None), &serving), Class::Inference);
+        let by_pod = ClassPolicy { class_from: ClassSource::Pod, ..p };
+        assert_eq!(
+            classify(&with(Qos::Burstable, Some("inference"), None), &by_pod),
+            Class::Inference
+        );
+        assert_eq!(
+            classify(&with(Qos::Guaranteed, Some("training"), None), &by_pod),
+            Class::Training
+        );
+        assert_eq!(
+            classify(&with(Qos::Guaranteed, None, Some("training")), &by_pod),
+            Class::Inference
+        );
+        assert_eq!(classify(&with(Qos::BestEffort, None, None), &by_pod), Class::Training);
+    }
+
+    /// `total` CPU shared by weight among members that all want more than they can get, each
+    /// at most its cap: what a cap leaves goes to the others (CFS is work-conserving).
+    fn water_fill(total: f64, members: &[(f64, Option<f64>)]) -> Vec<f64> {
+        let mut got = vec![0.0; members.len()];
+        let mut open: Vec<usize> = (0..members.len()).collect();
+        let mut left = total;
+        loop {
+            let weights: f64 = open.iter().map(|&i| members[i].0).sum();
+            if open.is_empty() || weights <= 0.0 {
+                return got;
+            }
+            let capped: Vec<usize> = open
+                .iter()
+                .copied()
+                .filter(|&i| members[i].1.is_some_and(|c| c < left * members[i].0 / weights))
+                .collect();
+            if capped.is_empty() {
+                for &i in &open {
+                    got[i] = left * members[i].0 / weights;
+                }
+                return got;
+            }
+            for &i in &capped {
+                got[i] = members[i].1.unwrap_or(0.0);
+                left -= got[i];
+            }
+            open.retain(|i| !capped.contains(i));
+        }
+    }
+
+    /// The CPU each running pod gets under full contention (every pod busy) on a node of
+    /// `allocatable` millicores, as CFS shares it: among the children of `kubepods` (Guaranteed
+    /// pods, and the Burstable and BestEffort slices, whose weights the kubelet sets from their
+    /// pods' requests), then within each slice, by weight, caps applied and what a cap leaves
+    /// handed on.
+    fn contended(
+        pods: &[NodePod],
+        planned: &[(String, Class, PodSettings)],
+        allocatable: u64,
+    ) -> BTreeMap<String, f64> {
+        let settings =
+            |p: &NodePod| planned.iter().find(|(u, _, _)| *u == p.uid).map(|(_, _, s)| *s);
+        let weight = |p: &NodePod| {
+            settings(p)
+                .and_then(|s| s.cpu_shares)
+                .unwrap_or_else(|| kubelet_shares(p.cpu_request_milli)) as f64
+        };
+        let cap = |p: &NodePod| settings(p).and_then(|s| s.cpu_cap_milli).map(|c| c as f64);
+        let running: Vec<&NodePod> = pods.iter().filter(|p| p.running).collect();
+        let of =
+            |q: Qos| -> Vec<&NodePod> { running.iter().copied().filter(|p| p.qos == q).collect() };
+        let (guaranteed, burstable, besteffort) =
+            (of(Qos::Guaranteed), of(Qos::Burstable), of(Qos::BestEffort));
+        let slice = |members: &[&NodePod], weight: f64| -> (f64, Option<f64>) {
+            // A slice wants no more than its members' caps, when every one is capped.
+            let caps: Option<Vec<f64>> = members.iter().map(|p| cap(p)).collect();
+            (weight, caps.map(|c| c.iter().sum()))
+        };
+        let mut top: Vec<(f64, Option<f64>)> =
+            guaranteed.iter().map(|p| (weight(p), cap(p))).collect();
+        let slices = [
+            (
+                burstable.clone(),
+                kubelet_shares(burstable.iter().map(|p| p.cpu_request_milli).sum()) as f64,
+            ),
+            (besteffort.clone(), 2.0),
+        ];
+        for (members, w) in &slices {
+            if !members.is_empty() {
+                top.push(slice(members, *w));
+            }
+        }
+        let at_top = water_fill(allocatable as f64, &top);
+        let mut out = BTreeMap::new();
+        for (p, got) in guaranteed.iter().zip(&at_top) {
+            out.insert(p.uid.clone(), *got);
+        }
+        let mut next = guaranteed.len();
+        for (members, _) in &slices {
+            if members.is_empty() {
+                continue;
+            }
+            let inside: Vec<(f64, Option<f64>)> =
+                members.iter().map(|p| (weight(p), cap(p))).collect();
+            for (p, got) in members.iter().zip(water_fill(at_top[next], &inside)) {
+                out.insert(p.uid.clone(), got);
+            }
+            next += 1;
+        }
+        out
+    }
+
+    /// Issue 21, item 5: the case seen on real cgroups (a 100m inference pod beside a training
+    /// pod that requested 1.5 CPUs) and a spread of nodes: no pod is pushed below the CPU it
+    /// requested, training caps never fall below a request, and an inference pod's raise is
+    /// bounded by the CPU nobody requested.
+    #[test]
+    fn no_pod_is_pushed_below_the_cpu_it_requested() {
+        let p = ClassPolicy::default();
+        let seen = [
+            pod("inf", Qos::Burstable, Some("inference"), 100),
+            pod("t", Qos::Burstable, Some("training"), 1500),
+        ];
+        let planned = plan(&seen, 2000, &p);
+        assert_eq!(planned[1].2.cpu_cap_milli, Some(1900), "2 CPUs less the 100m inference asks");
+        assert_eq!(planned[1].2.cpu_shares, None, "the kubelet's weight");
+        assert!(!planned[1].2.cpu_idle);
+        assert_eq!(planned[0].2.cpu_shares, None, "a Burstable inference pod is not raised");
+        let cases: Vec<(Vec<NodePod>, u64)> = vec![
+            (
+                vec![
+                    pod("i", Qos::Guaranteed, Some("inference"), 100),
+                    pod("t", Qos::Burstable, None, 1500),
+                ],
+                2000,
+            ),
+            (
+                vec![
+                    pod("i", Qos::Guaranteed, Some("inference"), 500),
+                    pod("t", Qos::Burstable, None, 1500),
+                ],
+                2000,
+            ),
+            (
+                vec![
+                    pod("i", Qos::Guaranteed, Some("inference"), 6000),
+                    pod("t1", Qos::Burstable, None, 1000),
+                    pod("t2", Qos::BestEffort, None, 0),
+                    pod("g", Qos::Guaranteed, None, 3000),
+                ],
+                16_000,
+            ),
+            (
+                vec![
+                    pod("i1", Qos::Guaranteed, Some("inference"), 250),
+                    pod("i2", Qos::Burstable, Some("inference"), 750),
+                    pod("t", Qos::Burstable, None, 4000),
+                ],
+                64_000,
+            ),
+            (
+                vec![
+                    pod("i", Qos::Guaranteed, Some("inference"), 1000),
+                    pod("t", Qos::Guaranteed, None, 7000),
+                ],
+                8000,
+            ),
+        ];
+        for (pods, allocatable) in cases {
+            let planned = plan(&pods, allocatable, &p);
+            let got = contended(&pods, &planned, allocatable);
+            for pod in &pods {
+                let request = pod.cpu_request_milli as f64;
+                assert!(
+                    got[&pod.uid] >= request * 0.99,
+                    "{} gets {:.0}m of its {request}m under contention: {pods:?} {planned:?}",
+                    pod.uid,
+                    got[&pod.uid]
+                );
+                if let Some((_, _, s)) = planned.iter().find(|(u, _, _)| *u == pod.uid)
+                    && let Some(cap) = s.cpu_cap_milli
+                {
+                    assert!(cap >= pod.cpu_request_milli, "{} capped below its request", pod.uid);
+                }
+            }
+        }
+        // A Guaranteed inference pod gets the highest weight, capped at its request plus the
+        // CPU nobody requested.
+        let pods = [
+            pod("i", Qos::Guaranteed, Some("inference"), 500),
+            pod("t", Qos::Burstable, None, 1000),
+        ];
+        let planned = plan(&pods, 2000, &p);
+        assert_eq!(planned[0].2.cpu_shares, Some(10_240), "inferenceCpuWeight 1000");
+        assert_eq!(planned[0].2.cpu_cap_milli, Some(1000), "500m + the 500m unrequested");
+        let planned = plan(&pods, 1500, &p);
+        assert_eq!(planned[0].2.cpu_cap_milli, Some(500), "everything requested: its request");
+        // Without the caps the same weights would take what others requested: the model
+        // catches it (so the check above could fail).
+        let mut uncapped = plan(&pods, 2000, &p);
+        uncapped[0].2.cpu_cap_milli = None;
+        assert!(contended(&pods, &uncapped, 2000)["t"] < 500.0);
     }
 
     #[test]
     fn training_shares_what_inference_leaves_only_while_inference_runs() {
         let p = ClassPolicy::default();
         let pods = [
-            pod("inf", Qos::Guaranteed, None, 6000),
+            pod("inf", Qos::Guaranteed, Some("inference"), 6000),
             pod("t1", Qos::Burstable, None, 1000),
             pod("t2", Qos::BestEffort, None, 3000),
         ];
         let planned = plan(&pods, 16_000, &p);
         let caps: Vec<Option<u64>> = planned.iter().map(|(_, _, s)| s.cpu_cap_milli).collect();
-        // 16 cores less the 6 inference asks: 10 for training, 1:3.
-        assert_eq!(caps, [None, Some(2500), Some(7500)]);
+        // 16 cores less the 6 inference asks: 10 for training, 1:3; the inference pod its 6
+        // and the 6 nobody asked for.
+        assert_eq!(caps, [Some(12_000), Some(2500), Some(7500)]);
         assert_eq!(planned[0].2.memory_low_bytes, Some(4 << 30));
-        assert_eq!((planned[0].2.cpu_weight, planned[1].2.cpu_weight), (1000, 10));
-        // Inference gone: no cap.
+        // The inference pod: inferenceCpuWeight 1000 (10240 shares), capped at its 6 cores
+        // plus the 6 nobody requested.
+        assert_eq!((planned[0].2.cpu_shares, planned[1].2.cpu_shares), (Some(10_240), None));
+        // Inference gone: no cap, nothing for the training pods.
         let mut ended = pods.clone();
         ended[0].running = false;
         let planned = plan(&ended, 16_000, &p);
         assert_eq!(planned.len(), 2);
-        assert!(planned.iter().all(|(_, _, s)| s.cpu_cap_milli.is_none()));
+        assert!(
+            planned.iter().all(|(_, _, s)| s.cpu_cap_milli.is_none() && s.cpu_shares.is_none())
+        );
     }
 
     fn tree(uids: &[(&str, Qos)]) -> (tempfile::TempDir, Layout) {
@@ -510,13 +817,17 @@ mod tests {
     fn reconcile_applies_changes_restores_and_survives_a_restart() {
         let (_dir, layout) = tree(&[("inf", Qos::Guaranteed), ("t1", Qos::Burstable)]);
         let p = ClassPolicy::default();
-        let mut pods =
-            vec![pod("inf", Qos::Guaranteed, None, 6000), pod("t1", Qos::Burstable, None, 2000)];
+        let mut pods = vec![
+            pod("inf", Qos::Guaranteed, Some("inference"), 6000),
+            pod("t1", Qos::Burstable, None, 2000),
+        ];
         let mut c = Colocation::default();
         let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         assert_eq!(report.applied, ["inf", "t1"]);
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.max"), "1000000 100000", "10 cores");
-        assert_eq!(file(&layout, "inf", Qos::Guaranteed, "cpu.weight"), "1000");
+        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100", "the kubelet's");
+        assert_eq!(file(&layout, "inf", Qos::Guaranteed, "cpu.weight"), "391", "10240 shares");
+        assert_eq!(file(&layout, "inf", Qos::Guaranteed, "cpu.max"), "1400000 100000", "6 + 8");
         // Unchanged: nothing written again.
         assert_eq!(
             c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved"),
@@ -525,35 +836,33 @@ mod tests {
         // The agent restarts: what it must put back is kept (serialised in the state dir).
         let saved = serde_json::to_string(&c).expect("serialise");
         let mut c: Colocation = serde_json::from_str(&saved).expect("read back");
-        // Inference ends: the training pod's cap goes, its original values come back first.
+        // Inference ends: the training pod's cap goes back; it has nothing left to set.
         pods[0].running = false;
         let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
-        assert_eq!(report.restored, ["inf", "t1"], "t1: cpu.idle put back");
-        assert_eq!(report.applied, ["t1"], "its cap lifted, written directly");
+        assert_eq!(report.restored, ["inf", "t1"]);
+        assert!(report.applied.is_empty(), "{report:?}");
+        assert_eq!(c.pods(), Vec::<String>::new(), "nothing left to put back");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.max"), "max 100000");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
         assert_eq!(file(&layout, "inf", Qos::Guaranteed, "cpu.weight"), "100", "restored");
         assert_eq!(file(&layout, "inf", Qos::Guaranteed, "memory.low"), "0", "restored");
-        // The training pod's class changes by label: inference settings.
-        pods[1].label = Some("inference".into());
+        // The training pod's namespace becomes an inference one: inference settings.
+        pods[1].namespace_label = Some("inference".into());
         c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "1000");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "memory.low"), (4u64 << 30).to_string());
-        // And back: memory.low, which training does not set, gets its original value; the
-        // weight goes straight to the training weight.
-        pods[1].label = None;
-        let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         assert_eq!(
-            (report.restored.as_slice(), report.applied.as_slice()),
-            (&["t1".to_owned()][..], &["t1".to_owned()][..])
+            file(&layout, "t1", Qos::Burstable, "cpu.weight"),
+            "100",
+            "Burstable: not raised"
         );
+        // And back: memory.low, which training does not set, gets its original value.
+        pods[1].namespace_label = None;
+        let report = c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
+        assert_eq!(report.restored, ["t1"]);
         assert_eq!(file(&layout, "t1", Qos::Burstable, "memory.low"), "0");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
-        pods[1].label = Some("inference".into());
+        pods[1].namespace_label = Some("inference".into());
         c.reconcile(&layout, &pods, 16_000, &p, no_save).expect("saved");
         // Switched off: everything back to what the kernel had.
         c.restore_all().expect("restored");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100");
         assert_eq!(file(&layout, "t1", Qos::Burstable, "memory.low"), "0");
         assert!(c.pods().is_empty());
     }
@@ -561,8 +870,10 @@ mod tests {
     #[test]
     fn a_pod_whose_cgroup_is_missing_fails_alone() {
         let (_dir, layout) = tree(&[("inf", Qos::Guaranteed)]);
-        let pods =
-            [pod("inf", Qos::Guaranteed, None, 1000), pod("ghost", Qos::Burstable, None, 1000)];
+        let pods = [
+            pod("inf", Qos::Guaranteed, Some("inference"), 1000),
+            pod("ghost", Qos::Guaranteed, Some("inference"), 1000),
+        ];
         let report = Colocation::default()
             .reconcile(&layout, &pods, 8000, &ClassPolicy::default(), no_save)
             .expect("saved");
@@ -571,63 +882,69 @@ mod tests {
         assert!(report.failed[0].1.contains("cpu.weight"), "{:?}", report.failed);
     }
 
+    /// An inference pod alone on a node of 8 CPUs with 2 requested: weight 10240 shares (cgroup
+    /// v2 weight 391), capped at the 8 CPUs.
+    fn lone_inference() -> [NodePod; 1] {
+        [pod("i1", Qos::Guaranteed, Some("inference"), 2000)]
+    }
+
     #[test]
     fn values_the_kubelet_rewrites_are_written_again_and_its_value_is_the_one_put_back() {
-        let (_dir, layout) = tree(&[("t1", Qos::Burstable)]);
+        let (_dir, layout) = tree(&[("i1", Qos::Guaranteed)]);
         let p = ClassPolicy::default();
-        let pods = [pod("t1", Qos::Burstable, None, 2000)];
+        let pods = lone_inference();
         let mut c = Colocation::default();
         c.reconcile(&layout, &pods, 8000, &p, no_save).expect("saved");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
+        assert_eq!(file(&layout, "i1", Qos::Guaranteed, "cpu.weight"), "391");
         // The kubelet resizes the pod and writes its weight.
-        let weight = layout.pod_dir("cpu", Qos::Burstable, "t1").join("cpu.weight");
+        let weight = layout.pod_dir("cpu", Qos::Guaranteed, "i1").join("cpu.weight");
         std::fs::write(&weight, "79").expect("write");
         let report = c.reconcile(&layout, &pods, 8000, &p, no_save).expect("saved");
-        assert_eq!(report.applied, ["t1"]);
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
+        assert_eq!(report.applied, ["i1"]);
+        assert_eq!(file(&layout, "i1", Qos::Guaranteed, "cpu.weight"), "391");
         c.restore_all().expect("restored");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "79", "the kubelet's value");
+        assert_eq!(file(&layout, "i1", Qos::Guaranteed, "cpu.weight"), "79", "the kubelet's value");
     }
 
     #[test]
     fn what_to_put_back_is_saved_before_anything_is_written() {
-        let (_dir, layout) = tree(&[("t1", Qos::Burstable)]);
-        let pods = [pod("t1", Qos::Burstable, None, 2000)];
+        let (_dir, layout) = tree(&[("i1", Qos::Guaranteed)]);
+        let pods = lone_inference();
         let mut saved: Vec<(String, Colocation)> = Vec::new();
         let mut c = Colocation::default();
         c.reconcile(&layout, &pods, 8000, &ClassPolicy::default(), |state| {
             // At each save, what the file holds: the first save comes before the write.
-            let now = file(&layout, "t1", Qos::Burstable, "cpu.weight");
+            let now = file(&layout, "i1", Qos::Guaranteed, "cpu.weight");
             saved.push((now, state.clone()));
             Ok::<(), std::convert::Infallible>(())
         })
         .expect("saved");
         assert_eq!(saved[0].0, "100", "saved before the write");
-        assert_eq!(saved[0].1.pods(), ["t1"]);
+        assert_eq!(saved[0].1.pods(), ["i1"]);
         // A crash right after that first save: the next agent reads it and finishes the job
         // (the file still holds the kernel's value, which stays the one to put back).
         let mut after_crash = saved[0].1.clone();
-        std::fs::write(layout.pod_dir("cpu", Qos::Burstable, "t1").join("cpu.weight"), "100")
+        std::fs::write(layout.pod_dir("cpu", Qos::Guaranteed, "i1").join("cpu.weight"), "100")
             .expect("undo the write, as if it never happened");
         after_crash
             .reconcile(&layout, &pods, 8000, &ClassPolicy::default(), no_save)
             .expect("saved");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "10");
+        assert_eq!(file(&layout, "i1", Qos::Guaranteed, "cpu.weight"), "391");
         after_crash.restore_all().expect("restored");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100");
+        assert_eq!(file(&layout, "i1", Qos::Guaranteed, "cpu.weight"), "100");
         // A save that fails stops before the write.
         let mut c = Colocation::default();
         let err = c
             .reconcile(&layout, &pods, 8000, &ClassPolicy::default(), |_| Err("disk full"))
             .expect_err("the save failed");
         assert_eq!(err, "disk full");
-        assert_eq!(file(&layout, "t1", Qos::Burstable, "cpu.weight"), "100", "nothing written");
+        assert_eq!(file(&layout, "i1", Qos::Guaranteed, "cpu.weight"), "100", "nothing written");
     }
 
     #[test]
     fn a_cgroup_root_that_is_not_mounted_is_not_taken_for_pods_that_ended() {
-        let (dir, layout) = tree(&[("t1", Qos::Burstable)]);
-        let pods = [pod("t1", Qos::Burstable, None, 2000)];
+        let (dir, layout) = tree(&[("i1", Qos::Guaranteed)]);
+        let pods = lone_inference();
         let mut c = Colocation::default();
         c.reconcile(&layout, &pods, 8000, &ClassPolicy::default(), no_save).expect("saved");
         assert_eq!(c.root(), Some(dir.path()));
@@ -636,10 +953,10 @@ mod tests {
         std::fs::create_dir_all(dir.path()).expect("an empty directory");
         let err = c.restore_all().expect_err("nothing to put back into");
         assert!(err.contains("is not a cgroup tree"), "{err}");
-        assert_eq!(c.pods(), ["t1"], "still recorded, to be put back later");
+        assert_eq!(c.pods(), ["i1"], "still recorded, to be put back later");
         let report =
             c.reconcile(&layout, &[], 8000, &ClassPolicy::default(), no_save).expect("saved");
         assert_eq!(report.failed.len(), 1, "{report:?}");
-        assert_eq!(c.pods(), ["t1"]);
+        assert_eq!(c.pods(), ["i1"]);
     }
 }

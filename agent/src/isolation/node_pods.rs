@@ -1,7 +1,10 @@
 //! The pods bound to this node, as the Kubernetes API says (a kube-rs watcher restricted to
 //! `spec.nodeName`, in `crate::kube_api`): what the co-location subsystem needs of each (UID,
-//! QoS class, class label, CPU and memory requests, phase) and the extended resources each of its
-//! containers asks for, which the MPS client priority needs to tell which pod an Allocate is for.
+//! QoS class, class label, CPU and memory requests, phase), the extended resources each of its
+//! containers asks for, which the MPS client priority needs to tell which pod an Allocate is for,
+//! and its containers' runtime IDs, which the memory watchdog attributes processes with; and the
+//! class labels of the namespaces that have one (a second watcher), where co-location takes
+//! classes from namespaces.
 
 use std::collections::BTreeMap;
 
@@ -164,12 +167,13 @@ impl PodInfo {
         self.asks.iter().filter(|(_, r, n)| r == resource && *n == count).count()
     }
 
-    /// As the co-location policy sees it.
-    pub fn as_node_pod(&self) -> NodePod {
+    /// As the co-location policy sees it, with its namespace's class label from `view`.
+    pub fn as_node_pod(&self, view: &NodePods) -> NodePod {
         NodePod {
             uid: self.uid.clone(),
             qos: self.qos,
             label: self.class_label.clone(),
+            namespace_label: view.namespace_classes.get(&self.namespace).cloned(),
             cpu_request_milli: self.cpu_request_milli,
             memory_request_bytes: self.memory_request_bytes,
             running: self.running(),
@@ -177,13 +181,26 @@ impl PodInfo {
     }
 }
 
-/// The node's pods, by UID.
+/// The node's pods, by UID, and the class labels of the namespaces that have one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodePods {
-    /// Whether the watcher has listed them at least once (before that, the map means nothing).
+    /// Whether the watcher has listed the pods at least once (before that, the map means
+    /// nothing).
     pub synced: bool,
     /// The pods, by UID.
     pub pods: BTreeMap<String, PodInfo>,
+    /// Whether the namespaces' class labels have been listed at least once (true from the
+    /// start where they are not followed).
+    pub namespaces_synced: bool,
+    /// The value of the class label of each namespace that has one, by name.
+    pub namespace_classes: BTreeMap<String, String>,
+}
+
+impl NodePods {
+    /// Whether both the pods and (where followed) the namespaces' labels have been listed.
+    pub fn ready(&self) -> bool {
+        self.synced && self.namespaces_synced
+    }
 }
 
 /// A Kubernetes quantity in thousandths (`None`: not one, or negative).

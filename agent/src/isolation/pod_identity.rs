@@ -175,7 +175,7 @@ impl PodIdentifier {
                     .max(listed.get(&(p.key(), count)).copied().unwrap_or(0));
                 asking > accounted
             })
-            .map(|p| (p.uid.clone(), p.key(), classify(&p.as_node_pod(), &self.policy)))
+            .map(|p| (p.uid.clone(), p.key(), classify(&p.as_node_pod(view), &self.policy)))
             .collect()
     }
 }
@@ -209,12 +209,47 @@ mod tests {
     }
 
     fn view(pods: Vec<PodInfo>) -> NodePods {
-        NodePods { synced: true, pods: pods.into_iter().map(|p| (p.uid.clone(), p)).collect() }
+        NodePods {
+            synced: true,
+            pods: pods.into_iter().map(|p| (p.uid.clone(), p)).collect(),
+            namespaces_synced: true,
+            ..NodePods::default()
+        }
     }
 
+    /// An identifier over `pods` whose classes come from the pods themselves (label, else
+    /// QoS): how a pod is found does not depend on where its class comes from.
     fn identifier(pods: Vec<PodInfo>) -> (watch::Sender<NodePods>, PodIdentifier) {
         let (tx, rx) = watch::channel(view(pods));
-        (tx, PodIdentifier::new(rx, ClassPolicy::default(), Duration::from_millis(50)))
+        let policy = ClassPolicy {
+            class_from: crate::isolation::colocation::ClassSource::Pod,
+            ..ClassPolicy::default()
+        };
+        (tx, PodIdentifier::new(rx, policy, Duration::from_millis(50)))
+    }
+
+    /// Issue 21, item 5: by default the MPS priority follows the namespace's class, not the
+    /// pod's own label.
+    #[tokio::test]
+    async fn by_default_the_class_is_the_namespaces() {
+        let mut labelled =
+            pod("self-labelled", Qos::Guaranteed, Some("inference"), "Pending", &[4]);
+        labelled.namespace = "tenant".into();
+        let mut serving = pod("serve", Qos::Burstable, None, "Pending", &[2]);
+        serving.namespace = "serving".into();
+        let mut v = view(vec![labelled, serving]);
+        v.namespace_classes.insert("serving".into(), "inference".into());
+        let (_tx, rx) = watch::channel(v);
+        let id = PodIdentifier::new(rx, ClassPolicy::default(), Duration::from_millis(50));
+        let none = BTreeMap::new();
+        assert_eq!(
+            id.identify(R, 4, &none).await,
+            Identity::Pods { pods: vec!["tenant/self-labelled".into()], class: Class::Training }
+        );
+        assert_eq!(
+            id.identify(R, 2, &none).await,
+            Identity::Pods { pods: vec!["serving/serve".into()], class: Class::Inference }
+        );
     }
 
     #[tokio::test]

@@ -853,6 +853,7 @@ mod tests {
             pods: NodePods {
                 synced: true,
                 pods: pods.into_iter().map(|p| (p.uid.clone(), p)).collect(),
+                ..NodePods::default()
             },
             holdings,
             unlisted: Vec::new(),
