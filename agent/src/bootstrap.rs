@@ -57,7 +57,7 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
         .enable_all()
         .build()
         .map_err(RunError::Runtime)?;
-    runtime.block_on(async move {
+    let outcome = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(cancel_on_signal(shutdown.clone()));
         let kubelet = settings
@@ -80,9 +80,18 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
         };
         let deps = Dependencies { inventory, registry, node_api };
         Ok::<_, RunError>(crate::agent::run(settings.agent, deps, shutdown).await?)
-    })?;
+    });
+    // A step still blocked in a thread (an NVML call that hangs) must not keep the process.
+    runtime.shutdown_timeout(SHUTDOWN_WAIT);
+    outcome?;
     Ok(())
 }
+
+/// How long the runtime waits for blocked threads once the agent stopped.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long after SIGTERM the agent may take to stop before it exits anyway (the kubelet's
+/// default grace before SIGKILL is 30 s).
+const STOP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Runs only the MPS supervisor of the node's shared GPUs until SIGTERM or SIGINT (see
 /// `baleen-agent mps` and [`crate::agent::mps::run_alone`]).
@@ -135,4 +144,14 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     }
     tracing::info!("shutting down");
     shutdown.cancel();
+    // Every step honours the token; one that does not (a call blocked in the kernel or a
+    // driver) must not make the process ignore SIGTERM until the kubelet's SIGKILL.
+    std::thread::spawn(|| {
+        std::thread::sleep(STOP_DEADLINE);
+        tracing::error!(
+            deadline_s = STOP_DEADLINE.as_secs(),
+            "the agent did not stop within the deadline after SIGTERM; exiting now"
+        );
+        std::process::exit(1);
+    });
 }

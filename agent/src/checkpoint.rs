@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
+use crate::files::{Links, read_bounded};
 use crate::ledger::{AllocationRecord, Layout};
 
 /// The checkpoint format version written by this agent.
@@ -133,9 +134,9 @@ impl Checkpoint {
     /// it is (see [`Self::verify`]): `Ok(None)` when there is none. An intact checkpoint of an
     /// earlier boot still says what the device IDs the kubelet holds meant.
     pub fn read(&self) -> Result<Option<Contents>, CheckpointError> {
-        let bytes = match fs::read(&self.path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        let bytes = match read_bounded(&self.path, MAX_STATE_FILE_BYTES, Links::Refuse) {
+            Ok(Some(bytes)) => bytes,
+            Ok(None) => return Ok(None),
             Err(source) => return Err(CheckpointError::Io { path: self.path.clone(), source }),
         };
         let corrupt = |reason: String| CheckpointError::Corrupt { path: self.path.clone(), reason };
@@ -239,10 +240,17 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     File::open(dir).and_then(|d| d.sync_all())
 }
 
-/// The kernel's boot ID from `path` (normally `/proc/sys/kernel/random/boot_id`).
+/// The kernel's boot ID from `path` (normally `/proc/sys/kernel/random/boot_id`): at most 4 KiB
+/// of a regular file (a FIFO or an endless file there is an error, never a hang).
 pub fn read_boot_id(path: &Path) -> io::Result<String> {
-    Ok(fs::read_to_string(path)?.trim().to_owned())
+    let bytes = read_bounded(path, 4096, Links::Follow)?
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no such file"))?;
+    Ok(String::from_utf8_lossy(&bytes).trim().to_owned())
 }
+
+/// The most bytes a state file (the checkpoint, the co-location state) may hold: a ledger at
+/// its largest (32,768 devices per resource) writes well under half of it.
+pub const MAX_STATE_FILE_BYTES: u64 = 16 << 20;
 
 #[cfg(test)]
 mod tests {
@@ -254,6 +262,7 @@ mod tests {
             device_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
             allocated_at: 7,
             listed: true,
+            holder: None,
         }
     }
 

@@ -44,6 +44,11 @@ pub const MPS_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 pub const MPS_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest wait between two starts of a daemon that will not start.
 pub const MPS_RESTART_BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// How long a kubelet that (re)appeared may still be syncing its pods (a kubelet restarted
+/// while the API server is unreachable lists only its static pods until it syncs).
+pub const RECONCILE_SETTLE: Duration = Duration::from_secs(300);
+/// The longest `reconcile.kubeletSettle` accepted.
+pub const RECONCILE_SETTLE_MAX: Duration = Duration::from_secs(3600);
 /// Time between two reads of the memory watchdog.
 pub const WATCHDOG_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a container may stay over its grant before the watchdog kills its processes, and

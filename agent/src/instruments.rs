@@ -98,7 +98,7 @@ impl Instruments {
             )?,
             reconcile_changes: counter_vec(
                 "baleen_reconcile_changes_total",
-                "What applied reconciliations changed (released, restored, refused allocations).",
+                "What applied reconciliations changed (released, restored, refused allocations) or held (a miss not confirmed: counted at every reconciliation that holds it).",
                 &["node", "change"],
             )?,
             registrations: counter_vec(

@@ -15,6 +15,7 @@
 //! - [`ledger`]: the device ledger (device IDs, views, grants), pure bookkeeping;
 //! - [`checkpoint`] and [`reconcile`]: persistence and reconciliation with the kubelet;
 //! - [`error_chain`]: an error and its causes on one line, for logs and gRPC messages;
+//! - [`files`]: bounded reads of state and configuration files (no FIFO, device or huge file);
 //! - [`inventory`]: the node's GPUs from NVML or a simulated topology;
 //! - [`quantity`]: sizes like `1GiB` in configuration and topology files;
 //! - [`kube_api`]: the Kubernetes API (the node-state annotation, the node's pods);
@@ -29,6 +30,7 @@ pub mod cli;
 pub mod config;
 pub mod defaults;
 pub mod error_chain;
+pub mod files;
 pub mod instruments;
 pub mod inventory;
 pub mod isolation;

@@ -551,8 +551,9 @@ impl NodeResources {
         allocations: &[KubeletAllocation],
         grace_secs: u64,
         asked_at: u64,
+        witness: &reconcile::Witness,
     ) -> Result<Option<Report>, BackendError> {
-        self.reconcile_at(allocations, grace_secs, asked_at, boot_seconds())
+        self.reconcile_at(allocations, grace_secs, asked_at, boot_seconds(), witness)
     }
 
     /// [`Self::reconcile`] at `now` (seconds on the boot-time clock).
@@ -562,12 +563,13 @@ impl NodeResources {
         grace_secs: u64,
         asked_at: u64,
         now: u64,
+        witness: &reconcile::Witness,
     ) -> Result<Option<Report>, BackendError> {
         let report = self.change(|state, generation| {
             if generation != asked_at {
                 return Ok((None, Trust::Unchanged));
             }
-            let report = reconcile::reconcile(state, allocations, now, grace_secs);
+            let report = reconcile::reconcile(state, allocations, now, grace_secs, witness);
             Ok((Some(report), Trust::Reconciled))
         })?;
         if report.is_some() {
@@ -586,6 +588,7 @@ impl NodeResources {
                         ("released", r.released.len()),
                         ("restored", r.restored.len()),
                         ("refused", r.refused.len()),
+                        ("held", r.held.len()),
                     ] {
                         i.reconcile_changes
                             .with_label_values(&[node, change])
@@ -1201,7 +1204,13 @@ mod tests {
             /// Applies `list`, asked at generation `asked_at`, through
             /// `NodeResources::reconcile`; the model counts the misses of running containers.
             fn reconcile(&mut self, list: &[KubeletAllocation], asked_at: u64) {
-                let applied = self.resources.reconcile_at(list, GRACE, asked_at, self.clock);
+                let applied = self.resources.reconcile_at(
+                    list,
+                    GRACE,
+                    asked_at,
+                    self.clock,
+                    &reconcile::Witness::default(),
+                );
                 if matches!(applied, Ok(Some(_))) {
                     for (running, missed) in self.running.iter().zip(&mut self.missed) {
                         let shown = list

@@ -76,6 +76,7 @@ fn main() -> anyhow::Result<()> {
             colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
             reconcile_interval: Duration::from_secs(1),
             reconcile_grace: Duration::from_secs(600),
+            reconcile_settle: Duration::from_secs(300),
         };
         let token = CancellationToken::new();
         let agent = Agent::start(

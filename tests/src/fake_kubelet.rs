@@ -105,6 +105,8 @@ struct Books {
     pods: BTreeMap<String, Vec<(String, String, Vec<String>)>>,
     /// A pod the next pod-resources `List` leaves out (see [`FakeKubelet::omit_from_next_list`]).
     omit_once: Option<String>,
+    /// Every `List` answers no pod (see [`FakeKubelet::forget_pods`]).
+    forgetful: bool,
 }
 
 struct Shared {
@@ -275,6 +277,13 @@ impl FakeKubelet {
     /// answers before it has synced its pods).
     pub fn omit_from_next_list(&self, pod: &str) {
         self.shared.books().omit_once = Some(pod.to_owned());
+    }
+
+    /// While `forgetful`, every pod-resources `List` answers no pod at all, while the pods run and
+    /// their devices stay allocated (a kubelet restarted while the API server is unreachable
+    /// lists only its static pods until it syncs).
+    pub fn forget_pods(&self, forgetful: bool) {
+        self.shared.books().forgetful = forgetful;
     }
 
     /// The pod ended: its devices are free in the kubelet's books and gone from pod-resources.
@@ -666,9 +675,11 @@ impl pr::pod_resources_lister_server::PodResourcesLister for PodResources {
         let pod_resources = {
             let mut books = self.0.books();
             let omit = books.omit_once.take();
+            let forgetful = books.forgetful;
             books
                 .pods
                 .iter()
+                .filter(|_| !forgetful)
                 .filter(|(key, _)| omit.as_deref() != Some(key.as_str()))
                 .map(|(key, c)| self.pod(key, c))
                 .collect()

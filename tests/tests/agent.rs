@@ -128,6 +128,8 @@ impl Node {
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),
+            // Settled at once: tests of the settling kubelet set their own.
+            reconcile_settle: Duration::from_millis(1),
         };
         Ok(Self { _tmp: tmp, kubelet, config, inventory, _nvml: nvml })
     }
@@ -2256,6 +2258,98 @@ async fn a_colocation_state_that_cannot_be_read_stops_colocation_not_the_agent()
     assert_eq!(std::fs::read_to_string(&state)?, "{ not json");
     let text = http_get(agent.metrics_address().context("metrics")?, "/metrics").await?.1;
     assert!(text.lines().any(|l| l == r#"baleen_colocation_up{node="node-a"} 0"#), "{text}");
-    assert!(!api.requests().iter().any(|r| r.path.ends_with("/pods")), "no pod watch");
+    // Co-location does not run: its namespace watcher neither (the pods are followed all the
+    // same: the reconciler asks the API about pods the kubelet stops listing).
+    assert!(!api.requests().iter().any(|r| r.path == "/api/v1/namespaces"), "no namespace watch");
+    stop(agent, token).await
+}
+
+/// Whether the ledger still holds `gpu` whole for pod `pod`.
+fn held_whole_by(agent: &Agent, gpu: &str, pod: &str) -> bool {
+    agent.resources().grants().iter().any(|(r, g, _, k)| {
+        r.resource == GPU && g == gpu && k.as_ref().is_none_or(|k| k.pod == pod)
+    })
+}
+
+/// Issue 22, item 1: a whole GPU held by pod-w; the kubelet restarts (it registers the plugins
+/// again) and lists no pod at all, as one restarted while the API server is unreachable does
+/// until it syncs. Nothing is released while it settles: the GPU's units stay Unhealthy, so no
+/// 4-unit share of it can be granted, and when pod-w is listed again the ledger still holds it.
+/// Once the kubelet has settled and still does not list it (and there is no API to ask), the
+/// kubelet's word holds again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_kubelets_empty_list_releases_nothing_until_it_has_settled() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.config.reconcile_settle = Duration::from_millis(1500);
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let w = node.kubelet.admit_to("ns/w", "c", GPU, 1).await?;
+    let gpu = w.device_ids[0].clone();
+    eventually("pod-w listed", || {
+        agent.resources().grants().iter().any(|(_, g, _, k)| *g == gpu && k.is_some())
+    })
+    .await?;
+    // Past the settling of the agent's own start.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    node.kubelet.forget_pods(true);
+    node.kubelet.restart().await?;
+    node.registered(&agent, 2).await?;
+    // Many reconciliations (every 100 ms) while it settles: nothing released.
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(held_whole_by(&agent, &gpu, "w"), "released while the kubelet settles");
+        let view = node.kubelet.view();
+        assert!(
+            unit_health(&view, &gpu).iter().all(|h| *h == "Unhealthy"),
+            "the GPU's units offered: {:?}",
+            unit_health(&view, &gpu)
+        );
+    }
+    let text = http_get(agent.metrics_address().context("metrics")?, "/metrics").await?.1;
+    let held = sample(&text, "baleen_reconcile_changes_total", &[("change", "held")]);
+    assert!(held.is_some_and(|n| n >= 1.0), "counted: {held:?}");
+    // It syncs and lists pod-w again: still held, by pod-w.
+    node.kubelet.forget_pods(false);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(held_whole_by(&agent, &gpu, "w"));
+    // Forgetful again once settled, with no API to ask: two misses release it, as before.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    node.kubelet.forget_pods(true);
+    eventually("released once settled", || !held_whole_by(&agent, &gpu, "w")).await?;
+    stop(agent, token).await
+}
+
+/// Issue 22, item 1: where the agent follows the node's pods, a miss the API server
+/// contradicts (it says pod-w runs) is held however long it lasts, and released as soon as the
+/// API says the pod is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_the_api_server_contradicts_is_held_until_the_api_says_the_pod_ended() -> Result<()>
+{
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    api.put_pod(running_pod(
+        "ns/w",
+        "9f8e7d6c-0000-4000-8000-0000000000aa",
+        "c",
+        &"a".repeat(64),
+        0,
+    ));
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    let (agent, token) = node.start_with(Some(client)).await?;
+    node.registered(&agent, 1).await?;
+    let w = node.kubelet.admit_to("ns/w", "c", GPU, 1).await?;
+    let gpu = w.device_ids[0].clone();
+    eventually("pod-w listed", || {
+        agent.resources().grants().iter().any(|(_, g, _, k)| *g == gpu && k.is_some())
+    })
+    .await?;
+    node.kubelet.forget_pods(true);
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(held_whole_by(&agent, &gpu, "w"), "released though the API says pod-w runs");
+    }
+    api.delete_pod("ns/w");
+    eventually("released once the API says pod-w is gone", || !held_whole_by(&agent, &gpu, "w"))
+        .await?;
     stop(agent, token).await
 }

@@ -108,6 +108,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
+        reconcile_settle: Duration::from_secs(300),
     };
     let inventory: Arc<dyn GpuInventory> =
         Arc::new(SimulatedInventory::from_file(Path::new(EXAMPLE))?);
@@ -211,6 +212,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
         colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
+        reconcile_settle: Duration::from_secs(300),
     };
     let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::new(twin));
     let token = CancellationToken::new();

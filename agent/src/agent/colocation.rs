@@ -88,9 +88,11 @@ fn state_path(state_dir: &Path) -> PathBuf {
 
 /// What co-location must put back, from `path`; empty when there is no file.
 fn load(path: &Path) -> Result<Colocation, ColocationError> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Colocation::default()),
+    use crate::checkpoint::MAX_STATE_FILE_BYTES;
+    use crate::files::{Links, read_bounded};
+    let bytes = match read_bounded(path, MAX_STATE_FILE_BYTES, Links::Refuse) {
+        Ok(Some(b)) => b,
+        Ok(None) => return Ok(Colocation::default()),
         Err(source) => {
             return Err(ColocationError::State { action: "read", path: path.into(), source });
         }
@@ -305,5 +307,28 @@ fn log(report: &Report) {
             error = why,
             "cannot apply the co-location class to a pod; trying again at the next resync"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 22, item 2: the co-location state is read as the checkpoint is: a FIFO or a link
+    /// there is refused, saying what it is, never read (a FIFO would block the agent).
+    #[test]
+    fn a_fifo_or_a_link_at_the_state_path_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = state_path(dir.path());
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        assert!(made.expect("mkfifo (coreutils)").success());
+        let err = load(&path).expect_err("a FIFO");
+        assert!(crate::error_chain::Chain(&err).to_string().contains("is a FIFO"), "{err}");
+        std::fs::remove_file(&path).expect("rm");
+        std::os::unix::fs::symlink("/dev/zero", &path).expect("symlink");
+        let err = load(&path).expect_err("a link");
+        assert!(crate::error_chain::Chain(&err).to_string().contains("symbolic link"), "{err}");
+        std::fs::remove_file(&path).expect("rm");
+        assert!(load(&path).expect("absent").is_empty());
     }
 }

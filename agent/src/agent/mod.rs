@@ -9,7 +9,7 @@
 //! | one device plugin per resource view | [`plugins`] | one each |
 //! | reconciliation with pod-resources | [`reconciler`] | one |
 //! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
-//! | the node's pods as the API says (for co-location and the watchdog), namespaces' class labels | `crate::kube_api` | one or two (watchers) |
+//! | the node's pods as the API says (co-location, the watchdog, confirming the kubelet's misses), namespaces' class labels | `crate::kube_api` | one or two (watchers) |
 //! | per-container GPU memory against the grant, processes of no grant | [`watchdog`] | two (watchdog, Events) |
 //! | co-location: the pods' cgroup classes, MPS client priorities | [`colocation`] | one (policy) |
 //! | the node-state annotation for the extender | [`node_state`] | one |
@@ -78,6 +78,11 @@ pub struct AgentConfig {
     pub colocation: colocation::ColocationConfig,
     /// Time between reconciliations with pod-resources.
     pub reconcile_interval: Duration,
+    /// How long a kubelet that (re)appeared (the agent's start, a registration, pod-resources
+    /// answering again) may still be syncing its pods: until then, an allocation it listed
+    /// before and no longer lists is released only if its container is listed without it or
+    /// the API says its pod ended.
+    pub reconcile_settle: Duration,
     /// How long an allocation the kubelet's pod-resources list has never shown is kept (an
     /// ordinary init container's, or one the kubelet has not recorded yet); allocations it
     /// listed are released as soon as they leave the list.
@@ -309,9 +314,13 @@ impl Agent {
                 Ok(())
             });
         }
+        let witnesses = reconciler::Witnesses {
+            plugins: plugins.iter().map(|(_, state)| state.clone()).collect(),
+            pods: pods.clone(),
+        };
         tasks.spawn(
             "reconciliation",
-            reconciler::run(resources.clone(), reconcile, shutdown.clone()),
+            reconciler::run(resources.clone(), reconcile, witnesses, shutdown.clone()),
         );
         let calls = Arc::new(crate::inventory::CallFailures::default());
         let watchdog = watchdog::start(
@@ -423,9 +432,10 @@ impl Agent {
     }
 }
 
-/// Follows the node's pods into `view` through the API when co-location runs or the watchdog
-/// needs them (and the API is there), and the namespaces' class labels when co-location takes
-/// classes from them; the view, kept current.
+/// Follows the node's pods into `view` through the API where the agent has one (co-location,
+/// the watchdog and the reconciler's confirmation of a kubelet's missing allocations use
+/// them), and the namespaces' class labels when co-location takes classes from them; the view,
+/// kept current.
 fn follow_node_pods(
     tasks: &mut Tasks,
     config: &AgentConfig,
@@ -436,9 +446,6 @@ fn follow_node_pods(
     shutdown: &CancellationToken,
 ) -> Option<watch::Receiver<NodePods>> {
     let api = api?.clone();
-    if !colocating && !config.watchdog.enabled {
-        return None;
-    }
     let namespaces = colocating
         && config.colocation.policy.class_from
             == crate::isolation::colocation::ClassSource::Namespace;

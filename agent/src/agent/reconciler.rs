@@ -1,18 +1,27 @@
 //! Reconciliation with the kubelet's pod-resources API: every `reconcile_interval` the ledger is
 //! brought in line with what the kubelet lists (`crate::reconcile` decides what changes), and
 //! what changed is logged. Also the one reconciliation that start-up waits for.
+//!
+//! What confirms a miss besides the list (`reconcile::Witness`) is gathered here: whether the
+//! kubelet (re)appeared less than `reconcile.kubeletSettle` ago (the agent's start, a plugin
+//! registering again, pod-resources answering again after an outage), and the API server's view
+//! of the node's pods where the agent follows them.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use baleen_device_plugin::BackendError;
+use baleen_device_plugin::{BackendError, PluginState};
+use tokio::sync::watch;
 use tokio::task::JoinError;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{AgentConfig, AgentError};
 use crate::error_chain::Chain;
-use crate::reconcile;
+use crate::isolation::node_pods::NodePods;
+use crate::reconcile::{self, PodFate, Witness};
 use crate::resources::NodeResources;
 
 /// How long one pod-resources `List` may take in the periodic loop.
@@ -49,6 +58,8 @@ pub struct Settings {
     pub interval: Duration,
     /// Seconds an allocation the kubelet never listed is kept.
     pub grace_secs: u64,
+    /// How long a kubelet that (re)appeared may still be syncing its pods.
+    pub settle: Duration,
 }
 
 impl Settings {
@@ -58,29 +69,94 @@ impl Settings {
             socket: config.pod_resources_socket.clone(),
             interval: config.reconcile_interval,
             grace_secs: config.reconcile_grace.as_secs(),
+            settle: config.reconcile_settle,
         }
     }
 }
 
+/// What the loop watches besides the kubelet's list.
+pub struct Witnesses {
+    /// Each resource's plugin state: a registration beyond the first is a kubelet that came
+    /// back.
+    pub plugins: Vec<watch::Receiver<PluginState>>,
+    /// The API server's view of the node's pods, where the agent follows them.
+    pub pods: Option<watch::Receiver<NodePods>>,
+}
+
+/// The API's word on each pod of the node, when its view has been listed.
+fn fates(pods: Option<&watch::Receiver<NodePods>>) -> Option<BTreeMap<(String, String), PodFate>> {
+    let view = pods?.borrow();
+    view.synced.then(|| {
+        view.pods
+            .values()
+            .map(|p| {
+                let fate = match p.phase.as_str() {
+                    "Succeeded" | "Failed" => PodFate::Ended,
+                    _ => PodFate::Runs,
+                };
+                ((p.namespace.clone(), p.name.clone()), fate)
+            })
+            .collect()
+    })
+}
+
+fn registrations(plugins: &[watch::Receiver<PluginState>]) -> u64 {
+    plugins
+        .iter()
+        .map(|p| match *p.borrow() {
+            PluginState::Registered { registrations } => registrations,
+            _ => 0,
+        })
+        .sum()
+}
+
 /// Reconciles every `settings.interval` until `shutdown`; logs an unreachable kubelet once per
-/// outage.
+/// outage, and each allocation held for an unconfirmed miss once per episode.
 pub async fn run(
     resources: Arc<NodeResources>,
     settings: Settings,
+    witnesses: Witnesses,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
     let mut failing = false;
+    // The agent has just started: the kubelet may have too.
+    let mut appeared = Instant::now();
+    let mut registered = registrations(&witnesses.plugins);
+    let mut held: BTreeSet<(String, Vec<String>)> = BTreeSet::new();
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return Ok(()),
             () = tokio::time::sleep(settings.interval) => {}
         }
-        match reconcile_once(&resources, &settings.socket, LIST_TIMEOUT, settings.grace_secs).await
-        {
-            Ok(()) => {
+        let now = registrations(&witnesses.plugins);
+        if now > registered {
+            tracing::info!(
+                "the kubelet registered the plugins again (it restarted): allocations it no longer lists are kept until the miss is confirmed"
+            );
+            appeared = Instant::now();
+        }
+        registered = now;
+        let witness = Witness {
+            kubelet_settling: appeared.elapsed() < settings.settle,
+            pods: fates(witnesses.pods.as_ref()),
+        };
+        let outcome = reconcile_once(
+            &resources,
+            &settings.socket,
+            LIST_TIMEOUT,
+            settings.grace_secs,
+            &witness,
+        )
+        .await;
+        match outcome {
+            Ok(report) => {
                 if failing {
-                    tracing::info!(socket = %settings.socket.display(), "pod-resources reachable again");
+                    tracing::info!(socket = %settings.socket.display(), "pod-resources reachable again: allocations it no longer lists are kept until the miss is confirmed");
                     failing = false;
+                    appeared = Instant::now();
+                }
+                if let Some(report) = report {
+                    log_held(&report, &mut held);
                 }
             }
             Err(ReconcileFailure::NotSaved(e)) => {
@@ -97,6 +173,25 @@ pub async fn run(
     }
 }
 
+/// Logs each newly held allocation at WARN (with why) and each that is no longer held at INFO.
+fn log_held(report: &reconcile::Report, held: &mut BTreeSet<(String, Vec<String>)>) {
+    let now: BTreeSet<(String, Vec<String>)> =
+        report.held.iter().map(|(r, _)| (r.resource.clone(), r.device_ids.clone())).collect();
+    for (r, why) in &report.held {
+        if !held.contains(&(r.resource.clone(), r.device_ids.clone())) {
+            tracing::warn!(resource = r.resource, devices = ?r.device_ids, holder = ?r.holder, why, "kept: the kubelet no longer lists this allocation, and the miss is not confirmed");
+        }
+    }
+    for (resource, devices) in held.difference(&now) {
+        tracing::info!(
+            resource,
+            ?devices,
+            "no longer kept for an unconfirmed miss (listed again, or released)"
+        );
+    }
+    *held = now;
+}
+
 /// Reads the kubelet's allocations and brings the ledger in line, logging what changed. The
 /// checkpoint write blocks (fsync), so the ledger change runs off the async worker threads.
 pub(super) async fn reconcile_once(
@@ -104,7 +199,8 @@ pub(super) async fn reconcile_once(
     socket: &Path,
     timeout: Duration,
     grace_secs: u64,
-) -> Result<(), ReconcileFailure> {
+    witness: &Witness,
+) -> Result<Option<reconcile::Report>, ReconcileFailure> {
     for _ in 0..STALE_RETRIES {
         let asked_at = resources.generation();
         let truth = match reconcile::fetch(socket, timeout).await {
@@ -114,16 +210,17 @@ pub(super) async fn reconcile_once(
                 return Err(ReconcileFailure::Unreachable(e));
             }
         };
-        let applying = resources.clone();
-        let outcome =
-            tokio::task::spawn_blocking(move || applying.reconcile(&truth, grace_secs, asked_at))
-                .await
-                .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Task(e)))?
-                .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Saving(e)))?;
+        let (applying, witness) = (resources.clone(), witness.clone());
+        let outcome = tokio::task::spawn_blocking(move || {
+            applying.reconcile(&truth, grace_secs, asked_at, &witness)
+        })
+        .await
+        .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Task(e)))?
+        .map_err(|e| ReconcileFailure::NotSaved(ReconcileError::Saving(e)))?;
         match outcome {
             Some(report) => {
                 log_report(&report);
-                return Ok(());
+                return Ok(Some(report));
             }
             None => {
                 tracing::debug!("allocations changed while pod-resources answered; asking again")
@@ -131,7 +228,7 @@ pub(super) async fn reconcile_once(
         }
     }
     tracing::debug!(tries = STALE_RETRIES, "allocations kept changing; reconciling next time");
-    Ok(())
+    Ok(None)
 }
 
 fn log_report(report: &reconcile::Report) {

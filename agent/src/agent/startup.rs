@@ -51,9 +51,14 @@ pub async fn restore(
         .map_err(|source| AgentError::BootId { path: config.boot_id_file.clone(), source })?;
     let discovered = {
         let inventory = deps.inventory.clone();
-        tokio::task::spawn_blocking(move || inventory.discover())
-            .await
-            .map_err(|source| AgentError::Task { task: "GPU discovery", source })??
+        // NVML can hang (a GPU fallen off the bus): a stop during discovery stops the agent.
+        let discovering = tokio::task::spawn_blocking(move || inventory.discover());
+        tokio::select! {
+            found = discovering => {
+                found.map_err(|source| AgentError::Task { task: "GPU discovery", source })??
+            }
+            () = shutdown.cancelled() => return Err(AgentError::StoppedBeforeStart),
+        }
     };
     tracing::info!(
         node = config.node_name,
@@ -134,10 +139,18 @@ pub async fn restore(
     // could hand their GPUs out again through another view. Wait for pod-resources first.
     let mut waiting_logged = false;
     loop {
-        match reconcile_once(&resources, &config.pod_resources_socket, FIRST_LIST_TIMEOUT, grace)
-            .await
+        // The kubelet may have just started too: nothing it listed before is released here.
+        let witness = crate::reconcile::Witness::settling();
+        match reconcile_once(
+            &resources,
+            &config.pod_resources_socket,
+            FIRST_LIST_TIMEOUT,
+            grace,
+            &witness,
+        )
+        .await
         {
-            Ok(()) => break,
+            Ok(_) => break,
             Err(ReconcileFailure::NotSaved(e)) => return Err(e.into()),
             Err(ReconcileFailure::Unreachable(e)) if trusted => {
                 tracing::warn!(error = %Chain(&e), "cannot reconcile with the kubelet yet; serving from the checkpoint and retrying");

@@ -155,6 +155,9 @@ pub struct ReconcileFile {
     /// How long an allocation the kubelet has never listed is kept, e.g. `10m` (default; at
     /// least `10s`).
     pub grace: Option<String>,
+    /// How long a kubelet that (re)appeared may still be syncing its pods, e.g. `5m` (default;
+    /// at most `1h`).
+    pub kubelet_settle: Option<String>,
 }
 
 /// `mps:` in the file.

@@ -274,6 +274,11 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
     );
     let reconcile_grace =
         duration("reconcile grace", file.reconcile.grace.as_ref(), defaults::RECONCILE_GRACE);
+    let reconcile_settle = duration(
+        "reconcile kubeletSettle",
+        file.reconcile.kubelet_settle.as_ref(),
+        defaults::RECONCILE_SETTLE,
+    );
     let mps_probe_interval = duration(
         "mps probeInterval",
         file.mps.probe_interval.as_ref(),
@@ -312,6 +317,12 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             defaults::IDENTIFY_WAIT
         }
     };
+    if reconcile_settle > defaults::RECONCILE_SETTLE_MAX {
+        problems.push(format!(
+            "reconcile kubeletSettle {reconcile_settle:?} is above {:?}: after every kubelet restart, allocations of ended pods would be held this long where the API cannot confirm",
+            defaults::RECONCILE_SETTLE_MAX
+        ));
+    }
     if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
         problems.push(format!(
             "reconcile grace {reconcile_grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
@@ -484,6 +495,7 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
         colocation,
         reconcile_interval,
         reconcile_grace,
+        reconcile_settle,
     };
     if !problems.is_empty() {
         return Err(ConfigError { problems });
@@ -578,9 +590,16 @@ fn colocation_config(
     }
 }
 
+/// The most bytes a configuration file may hold.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
 fn read_file(path: &Path) -> Result<FileConfig, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    use crate::files::{Links, read_bounded};
+    let cannot = |e: String| format!("cannot read {}: {e}", path.display());
+    let bytes = read_bounded(path, MAX_CONFIG_BYTES, Links::Follow)
+        .map_err(|e| cannot(e.to_string()))?
+        .ok_or_else(|| cannot("no such file".into()))?;
+    let text = String::from_utf8(bytes).map_err(|e| cannot(e.to_string()))?;
     serde_yaml_ng::from_str(&text).map_err(|e| match e.location() {
         Some(l) => format!("{}:{}:{}: {e}", path.display(), l.line(), l.column()),
         None => format!("{}: {e}", path.display()),
@@ -611,6 +630,7 @@ mod tests {
         assert_eq!(s.agent.responses.devices.cdi_spec_dirs, [PathBuf::from("/host/cdi")]);
         assert_eq!(s.agent.reconcile_interval, Duration::from_secs(5));
         assert_eq!(s.agent.reconcile_grace, Duration::from_secs(600));
+        assert_eq!(s.agent.reconcile_settle, Duration::from_secs(300), "the default");
         assert_eq!(s.agent.state_dir, PathBuf::from("/tmp/state"));
         assert_eq!(s.agent.device_plugin_dir, PathBuf::from(defaults::DEVICE_PLUGIN_DIR));
         let s = resolve(&args, &Environment::with_node_name(Some("from-env"))).expect("valid");

@@ -171,11 +171,74 @@ pub fn read(path: &Path) -> Result<String, CgroupError> {
 }
 
 fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
-    std::fs::write(path, value).map_err(|source| CgroupError::Io {
-        action: "write",
-        path: path.to_path_buf(),
-        source,
-    })
+    let io = |source| CgroupError::Io { action: "write", path: path.to_path_buf(), source };
+    #[cfg(test)]
+    if crash::fails(path) {
+        return Err(io(std::io::Error::other("simulated crash")));
+    }
+    std::fs::write(path, value).map_err(io)?;
+    #[cfg(test)]
+    crash::kernel_after(path, value);
+    Ok(())
+}
+
+/// Tests only: a crash at a chosen cgroup write (that write and every later one fail, as in a
+/// process that died there), and the kernel's own side effect a temp-dir tree lacks (clearing
+/// `cpu.idle` gives the group the default weight back).
+#[cfg(test)]
+pub(crate) mod crash {
+    use std::cell::Cell;
+    use std::path::Path;
+
+    thread_local! {
+        static LEFT: Cell<Option<usize>> = const { Cell::new(None) };
+        static DEAD: Cell<bool> = const { Cell::new(false) };
+        static WRITES: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// The next `writes` writes succeed, the one after crashes (`None`: no crash).
+    pub(crate) fn arm(writes: Option<usize>) {
+        LEFT.with(|l| l.set(writes));
+        DEAD.with(|d| d.set(false));
+        WRITES.with(|w| w.set(0));
+    }
+
+    /// Whether the simulated process has died.
+    pub(crate) fn dead() -> bool {
+        DEAD.with(Cell::get)
+    }
+
+    /// Writes done since [`arm`].
+    pub(crate) fn writes() -> usize {
+        WRITES.with(Cell::get)
+    }
+
+    pub(super) fn fails(_path: &Path) -> bool {
+        if dead() {
+            return true;
+        }
+        let left = LEFT.with(Cell::get);
+        if left == Some(0) {
+            DEAD.with(|d| d.set(true));
+            return true;
+        }
+        LEFT.with(|l| l.set(left.map(|n| n - 1)));
+        WRITES.with(|w| w.set(w.get() + 1));
+        false
+    }
+
+    pub(super) fn kernel_after(path: &Path, value: &str) {
+        if path.file_name().is_some_and(|f| f == "cpu.idle")
+            && value == "0"
+            && let Some(dir) = path.parent()
+        {
+            for (file, default) in [("cpu.weight", "100"), ("cpu.shares", "1024")] {
+                if dir.join(file).exists() {
+                    let _ = std::fs::write(dir.join(file), default);
+                }
+            }
+        }
+    }
 }
 
 /// Every file the policy sets for `settings` in the pod's cgroup, with the value it plans. A

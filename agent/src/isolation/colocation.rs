@@ -402,11 +402,21 @@ impl Colocation {
                 })
                 .cloned()
                 .collect();
-            self.applied.insert(uid.clone(), Applied::of(class, settings, &record));
-            // What to put back is on disk before the first write.
+            // What to put back is on disk before the first write, marked not applied yet: an
+            // agent that crashes before the writes are done finds the record stale and applies
+            // it again from the values recorded here, never from what the files hold then (the
+            // kernel itself changes some: clearing `cpu.idle` resets the weight).
+            let mut applying = Applied::of(class, settings, &record);
+            applying.stale = true;
+            self.applied.insert(uid.clone(), applying);
             save(self)?;
             match cgroups::write_all(&writes) {
-                Ok(()) => report.applied.push(uid),
+                Ok(()) => {
+                    if let Some(a) = self.applied.get_mut(&uid) {
+                        a.stale = false;
+                    }
+                    report.applied.push(uid);
+                }
                 Err(e) => {
                     // Everything back to the originals; what cannot be stays recorded.
                     if cgroups::restore(&record).is_ok() {
@@ -471,8 +481,16 @@ impl Colocation {
                 value: a.written[*i].2.clone(),
             })
             .collect();
+        // Stale until written (see `reconcile`).
+        a.stale = true;
         save(self)?;
-        Ok(cgroups::write_all(&writes).map(|()| true))
+        let written = cgroups::write_all(&writes);
+        if written.is_ok()
+            && let Some(a) = self.applied.get_mut(uid)
+        {
+            a.stale = false;
+        }
+        Ok(written.map(|()| true))
     }
 
     /// Puts back everything it changed (the policy switched off); what could not be put back
@@ -958,5 +976,91 @@ mod tests {
             c.reconcile(&layout, &[], 8000, &ClassPolicy::default(), no_save).expect("saved");
         assert_eq!(report.failed.len(), 1, "{report:?}");
         assert_eq!(c.pods(), ["i1"]);
+    }
+    /// Issue 22, item 3: a crash at any write of any apply or restore leaves a saved state
+    /// from which the next agent, going on from there, puts every original value back. The
+    /// case seen on the real v1 hierarchy: a training pod leaves `cpu.idle` while a weight is
+    /// planned for it, the kernel resets its weight when `cpu.idle` is cleared, and the agent
+    /// dies between saving "put back the kubelet's, write ours" and the write.
+    #[test]
+    fn a_crash_at_any_write_leaves_a_state_from_which_every_original_comes_back() {
+        use crate::isolation::cgroups::crash;
+        let p = ClassPolicy { idle_training: true, ..ClassPolicy::default() };
+        let i = pod("i", Qos::Guaranteed, Some("inference"), 1000);
+        let t = pod("t", Qos::Guaranteed, Some("training"), 2000);
+        let t_inference = NodePod { namespace_label: Some("inference".into()), ..t.clone() };
+        let ended = |p: &NodePod| NodePod { running: false, ..p.clone() };
+        // Both run (t idle and capped); t's namespace becomes an inference one (its weight is
+        // raised right after cpu.idle is cleared); i ends; t ends.
+        let steps: Vec<Vec<NodePod>> = vec![
+            vec![i.clone(), t.clone()],
+            vec![i.clone(), t_inference.clone()],
+            vec![ended(&i), t_inference.clone()],
+            vec![ended(&i), ended(&t_inference)],
+        ];
+        let originals: [(&str, &str, &str); 8] = [
+            ("i", "cpu.weight", "39"),
+            ("t", "cpu.weight", "79"),
+            ("i", "cpu.max", "max 100000"),
+            ("t", "cpu.max", "max 100000"),
+            ("i", "memory.low", "0"),
+            ("t", "memory.low", "0"),
+            ("i", "cpu.idle", "0"),
+            ("t", "cpu.idle", "0"),
+        ];
+        let fresh = || {
+            let (dir, layout) = tree(&[("i", Qos::Guaranteed), ("t", Qos::Guaranteed)]);
+            for (uid, name, value) in originals {
+                std::fs::write(layout.pod_dir("cpu", Qos::Guaranteed, uid).join(name), value)
+                    .expect("the kubelet's value");
+            }
+            (dir, layout)
+        };
+        // How many writes a run without a crash makes.
+        let (_dir, layout) = fresh();
+        crash::arm(None);
+        let mut c = Colocation::default();
+        for pods in &steps {
+            c.reconcile(&layout, pods, 8000, &p, no_save).expect("saved");
+        }
+        let total = crash::writes();
+        assert!(total >= 10, "{total} writes");
+        for k in 0..total {
+            let (_dir, layout) = fresh();
+            crash::arm(Some(k));
+            let mut saved: Option<String> = None;
+            let mut c = Colocation::default();
+            let mut from = steps.len();
+            for (n, pods) in steps.iter().enumerate() {
+                let _ = c.reconcile(&layout, pods, 8000, &p, |state| {
+                    if crash::dead() {
+                        return Err("dead");
+                    }
+                    saved = Some(serde_json::to_string(state).expect("serialise"));
+                    Ok(())
+                });
+                if crash::dead() {
+                    from = n;
+                    break;
+                }
+            }
+            assert!(crash::dead(), "crash {k} happened");
+            crash::arm(None);
+            // The next agent: what was saved, then on from the step that crashed, then off.
+            let mut next: Colocation = saved
+                .map(|text| serde_json::from_str(&text).expect("saved state"))
+                .unwrap_or_default();
+            for pods in &steps[from..] {
+                next.reconcile(&layout, pods, 8000, &p, no_save).expect("saved");
+            }
+            next.restore_all().expect("put back");
+            for (uid, name, value) in originals {
+                assert_eq!(
+                    file(&layout, uid, Qos::Guaranteed, name),
+                    value,
+                    "crash at write {k} (step {from}): {uid} {name}"
+                );
+            }
+        }
     }
 }

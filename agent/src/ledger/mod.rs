@@ -57,6 +57,23 @@ pub struct AllocationRecord {
     /// only after the grace period.
     #[serde(default)]
     pub listed: bool,
+    /// The container the kubelet's list last showed holding it (`None` until it is listed, and
+    /// in checkpoints written before it was kept): whom the Kubernetes API is asked about when a
+    /// later list misses it (`crate::reconcile`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<Holder>,
+}
+
+/// A pod's container, as the kubelet's pod-resources list names it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Holder {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The container's name.
+    pub container: String,
 }
 
 /// What the device IDs of a ledger mean beyond the inventory's GPUs: recorded with the
@@ -844,6 +861,7 @@ impl DeviceLedger {
                 device_ids: sorted,
                 allocated_at: now,
                 listed: false,
+                holder: None,
             },
             view: view.clone(),
             gpus: parsed.gpus,
@@ -1000,9 +1018,11 @@ impl DeviceLedger {
             match outcome {
                 Err(why) => refused.push((record.clone(), why)),
                 Ok(()) if record.listed => {
-                    self.mark_listed(|r| {
+                    let same = |r: &AllocationRecord| {
                         r.resource == record.resource && r.device_ids == record.device_ids
-                    });
+                    };
+                    self.mark_listed(same);
+                    self.set_holders(|r| record.holder.clone().filter(|_| same(r)));
                 }
                 Ok(()) => {}
             }
@@ -1017,6 +1037,24 @@ impl DeviceLedger {
         for h in self.held.values_mut() {
             if !h.record.listed && listed(&h.record) {
                 h.record.listed = true;
+                changed += 1;
+            }
+        }
+        changed
+    }
+
+    /// Records the holder `holder_of` names for each allocation (`None`: left as it is); how many
+    /// changed (each a change for the checkpoint).
+    pub fn set_holders(
+        &mut self,
+        mut holder_of: impl FnMut(&AllocationRecord) -> Option<Holder>,
+    ) -> usize {
+        let mut changed = 0;
+        for h in self.held.values_mut() {
+            if let Some(holder) = holder_of(&h.record)
+                && h.record.holder.as_ref() != Some(&holder)
+            {
+                h.record.holder = Some(holder);
                 changed += 1;
             }
         }

@@ -250,6 +250,7 @@ fn whole_gpus_are_chosen_by_connectivity_and_records_restore() {
         device_ids: vec![],
         allocated_at: 0,
         listed: false,
+        holder: None,
     }]);
     assert_eq!(refused.len(), 1);
 }

@@ -53,6 +53,8 @@ use super::{
 
 /// The node name used to generate UUIDs when neither the file nor the caller gives one.
 pub const DEFAULT_NODE_NAME: &str = "simulated";
+/// The most bytes a topology file may hold.
+const MAX_TOPOLOGY_BYTES: u64 = 16 << 20;
 
 /// A GPU inventory read from a YAML topology file.
 #[derive(Debug)]
@@ -76,8 +78,15 @@ impl SimulatedInventory {
         path: &Path,
         node_name: Option<&str>,
     ) -> Result<Self, InventoryError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| TopologyError::Read { path: path.to_owned(), source })?;
+        let read = |source| TopologyError::Read { path: path.to_owned(), source };
+        let bytes =
+            crate::files::read_bounded(path, MAX_TOPOLOGY_BYTES, crate::files::Links::Follow)
+                .map_err(read)?
+                .ok_or_else(|| {
+                    read(std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"))
+                })?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| read(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
         Ok(Self::new(parse_topology(&text, path, node_name)?))
     }
 
