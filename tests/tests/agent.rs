@@ -2353,3 +2353,67 @@ async fn a_miss_the_api_server_contradicts_is_held_until_the_api_says_the_pod_en
         .await?;
     stop(agent, token).await
 }
+
+/// An inventory whose discovery hangs (NVML with a GPU fallen off the bus), the rest simulated.
+struct HangingDiscovery(SimulatedInventory);
+
+impl GpuInventory for HangingDiscovery {
+    fn discover(
+        &self,
+    ) -> Result<baleen_agent::inventory::Inventory, baleen_agent::inventory::InventoryError> {
+        // Long against the stop asked (the test's runtime waits for this thread at its end).
+        std::thread::sleep(Duration::from_secs(3));
+        self.0.discover()
+    }
+    fn health_watcher(
+        &self,
+    ) -> Result<
+        Box<dyn baleen_agent::inventory::HealthWatcher + '_>,
+        baleen_agent::inventory::InventoryError,
+    > {
+        self.0.health_watcher()
+    }
+    fn processes(
+        &self,
+    ) -> Result<Vec<baleen_agent::inventory::GpuProcess>, baleen_agent::inventory::InventoryError>
+    {
+        self.0.processes()
+    }
+    fn telemetry(
+        &self,
+    ) -> Result<Vec<baleen_agent::inventory::GpuTelemetry>, baleen_agent::inventory::InventoryError>
+    {
+        self.0.telemetry()
+    }
+}
+
+/// Issue 22, item 2: a stop during a discovery that hangs stops the start at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_hanging_discovery_stops_the_start() -> Result<()> {
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory =
+        Arc::new(HangingDiscovery(SimulatedInventory::new(example("l4-4x-pcie.yaml")?)));
+    let token = CancellationToken::new();
+    let starting = tokio::spawn(Agent::start(
+        node.config.clone(),
+        Dependencies {
+            inventory: node.inventory.clone(),
+            registry: Default::default(),
+            node_api: None,
+        },
+        token.clone(),
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = std::time::Instant::now();
+    token.cancel();
+    let outcome = tokio::time::timeout(Duration::from_secs(2), starting)
+        .await
+        .context("start did not stop")??;
+    assert!(
+        matches!(outcome, Err(baleen_agent::agent::AgentError::StoppedBeforeStart)),
+        "{:?}",
+        outcome.err()
+    );
+    assert!(asked.elapsed() < Duration::from_secs(1));
+    Ok(())
+}
