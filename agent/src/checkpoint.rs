@@ -139,9 +139,14 @@ impl Checkpoint {
             Ok(None) => return Ok(None),
             Err(source) => return Err(CheckpointError::Io { path: self.path.clone(), source }),
         };
+        self.parse(&bytes).map(Some)
+    }
+
+    /// Checks `bytes` as this checkpoint's contents: checksum and format (see [`Self::read`]).
+    pub fn parse(&self, bytes: &[u8]) -> Result<Contents, CheckpointError> {
         let corrupt = |reason: String| CheckpointError::Corrupt { path: self.path.clone(), reason };
         // The format first: a file of another format is that, not corrupt.
-        let found = serde_json::from_slice::<serde_json::Value>(&bytes)
+        let found = serde_json::from_slice::<serde_json::Value>(bytes)
             .ok()
             .and_then(|v| v.get("contents")?.get("format")?.as_u64());
         if let Some(found) = found.filter(|&f| f != u64::from(FORMAT)) {
@@ -151,7 +156,7 @@ impl Checkpoint {
             });
         }
         let envelope: Envelope =
-            serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+            serde_json::from_slice(bytes).map_err(|e| corrupt(e.to_string()))?;
         let expected = checksum(&envelope.contents);
         if envelope.checksum != expected {
             return Err(corrupt(format!(
@@ -166,7 +171,7 @@ impl Checkpoint {
                 found: contents.format,
             });
         }
-        Ok(Some(contents))
+        Ok(contents)
     }
 
     /// Whether `contents` are this node's, of this boot: only then are its allocations trusted.

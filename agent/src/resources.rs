@@ -90,6 +90,10 @@ fn refuse_overlaps(containers: &[Vec<String>]) -> Result<(), BackendError> {
     for (i, ids) in containers.iter().enumerate() {
         for id in ids {
             if let Some(first) = seen.insert(id, i) {
+                let id = baleen_device_plugin::backend::cut(
+                    id,
+                    baleen_device_plugin::backend::MAX_SHOWN_ID,
+                );
                 let reason = if first == i {
                     format!("device {id} is named twice for one container")
                 } else {

@@ -8,6 +8,37 @@ use tokio::sync::watch;
 
 use crate::device::DeviceSnapshot;
 
+/// The most of one device ID a message shows.
+pub const MAX_SHOWN_ID: usize = 96;
+/// The most device IDs a message lists.
+pub const MAX_SHOWN_IDS: usize = 8;
+/// The most of a reason a message shows.
+pub const MAX_REASON: usize = 1024;
+
+/// `text`, cut to at most `max` bytes (on a character boundary) and saying how long it was.
+pub fn cut(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &text[..end], text.len()).into()
+}
+
+/// Device IDs as a message shows them: at most [`MAX_SHOWN_IDS`] of them, each cut to
+/// [`MAX_SHOWN_ID`] bytes (a request is the kubelet's to make: a 3 MiB ID must not become a
+/// 3 MiB log line or gRPC status).
+pub fn shown(ids: &[String]) -> String {
+    let mut out: Vec<String> =
+        ids.iter().take(MAX_SHOWN_IDS).map(|id| format!("{:?}", cut(id, MAX_SHOWN_ID))).collect();
+    if ids.len() > MAX_SHOWN_IDS {
+        out.push(format!("and {} more", ids.len() - MAX_SHOWN_IDS));
+    }
+    format!("[{}]", out.join(", "))
+}
+
 /// One container's GetPreferredAllocation question, already checked by the service: every
 /// `must_include` ID is in `available`, and `size` is between `must_include.len()` and
 /// `available.len()`.
@@ -63,13 +94,13 @@ pub struct ContainerAllocation {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BackendError {
     /// The IDs are not devices of this resource.
-    #[error("unknown device IDs {ids:?}")]
+    #[error("unknown device IDs {}", shown(ids))]
     UnknownDevices {
         /// The offending IDs.
         ids: Vec<String>,
     },
     /// The request is malformed (wrong count, IDs that cannot go together, ...).
-    #[error("invalid request for devices {ids:?}: {reason}")]
+    #[error("invalid request for devices {}: {}", shown(ids), cut(reason, MAX_REASON))]
     InvalidRequest {
         /// The IDs concerned.
         ids: Vec<String>,
@@ -78,7 +109,7 @@ pub enum BackendError {
     },
     /// The devices exist but conflict with the node's state (taken through another view,
     /// unhealthy).
-    #[error("devices {ids:?} cannot be allocated: {reason}")]
+    #[error("devices {} cannot be allocated: {}", shown(ids), cut(reason, MAX_REASON))]
     Conflict {
         /// The IDs concerned.
         ids: Vec<String>,

@@ -6,6 +6,7 @@
 //!   container, and a restart that wipes the directory.
 //! - [`cluster_loop`]: a trace list replayed through the extender, a fake API server and
 //!   agent ledgers (the cluster in the loop);
+//! - [`fuzz`]: the bodies and seeds of the fuzz targets (`fuzz/`);
 //! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
 //!   which can go away and come back;
 //! - [`http`]: a plain HTTP/1.1 client for the tests;
@@ -20,6 +21,7 @@ pub mod cluster_loop;
 pub mod fake_apiserver;
 pub mod fake_kubelet;
 pub mod fake_nvml;
+pub mod fuzz;
 pub mod http;
 pub mod memory_backend;
 pub mod tools;

@@ -198,7 +198,11 @@ impl AgentError {
             AgentError::Inventory(InventoryError::Topology(_))
                 | AgentError::HeldDevicesChanged { .. }
                 | AgentError::SocketPathsTooLong { .. }
-                | AgentError::Ledger(BuildError::ZeroUnit | BuildError::TooManyUnits { .. })
+                | AgentError::Ledger(
+                    BuildError::ZeroUnit
+                        | BuildError::TooManyUnits { .. }
+                        | BuildError::TooManyGpus { .. }
+                )
         )
     }
 }

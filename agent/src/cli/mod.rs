@@ -221,6 +221,51 @@ mod tests {
         assert_eq!(err.exit_code(), EXIT_CONFIG, "{err}");
     }
 
+    /// Issue 22, item 4: inputs that were accepted and then crashed the agent are configuration
+    /// errors (exit 64) naming the value.
+    #[test]
+    fn absurd_inputs_exit_64_naming_them() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let topology = |name: &str, text: String| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).expect("write");
+            path.display().to_string()
+        };
+        let gpu = |i: usize, extra: &str| {
+            format!(
+                "  - index: {i}\n    model: NVIDIA A100\n    memory: 81920MiB\n    pci_bus_id: \"0000:{i:02x}:00.0\"\n{extra}"
+            )
+        };
+        let huge_memory = topology(
+            "memory.yaml",
+            "node: n\ngpus:\n  - index: 0\n    model: NVIDIA H200\n    memory: 18446744073709551615\n    pci_bus_id: \"0000:17:00.0\"\n".into(),
+        );
+        let many: String = (0..65).map(|i| gpu(i, "")).collect();
+        let many_gpus = topology("many.yaml", format!("node: n\ngpus:\n{many}"));
+        let mig = gpu(
+            0,
+            "    mig:\n      mode: enabled\n      instances:\n        - profile: 4294967295g.10gb\n          memory: 10240MiB\n          gpu_instance_id: 1\n          compute_instance_id: 0\n        - profile: 4294967295g.10gb\n          memory: 10240MiB\n          gpu_instance_id: 2\n          compute_instance_id: 0\n",
+        );
+        let wrapping_mig = topology("mig.yaml", format!("node: n\ngpus:\n{mig}"));
+        for (file, says) in [
+            (&huge_memory, "more than 16 TiB"),
+            (&many_gpus, "65 GPUs, more than the 64"),
+            (&wrapping_mig, "GPU slices"),
+        ] {
+            let err =
+                run_args(&["baleen-agent", "inventory", "--simulated", file]).expect_err(file);
+            assert_eq!(err.exit_code(), EXIT_CONFIG, "{file}: {err}");
+            assert!(crate::error_chain::Chain(&err).to_string().contains(says), "{file}: {err}");
+        }
+        let config = topology(
+            "agent.yaml",
+            "nodeName: n\nannotation:\n  minInterval: 18446744073709551615s\n".into(),
+        );
+        let err = run_args(&["baleen-agent", "--config", &config]).expect_err("the interval");
+        assert_eq!(err.exit_code(), EXIT_CONFIG, "{err}");
+        assert!(err.to_string().contains("longer than 168 h"), "{err}");
+    }
+
     #[test]
     fn simulated_and_nvml_lib_exclude_each_other() {
         let parsed = Cli::try_parse_from([

@@ -106,14 +106,24 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let seconds = |per: u64| {
         n.checked_mul(per).map(Duration::from_secs).ok_or_else(|| format!("{text:?} is too long"))
     };
-    match unit.trim() {
+    let d = match unit.trim() {
         "ms" => Ok(Duration::from_millis(n)),
         "s" => Ok(Duration::from_secs(n)),
         "m" => seconds(60),
         "h" => seconds(3600),
         other => Err(format!("{text:?}: unknown unit {other:?} (use ms, s, m or h)")),
+    }?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{text:?} is longer than {} h, the most any setting takes",
+            MAX_DURATION.as_secs() / 3600
+        ));
     }
+    Ok(d)
 }
+
+/// The longest duration any setting takes: a timer that far ahead cannot overflow the clock.
+pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// What the process environment contributes to the configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -160,7 +170,6 @@ pub fn parse_memory_unit(text: &str) -> Result<u64, String> {
 
 /// Resolves defaults < file < environment (`env`) < flags.
 pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigError> {
-    let mut problems = Vec::new();
     let file = match &args.config {
         None => FileConfig::default(),
         Some(path) => match read_file(path) {
@@ -168,6 +177,15 @@ pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigErro
             Err(problem) => return Err(ConfigError { problems: vec![problem] }),
         },
     };
+    resolve_with(file, args, env)
+}
+
+fn resolve_with(
+    file: FileConfig,
+    args: &RunArgs,
+    env: &Environment,
+) -> Result<Settings, ConfigError> {
+    let mut problems = Vec::new();
 
     let node_name = args.node_name.clone().or(env.node_name.clone()).or(file.node_name.clone());
     // Inside a pod the host name is the pod's: every new pod would distrust the checkpoint.
@@ -600,10 +618,22 @@ fn read_file(path: &Path) -> Result<FileConfig, String> {
         .map_err(|e| cannot(e.to_string()))?
         .ok_or_else(|| cannot("no such file".into()))?;
     let text = String::from_utf8(bytes).map_err(|e| cannot(e.to_string()))?;
-    serde_yaml_ng::from_str(&text).map_err(|e| match e.location() {
+    parse_file(&text, path)
+}
+
+fn parse_file(text: &str, path: &Path) -> Result<FileConfig, String> {
+    serde_yaml_ng::from_str(text).map_err(|e| match e.location() {
         Some(l) => format!("{}:{}:{}: {e}", path.display(), l.line(), l.column()),
         None => format!("{}: {e}", path.display()),
     })
+}
+
+/// Resolves a configuration file's `text` as [`resolve`] would read it from `origin`, with no
+/// flags and `env` (for fuzzing and tools: every problem an error, never a panic).
+pub fn resolve_text(text: &str, origin: &Path, env: &Environment) -> Result<Settings, ConfigError> {
+    let file =
+        parse_file(text, origin).map_err(|problem| ConfigError { problems: vec![problem] })?;
+    resolve_with(file, &RunArgs::default(), env)
 }
 
 #[cfg(test)]
@@ -837,5 +867,10 @@ mod tests {
         assert!(parse_duration("2 fortnights").is_err());
         assert!(parse_duration("s").is_err());
         assert!(parse_duration("99999999999999999h").is_err(), "overflow is an error, not a wrap");
+        // Issue 22, item 4: accepted, it once panicked at the first change (an instant overflow).
+        let err = parse_duration("18446744073709551615s").expect_err("too long");
+        assert!(err.contains("longer than 168 h"), "{err}");
+        assert_eq!(parse_duration("168h"), Ok(MAX_DURATION));
+        assert!(parse_duration("169h").is_err());
     }
 }

@@ -116,6 +116,15 @@ pub enum BuildError {
         /// The smallest unit that works, in MiB.
         smallest_mib: u64,
     },
+    /// More GPUs than a node may have.
+    #[error(
+        "invalid node: {count} GPUs, more than the {max} one node may have",
+        max = baleen_scheduler_core::model::MAX_GPUS_PER_NODE
+    )]
+    TooManyGpus {
+        /// The GPUs found.
+        count: usize,
+    },
     /// The placement layer refuses the node.
     #[error("invalid node")]
     Placement(#[source] baleen_scheduler_core::ledger::LedgerError),
@@ -125,13 +134,13 @@ pub enum BuildError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
     /// The IDs are not devices of this view.
-    #[error("unknown device IDs {ids:?}")]
+    #[error("unknown device IDs {}", baleen_device_plugin::backend::shown(ids))]
     UnknownDevices {
         /// The offending IDs.
         ids: Vec<String>,
     },
     /// The IDs cannot go together (units on two GPUs).
-    #[error("invalid request for devices {ids:?}: {reason}")]
+    #[error("invalid request for devices {}: {reason}", baleen_device_plugin::backend::shown(ids))]
     InvalidRequest {
         /// The IDs concerned.
         ids: Vec<String>,
@@ -139,7 +148,7 @@ pub enum Refusal {
         reason: String,
     },
     /// The devices conflict with the ledger (taken through another view, unhealthy).
-    #[error("devices {ids:?} cannot be allocated: {reason}")]
+    #[error("devices {} cannot be allocated: {reason}", baleen_device_plugin::backend::shown(ids))]
     Conflict {
         /// The IDs concerned.
         ids: Vec<String>,
@@ -329,6 +338,32 @@ impl DeviceLedger {
         }
         let mut by_uuid = HashMap::new();
         let mut mig = HashMap::new();
+        if inventory.gpus.len() > baleen_scheduler_core::model::MAX_GPUS_PER_NODE {
+            return Err(BuildError::TooManyGpus { count: inventory.gpus.len() });
+        }
+        // The units first, checked before any is allocated (a GPU reported with an absurd
+        // memory size must be an error, not a 64 GiB allocation).
+        let units_of = |gpu: &crate::inventory::Gpu| {
+            if gpu.mig.is_enabled() {
+                0
+            } else {
+                u32::try_from(gpu.memory_bytes / config.memory_unit_bytes).unwrap_or(u32::MAX)
+            }
+        };
+        let total_units: u64 = inventory.gpus.iter().map(|g| u64::from(units_of(g))).sum();
+        if total_units > MAX_DEVICES_PER_RESOURCE {
+            let memory: u64 = inventory
+                .gpus
+                .iter()
+                .filter(|g| units_of(g) > 0)
+                .map(|g| g.memory_bytes)
+                .fold(0, u64::saturating_add);
+            return Err(BuildError::TooManyUnits {
+                unit_bytes: config.memory_unit_bytes,
+                devices: total_units,
+                smallest_mib: memory.div_ceil(MAX_DEVICES_PER_RESOURCE).div_ceil(1 << 20),
+            });
+        }
         let mut slots = Vec::with_capacity(inventory.gpus.len());
         for (i, gpu) in inventory.gpus.iter().enumerate() {
             if by_uuid.insert(gpu.uuid.as_str().to_owned(), i).is_some() {
@@ -337,11 +372,7 @@ impl DeviceLedger {
             for instance in gpu.mig.instances() {
                 mig.insert(instance.uuid.as_str().to_owned(), (i, instance.profile.clone()));
             }
-            let units = if gpu.mig.is_enabled() {
-                0
-            } else {
-                u32::try_from(gpu.memory_bytes / config.memory_unit_bytes).unwrap_or(u32::MAX)
-            };
+            let units = units_of(gpu);
             slots.push(Slot {
                 gpu: gpu.clone(),
                 units,
@@ -370,16 +401,6 @@ impl DeviceLedger {
                 })
                 .collect(),
         };
-        let total_units: u64 = slots.iter().map(|s| u64::from(s.units)).sum();
-        if config.gpu_memory && total_units > MAX_DEVICES_PER_RESOURCE {
-            let memory: u64 =
-                slots.iter().filter(|s| s.units > 0).map(|s| s.gpu.memory_bytes).sum();
-            return Err(BuildError::TooManyUnits {
-                unit_bytes: config.memory_unit_bytes,
-                devices: total_units,
-                smallest_mib: memory.div_ceil(MAX_DEVICES_PER_RESOURCE).div_ceil(1 << 20),
-            });
-        }
         let ledger = NodeLedger::new(spec).map_err(BuildError::Placement)?;
         let mut state = Self {
             config,

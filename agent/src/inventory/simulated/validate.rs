@@ -15,6 +15,8 @@ use crate::inventory::{
     Gpu, GpuUuid, Inventory, MIB, MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id,
 };
 
+/// The most memory a simulated GPU may have (16 TiB; the largest GPUs have under 300 GiB).
+const MAX_GPU_MEMORY: u64 = 16 << 40;
 /// GPU-instance slices of a MIG-capable GPU.
 const MIG_GPU_SLICES: u32 = 7;
 
@@ -92,6 +94,15 @@ pub(super) fn parse_topology(
 /// Builds the inventory from a parsed file, recording every problem found.
 fn build(file: &TopologyFile, node: &str, problems: &mut Problems) -> Inventory {
     let count = file.gpus.len();
+    if count > baleen_scheduler_core::model::MAX_GPUS_PER_NODE {
+        problems.add(
+            &[Seg::Key("gpus")],
+            format!(
+                "{count} GPUs, more than the {} one node may have",
+                baleen_scheduler_core::model::MAX_GPUS_PER_NODE
+            ),
+        );
+    }
 
     // Indices: unique and exactly 0..count, as NVML numbers GPUs.
     let mut position_of: HashMap<u32, usize> = HashMap::new();
@@ -132,6 +143,15 @@ fn build(file: &TopologyFile, node: &str, problems: &mut Problems) -> Inventory 
         }
         if spec.memory.0 == 0 {
             problems.add(&gpu_field(position, "memory"), "GPU memory must be more than 0 bytes");
+        } else if spec.memory.0 > MAX_GPU_MEMORY {
+            problems.add(
+                &gpu_field(position, "memory"),
+                format!(
+                    "GPU memory of {} bytes is more than {} TiB, more than any GPU has",
+                    spec.memory.0,
+                    MAX_GPU_MEMORY >> 40
+                ),
+            );
         }
         let uuid = match &spec.uuid {
             Some(text) => match GpuUuid::new(text.clone()) {
@@ -431,8 +451,9 @@ fn build_mig(
     }
 
     // A GPU has 7 GPU-instance slices (A100, H100, H200); instances cannot share them.
-    let slices: u32 = gpu_instances.values().map(|&(slices, _, _)| slices).sum();
-    if slices > MIG_GPU_SLICES {
+    // Summed wide: a profile like `4294967295g.10gb` must not wrap the sum back under 7.
+    let slices: u64 = gpu_instances.values().map(|&(slices, _, _)| u64::from(slices)).sum();
+    if slices > u64::from(MIG_GPU_SLICES) {
         problems.add(
             &with(gpu_field(position, "mig"), Seg::Key("instances")),
             format!(
@@ -442,7 +463,8 @@ fn build_mig(
             ),
         );
     }
-    let total: u64 = gpu_instances.values().map(|&(_, memory, _)| memory).sum();
+    let total: u64 =
+        gpu_instances.values().map(|&(_, memory, _)| memory).fold(0, u64::saturating_add);
     if total > gpu_memory {
         problems.add(
             &with(gpu_field(position, "mig"), Seg::Key("instances")),

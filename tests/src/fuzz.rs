@@ -1,0 +1,178 @@
+//! The bodies of the fuzz targets (`fuzz/fuzz_targets/*.rs`, run with cargo-fuzz, see
+//! docs/agent.md "Fuzzing"), one per parser of outside input, and their seeds from the
+//! repository's own examples. Each body must return (never panic, never hang, never take
+//! memory out of proportion to its input) on any bytes; `tests/tests/fuzz_seeds.rs` runs every
+//! body over its seeds and thousands of mutations of them on stable Rust in `cargo test`.
+
+use std::path::{Path, PathBuf};
+
+/// A fuzz target: its name and its body.
+pub type Target = (&'static str, fn(&[u8]));
+
+/// Every target.
+pub const TARGETS: &[Target] = &[
+    ("config", config),
+    ("topology", topology),
+    ("checkpoint", checkpoint),
+    ("gpu_state", gpu_state),
+    ("extender_request", extender_request),
+    ("quantity", quantity),
+    ("mps_log", mps_log),
+    ("proc_cgroup", proc_cgroup),
+];
+
+fn text(data: &[u8]) -> Option<&str> {
+    std::str::from_utf8(data).ok()
+}
+
+/// The agent's configuration file, resolved as the agent resolves it.
+pub fn config(data: &[u8]) {
+    if let Some(t) = text(data) {
+        let env = baleen_agent::config::Environment::default();
+        let _ = baleen_agent::config::resolve_text(t, Path::new("fuzz.yaml"), &env);
+    }
+}
+
+/// A simulated topology, parsed and validated, then discovered and built into a ledger.
+pub fn topology(data: &[u8]) {
+    use baleen_agent::inventory::GpuInventory as _;
+    let Some(t) = text(data) else { return };
+    let Ok(inventory) =
+        baleen_agent::inventory::simulated::SimulatedInventory::from_yaml_str(t, "fuzz.yaml")
+    else {
+        return;
+    };
+    if let Ok(found) = inventory.discover() {
+        let _ = baleen_agent::ledger::DeviceLedger::new("fuzz", &found, Default::default());
+    }
+}
+
+/// The checkpoint, checked as the agent reads it.
+pub fn checkpoint(data: &[u8]) {
+    let cp = baleen_agent::checkpoint::Checkpoint::in_dir(Path::new("/nonexistent"));
+    let _ = cp.parse(data);
+}
+
+/// The node-state annotation, as the extender reads it.
+pub fn gpu_state(data: &[u8]) {
+    if let Some(t) = text(data) {
+        let _ = baleen_scheduler_core::gpu_state::NodeGpuState::parse(t);
+    }
+}
+
+/// A kube-scheduler extender request: parsed, and its pod's demand read.
+pub fn extender_request(data: &[u8]) {
+    let Ok(args) = serde_json::from_slice::<baleen_extender::protocol::ExtenderArgs>(data) else {
+        return;
+    };
+    let _ = baleen_extender::demand::Demand::of(&args.pod, "awesome-ai-company.com");
+}
+
+/// Kubernetes quantities (the scheduler core's, the agent's sizes).
+pub fn quantity(data: &[u8]) {
+    let Some(t) = text(data) else { return };
+    let _ = baleen_scheduler_core::quantity::quantity_milli(&serde_json::Value::String(t.into()));
+    let _ = baleen_agent::quantity::parse_quantity(t);
+    let _ = baleen_agent::config::parse_duration(t);
+}
+
+/// The MPS control daemon's log, line by line.
+pub fn mps_log(data: &[u8]) {
+    let mut reader = baleen_agent::isolation::mps::users::LogReader::default();
+    for line in String::from_utf8_lossy(data).lines() {
+        let _ = reader.line(line);
+    }
+}
+
+/// A process's `/proc/<pid>/cgroup`.
+pub fn proc_cgroup(data: &[u8]) {
+    if let Some(t) = text(data) {
+        let _ = baleen_agent::isolation::watchdog::container_of(t);
+    }
+}
+
+/// The seeds of `target`, from the repository's own examples: its topology files and agent
+/// configurations as they are, and the documents the agent writes for them (its checkpoint and
+/// node-state annotation with a few grants), with a few inline ones where the repository has no
+/// file of the kind.
+pub fn seeds(target: &str) -> Vec<Vec<u8>> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let files = |dir: &str, keep: &dyn Fn(&Path) -> bool| -> Vec<Vec<u8>> {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(root.join(dir))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        paths.retain(|p| keep(p));
+        paths.sort();
+        paths.iter().filter_map(|p| std::fs::read(p).ok()).collect()
+    };
+    let yaml = |p: &Path| p.extension().is_some_and(|e| e == "yaml");
+    let agent_yaml = |p: &Path| p.file_name().is_some_and(|n| n == "agent.yaml");
+    let inline: Vec<&[u8]> = match target {
+        "quantity" => vec![b"1GiB", b"500m", b"23034MiB", b"1.5", b"2e3", b"30s", b"-1", b"7Ei"],
+        "mps_log" => vec![
+            b"[2026-11-30 10:11:12.123 Control 1234] Accepting connection...\n[2026-11-30 10:11:12.124 Control 1234] User did not send valid credentials\n[2026-11-30 10:11:12.200 Control 1234] Server 99 exited with status 0\n",
+        ],
+        "proc_cgroup" => vec![
+            b"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1a2b3c4d_5e6f_7a8b_9c0d_1e2f3a4b5c6d.slice/cri-containerd-4f2a6b8c9d0e1f2a3b4c5d6e7f8091a2.scope\n",
+            b"12:memory:/kubepods/burstable/pod1a2b3c4d-5e6f-7a8b-9c0d-1e2f3a4b5c6d/4f2a6b8c9d0e1f2a3b4c5d6e7f8091a2\n",
+        ],
+        "extender_request" => vec![
+            b"{\"Pod\":{\"metadata\":{\"name\":\"p\"},\"spec\":{\"containers\":[{\"name\":\"c\",\"resources\":{\"limits\":{\"awesome-ai-company.com/gpu-memory\":\"8\"}}}],\"initContainers\":[{\"name\":\"i\",\"resources\":{\"requests\":{\"cpu\":\"2\"}}}],\"overhead\":{\"cpu\":\"250m\"}}},\"NodeNames\":[\"a\"]}",
+        ],
+        _ => Vec::new(),
+    };
+    let mut out: Vec<Vec<u8>> = inline.into_iter().map(<[u8]>::to_vec).collect();
+    match target {
+        "config" => {
+            out.extend(files("packaging/kustomize/base", &agent_yaml));
+            for overlay in ["mig", "default", "extender"] {
+                out.extend(files(&format!("packaging/kustomize/overlays/{overlay}"), &agent_yaml));
+            }
+        }
+        "topology" => out.extend(files("packaging/examples", &yaml)),
+        "gpu_state" | "checkpoint" => {
+            out.extend(written(target, &files("packaging/examples", &yaml)))
+        }
+        _ => {}
+    }
+    out
+}
+
+/// The node-state documents or checkpoints the agent writes for `topologies`, two grants each.
+fn written(target: &str, topologies: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    use baleen_agent::inventory::GpuInventory as _;
+    use baleen_agent::ledger::{DeviceLedger, View};
+    let dir = std::env::temp_dir().join(format!("baleen-fuzz-seeds-{}", std::process::id()));
+    let mut out = Vec::new();
+    for yaml in topologies {
+        let Some(t) = text(yaml) else { continue };
+        let Ok(inv) =
+            baleen_agent::inventory::simulated::SimulatedInventory::from_yaml_str(t, "seed")
+        else {
+            continue;
+        };
+        let Ok(found) = inv.discover() else { continue };
+        let Ok(mut ledger) = DeviceLedger::new("seed", &found, Default::default()) else {
+            continue;
+        };
+        for view in [View::GpuMemory, View::Gpu] {
+            let ids: Vec<String> =
+                ledger.devices(&view).into_iter().take(1).map(|d| d.id).collect();
+            let _ = ledger.allocate(&view, &ids, 1);
+        }
+        match target {
+            "gpu_state" => out
+                .push(ledger.node_state("seed", 3, |_| Some("ns/p".into())).to_json().into_bytes()),
+            _ => {
+                let cp = baleen_agent::checkpoint::Checkpoint::in_dir(&dir);
+                if cp.store("seed", "boot", &ledger.layout(), &ledger.records()).is_ok()
+                    && let Ok(bytes) = std::fs::read(cp.path())
+                {
+                    out.push(bytes);
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
