@@ -148,6 +148,8 @@ pub struct Metrics {
     watchdog_kills: IntCounterVec,
     watchdog_events: IntCounterVec,
     nvml_failures: IntCounterVec,
+    /// Connections the metrics server closed at accept: it held [`MAX_CONNECTIONS`] already.
+    connections_refused: prometheus::IntCounter,
     /// One render at a time: a render resets the families and sets them again, so two at once
     /// could drop each other's series or add a counter twice.
     rendering: std::sync::Mutex<()>,
@@ -408,6 +410,15 @@ impl Metrics {
                 "NVML calls that failed or returned an unusable value while the agent ran (telemetry, memory watchdog, health watch), by NVML function.",
                 &["node", "call"],
             )?,
+            connections_refused: {
+                let c = prometheus::IntCounter::new(
+                    "baleen_metrics_connections_refused_total",
+                    "Connections the metrics server closed at once because it held its maximum already (a client holding connections open, or too many scrapers).",
+                )
+                .map_err(MetricsError::Register)?;
+                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
+                c
+            },
             rendering: std::sync::Mutex::new(()),
             registry,
         })
@@ -646,8 +657,23 @@ impl Endpoint {
     }
 }
 
+/// The most connections the metrics server holds at once; one more is closed at accept (and
+/// counted). A Prometheus scrape needs one.
+pub const MAX_CONNECTIONS: usize = 128;
+/// How long a client has to send a request's headers (at the start and between keep-alive
+/// requests) before its connection is closed.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one connection may live, whatever it does.
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
+/// The most bytes buffered per connection (a request's headers included).
+const MAX_BUFFER: usize = 16 * 1024;
+
 /// Binds `address` now (readiness by binding, not by sleeping); the bound address and the
-/// server, which serves until `shutdown`.
+/// server, which serves until `shutdown`. The port is unauthenticated and open to the pod
+/// network, so the server bounds what a client can hold: at most [`MAX_CONNECTIONS`]
+/// connections (more are closed at once and counted in
+/// `baleen_metrics_connections_refused_total`), the headers within [`HEADER_READ_TIMEOUT`],
+/// [`MAX_BUFFER`] bytes buffered, [`CONNECTION_LIFETIME`] per connection.
 pub async fn bind(
     address: SocketAddr,
     endpoint: Arc<Endpoint>,
@@ -657,16 +683,58 @@ pub async fn bind(
         .await
         .map_err(|source| MetricsError::Bind { address, source })?;
     let bound = listener.local_addr().map_err(|source| MetricsError::Bind { address, source })?;
+    let refused = endpoint.metrics.connections_refused.clone();
     let app = Router::new()
         .route("/metrics", get(scrape))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(endpoint);
     let serve = async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-            .map_err(MetricsError::Serve)
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let mut connections = tokio::task::JoinSet::new();
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = shutdown.cancelled() => break,
+            };
+            while connections.try_join_next().is_some() {}
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, say: wait a moment rather than spin.
+                    tracing::debug!(error = %e, "metrics accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                refused.inc();
+                drop(stream);
+                continue;
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            let stop = shutdown.clone();
+            connections.spawn(async move {
+                let _slot = slot;
+                let mut builder = hyper::server::conn::http1::Builder::new();
+                builder
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
+                    .max_buf_size(MAX_BUFFER);
+                let connection =
+                    builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                tokio::pin!(connection);
+                tokio::select! {
+                    _ = connection.as_mut() => return,
+                    () = stop.cancelled() => {}
+                    () = tokio::time::sleep(CONNECTION_LIFETIME) => {}
+                }
+                connection.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(Duration::from_secs(2), connection).await;
+            });
+        }
+        connections.shutdown().await;
+        Ok(())
     };
     Ok((bound, serve))
 }

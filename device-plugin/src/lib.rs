@@ -11,13 +11,15 @@
 //!   `watch` channel, GetPreferredAllocation and Allocate check the request and call the backend;
 //! - [`status`]: the one place where backend errors become gRPC status codes;
 //! - [`resource_name`]: the kubelet's rule for extended resource names;
-//! - [`uds`]: gRPC over Unix sockets (client channels and listeners).
+//! - [`uds`]: gRPC over Unix sockets (client channels and listeners);
+//! - [`limits`]: what one client can hold of a plugin's server (connections, streams, windows).
 //!
 //! The generated protocol types appear only in [`service`], [`registration`] and [`uds`]'s
 //! callers; backends speak [`Device`], [`PreferredAllocationRequest`] and [`ContainerAllocation`].
 
 pub mod backend;
 pub mod device;
+pub mod limits;
 pub mod plugin;
 pub mod registration;
 pub mod resource_name;

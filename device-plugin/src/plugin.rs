@@ -15,11 +15,11 @@ use std::time::Duration;
 
 use baleen_proto::deviceplugin::v1beta1 as api;
 use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::backend::DeviceBackend;
+use crate::limits::{bounded_server, slotted};
 use crate::registration::{RegisterError, register};
 use crate::service::DevicePluginService;
 use crate::uds::{BoundSocket, FileIdentity};
@@ -216,13 +216,13 @@ impl Plugin {
             // Aborted if this future is dropped (the plugin's task aborted), so that a server
             // never outlives its plugin.
             let server = AbortOnDropHandle::new(tokio::spawn(
-                tonic::transport::Server::builder()
+                bounded_server()
                     .add_service(
                         DevicePluginService::new(self.backend.clone(), server_stop.clone())
                             .into_server(),
                     )
                     .serve_with_incoming_shutdown(
-                        UnixListenerStream::new(listener),
+                        slotted(listener),
                         server_stop.clone().cancelled_owned(),
                     ),
             ));

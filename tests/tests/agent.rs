@@ -2417,3 +2417,38 @@ async fn a_stop_during_a_hanging_discovery_stops_the_start() -> Result<()> {
     assert!(asked.elapsed() < Duration::from_secs(1));
     Ok(())
 }
+
+/// Issue 22, item 6: the unauthenticated metrics port bounds what a client can hold: at most
+/// `MAX_CONNECTIONS` connections (one more is closed at once, and counted), headers within
+/// `HEADER_READ_TIMEOUT` (a half-open connection is closed), and it answers again once the
+/// hoarder lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_port_bounds_connections_and_half_open_ones() -> Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    let address = agent.metrics_address().context("metrics")?;
+    let closed = |mut s: tokio::net::TcpStream, within: Duration| async move {
+        let mut byte = [0u8; 1];
+        matches!(tokio::time::timeout(within, s.read(&mut byte)).await, Ok(Ok(0) | Err(_)))
+    };
+    let mut hoard = Vec::new();
+    for _ in 0..baleen_agent::metrics::MAX_CONNECTIONS {
+        hoard.push(tokio::net::TcpStream::connect(address).await?);
+    }
+    // Let the server accept them all, then one more: closed at once.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let extra = tokio::net::TcpStream::connect(address).await?;
+    assert!(closed(extra, Duration::from_secs(2)).await, "a connection beyond the cap was kept");
+    drop(hoard);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let text = http_get(address, "/metrics").await?.1;
+    let refused = sample(&text, "baleen_metrics_connections_refused_total", &[]);
+    assert!(refused.is_some_and(|n| n >= 1.0), "counted: {refused:?}");
+    // Half a request line, then nothing: closed after the header timeout.
+    let mut half = tokio::net::TcpStream::connect(address).await?;
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await?;
+    let wait = baleen_agent::metrics::HEADER_READ_TIMEOUT + Duration::from_secs(2);
+    assert!(closed(half, wait).await, "a half-open connection outlived the header timeout");
+    stop(agent, token).await
+}
