@@ -49,6 +49,10 @@ pub const MPS_RESTART_BACKOFF_MAX: Duration = Duration::from_secs(60);
 pub const RECONCILE_SETTLE: Duration = Duration::from_secs(300);
 /// The longest `reconcile.kubeletSettle` accepted.
 pub const RECONCILE_SETTLE_MAX: Duration = Duration::from_secs(3600);
+/// Time between two probes of a GPU marked unhealthy.
+pub const HEALTH_PROBE_INTERVAL: Duration = Duration::from_secs(10);
+/// Good probes in a row that give an unhealthy GPU back.
+pub const HEALTH_RECOVERY_PROBES: u32 = 3;
 /// Time between two reads of the memory watchdog.
 pub const WATCHDOG_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a container may stay over its grant before the watchdog kills its processes, and

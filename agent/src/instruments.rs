@@ -38,6 +38,8 @@ pub struct Instruments {
     pub device_isolation: prometheus::IntGaugeVec,
     /// Allocate answers that gave GPUs by volume-mounts because the CDI specs lacked them.
     pub device_list_fallbacks: prometheus::IntCounterVec,
+    /// GPU health transitions, per GPU and state reached (`unhealthy`, `healthy`).
+    pub gpu_health_transitions: prometheus::IntCounterVec,
 }
 
 /// Latency buckets: 50 µs to 2.5 s.
@@ -130,6 +132,11 @@ impl Instruments {
                 "baleen_device_isolation",
                 "The node's device isolation checks at the agent's start (strategy; cdi-spec: the CDI specs name every GPU; toolkit-envvar: the NVIDIA toolkit refuses NVIDIA_VISIBLE_DEVICES for unprivileged containers; toolkit-volume-mounts): 1 for the state each is in (ok, failed, unknown).",
                 &["node", "strategy", "check", "state"],
+            )?,
+            gpu_health_transitions: counter_vec(
+                "baleen_gpu_health_transitions_total",
+                "GPU health transitions, by the state reached: unhealthy (a critical XID, a failed health watch), healthy (every re-probe answered).",
+                &["node", "gpu_uuid", "to"],
             )?,
             device_list_fallbacks: counter_vec(
                 "baleen_device_list_fallbacks_total",

@@ -66,6 +66,7 @@ fn main() -> anyhow::Result<()> {
                     ..MpsConfig::default()
                 },
             },
+            health: Default::default(),
             watchdog: WatchdogConfig { enabled: false, ..WatchdogConfig::default() },
             metrics: MetricsConfig {
                 enabled: true,

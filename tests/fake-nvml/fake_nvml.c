@@ -45,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 /* ---- nvml.h subset (layouts as in nvml-wrapper-sys 0.10's bindings) ------------------------ */
@@ -305,14 +306,44 @@ static int load_topology(void) {
     return 0;
 }
 
-/* The code a `fail` directive sets for this function and GPU, or NVML_SUCCESS. */
+/* Faults set while the library runs, read again at every call from the faults file beside the
+ * library (or $BALEEN_FAKE_NVML_FAULTS): `fail <function> <gpu index or *> <code>` makes the
+ * call return the code, `hang <function> <gpu index or *> <milliseconds>` makes it sleep first
+ * (a GPU whose calls hang). The file replaced or removed takes effect at the next call. */
+static nvmlReturn_t runtime_fault(const char *function, int gpu) {
+    char path[PATH_MAX];
+    if (data_file("BALEEN_FAKE_NVML_FAULTS", "fake-nvml-faults.txt", path, sizeof path) != 0) {
+        return NVML_SUCCESS;
+    }
+    FILE *file = fopen(path, "r");
+    if (file == NULL) return NVML_SUCCESS;
+    char line[256];
+    nvmlReturn_t code = NVML_SUCCESS;
+    while (code == NVML_SUCCESS && fgets(line, sizeof line, file) != NULL) {
+        char kind[16], name[64], which[16];
+        unsigned int value;
+        if (sscanf(line, " %15s %63s %15s %u", kind, name, which, &value) != 4) continue;
+        if (strcmp(name, function) != 0) continue;
+        if (strcmp(which, "*") != 0 && atoi(which) != gpu) continue;
+        if (strcmp(kind, "fail") == 0) {
+            code = (nvmlReturn_t)value;
+        } else if (strcmp(kind, "hang") == 0) {
+            usleep(value * 1000);
+        }
+    }
+    fclose(file);
+    return code;
+}
+
+/* The code a `fail` directive (or a runtime fault) sets for this function and GPU, or
+ * NVML_SUCCESS. */
 static nvmlReturn_t injected(const char *function, int gpu) {
     for (int i = 0; i < fail_count; i++) {
         if (strcmp(fails[i].function, function) == 0 && (fails[i].gpu == -1 || fails[i].gpu == gpu)) {
             return fails[i].code;
         }
     }
-    return NVML_SUCCESS;
+    return runtime_fault(function, gpu);
 }
 
 static int is_gpu_handle(nvmlDevice_t device) {

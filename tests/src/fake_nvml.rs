@@ -207,6 +207,17 @@ impl FakeNvml {
         Ok(std::fs::rename(tmp, path)?)
     }
 
+    /// Replaces the faults the library applies from its next call on: lines of `fail <function>
+    /// <gpu index or *> <nvml return code>` (e.g. 15, GPU_IS_LOST) or `hang <function> <gpu
+    /// index or *> <milliseconds>`; none clears them.
+    pub fn set_faults(&self, faults: &[&str]) -> anyhow::Result<()> {
+        let text: String = faults.iter().map(|f| format!("{f}\n")).collect();
+        let path = self.dir().join("fake-nvml-faults.txt");
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text)?;
+        Ok(std::fs::rename(tmp, path)?)
+    }
+
     /// Makes the GPU with this index report `xid` to every event set registered for XIDs.
     pub fn inject_xid(&self, gpu_index: u32, xid: u64) -> anyhow::Result<()> {
         let path = self.dir.path().join(EVENTS_FILE);

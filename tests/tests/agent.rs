@@ -114,6 +114,7 @@ impl Node {
                 },
             },
             // Off unless a test turns it on (it needs the API's pods).
+            health: Default::default(),
             watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
                 enabled: false,
                 ..Default::default()
@@ -2450,5 +2451,69 @@ async fn the_metrics_port_bounds_connections_and_half_open_ones() -> Result<()> 
     half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await?;
     let wait = baleen_agent::metrics::HEADER_READ_TIMEOUT + Duration::from_secs(2);
     assert!(closed(half, wait).await, "a half-open connection outlived the header timeout");
+    stop(agent, token).await
+}
+
+/// Issue 22, item 7: health per GPU that recovers, on the real NVML backend over the fake
+/// library. A critical XID makes the GPU unhealthy; while its NVML reads fail (GPU_IS_LOST) or
+/// hang it stays so (and the metrics endpoint answers meanwhile); once they answer again,
+/// `recoveryProbes` good probes in a row give it back; every transition counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    let fake = FakeNvml::new(&expected)?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    node.config.health = baleen_agent::agent::health::HealthConfig {
+        probe_interval: Duration::from_millis(150),
+        recovery_probes: 3,
+    };
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let gpu = expected.gpus[1].uuid.to_string();
+    let units_are = |healthy: bool| {
+        let gpu = gpu.clone();
+        move |v: &KubeletView| {
+            let units = unit_health(v, &gpu);
+            !units.is_empty() && units.iter().all(|s| (*s == HEALTHY) == healthy)
+        }
+    };
+    // The GPU falls off the bus: its reads fail, then they hang.
+    fake.set_faults(&["fail nvmlDeviceGetMemoryInfo_v2 1 15"])?;
+    let seen = tokio::time::timeout(WAIT, async {
+        loop {
+            fake.inject_xid(1, 79)?;
+            if node
+                .kubelet
+                .wait_for("unhealthy", Duration::from_millis(300), units_are(false))
+                .await
+                .is_ok()
+            {
+                return anyhow::Ok(());
+            }
+        }
+    });
+    seen.await??;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(units_are(false)(&node.kubelet.view()), "given back while its reads fail");
+    fake.set_faults(&["hang nvmlDeviceGetMemoryInfo_v2 1 1500"])?;
+    let address = agent.metrics_address().context("metrics")?;
+    let asked = std::time::Instant::now();
+    http_get(address, "/metrics").await?;
+    assert!(asked.elapsed() < Duration::from_millis(800), "the endpoint waited on NVML");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(units_are(false)(&node.kubelet.view()), "given back while its probe hangs");
+    // It answers again: healthy after three good probes.
+    fake.set_faults(&[])?;
+    node.kubelet.wait_for("healthy again", WAIT, units_are(true)).await?;
+    let text = http_get(address, "/metrics").await?.1;
+    for (to, n) in [("unhealthy", 1.0), ("healthy", 1.0)] {
+        let got = sample(
+            &text,
+            "baleen_gpu_health_transitions_total",
+            &[("gpu_uuid", gpu.as_str()), ("to", to)],
+        );
+        assert_eq!(got, Some(n), "{to}");
+    }
     stop(agent, token).await
 }

@@ -95,6 +95,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
             },
         },
         // Off: no API server on the GPU machine (the watchdog needs the node's pods).
+        health: Default::default(),
         watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
             enabled: false,
             ..Default::default()
@@ -199,6 +200,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
             },
         },
         // Off: no API server on the GPU machine (the watchdog needs the node's pods).
+        health: Default::default(),
         watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
             enabled: false,
             ..Default::default()

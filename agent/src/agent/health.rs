@@ -1,33 +1,61 @@
-//! GPU health: follows NVML's XID events on a thread of its own (NVML's wait blocks). A critical
-//! XID marks its GPU unhealthy, which advertises all its devices Unhealthy in every view; a
-//! failing wait marks every GPU unhealthy and the watch goes on.
+//! GPU health, per GPU: healthy -> unhealthy (a critical XID, or every GPU when the health watch
+//! itself fails: a GPU fallen off the bus cannot say which) -> probing -> healthy again. It
+//! follows NVML's XID events on a thread of its own (NVML's wait blocks). A GPU marked unhealthy
+//! is re-probed every `health.probeInterval` (`GpuInventory::probe`: found by its UUID, its
+//! memory read), each probe on a thread of its own and bounded by the interval (a probe that
+//! hangs counts as failed, and no second one starts meanwhile); after `health.recoveryProbes`
+//! good probes in a row it is healthy again. A critical XID during probing starts the count
+//! again. Every transition is logged and counted (`baleen_gpu_health_transitions_total`).
+//! MPS daemons that stop answering are the MPS supervisor's (their GPU's units withdrawn until
+//! the daemon answers).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::mpsc::{self, TryRecvError};
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
 use crate::error_chain::Chain;
-use crate::inventory::{CallFailures, GpuInventory};
+use crate::inventory::{CallFailures, GpuInventory, GpuUuid, InventoryError};
 use crate::resources::NodeResources;
 
 /// The longest wait between two tries to start the health watch.
 const START_RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// Follows XID events on a thread of its own (NVML's wait blocks); a critical XID marks the GPU
-/// unhealthy, which advertises all its devices Unhealthy. While the watch cannot be started,
-/// every GPU is advertised Unhealthy (nothing would tell the agent that one failed) and the
-/// start is retried with backoff; once it starts, the GPUs are healthy again.
+/// How GPUs marked unhealthy are given back (`health:` in the file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// Time between two probes of an unhealthy GPU.
+    pub probe_interval: Duration,
+    /// Good probes in a row that make it healthy again.
+    pub recovery_probes: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            probe_interval: crate::defaults::HEALTH_PROBE_INTERVAL,
+            recovery_probes: crate::defaults::HEALTH_RECOVERY_PROBES,
+        }
+    }
+}
+
+/// Follows XID events and re-probes unhealthy GPUs on a thread of its own (NVML's wait blocks).
+/// While the watch cannot be started, every GPU is advertised Unhealthy (nothing would tell the
+/// agent that one failed) and the start is retried with backoff; once it starts, the GPUs are
+/// healthy again.
 pub fn spawn(
     inventory: Arc<dyn GpuInventory>,
     resources: Arc<NodeResources>,
     calls: Arc<CallFailures>,
+    config: HealthConfig,
     stop: CancellationToken,
 ) -> Option<std::thread::JoinHandle<()>> {
     let on_thread = resources.clone();
     let spawned = std::thread::Builder::new()
         .name("baleen-health".into())
-        .spawn(move || watch(inventory.as_ref(), &on_thread, &calls, &stop));
+        .spawn(move || watch(&inventory, &on_thread, &calls, config, &stop));
     match spawned {
         Ok(handle) => Some(handle),
         Err(e) => {
@@ -38,10 +66,143 @@ pub fn spawn(
     }
 }
 
+/// One unhealthy GPU's way back.
+struct Recovery {
+    reason: String,
+    good: u32,
+    next: Instant,
+    /// A probe under way, and when it started.
+    probing: Option<(mpsc::Receiver<Result<(), InventoryError>>, Instant)>,
+    hang_logged: bool,
+}
+
+/// The GPUs being probed back to health.
+struct Recoveries<'a> {
+    inventory: &'a Arc<dyn GpuInventory>,
+    resources: &'a NodeResources,
+    calls: &'a CallFailures,
+    config: HealthConfig,
+    gpus: BTreeMap<String, Recovery>,
+}
+
+impl Recoveries<'_> {
+    /// `uuid` is unhealthy for `reason`: probed from now on (its count of good probes from 0).
+    fn mark(&mut self, uuid: &str, reason: &str) {
+        if self.resources.set_health(uuid, false, reason) {
+            count(self.resources, uuid, "unhealthy");
+        }
+        let next = Instant::now() + self.config.probe_interval;
+        let r = self.gpus.entry(uuid.to_owned()).or_insert_with(|| Recovery {
+            reason: reason.to_owned(),
+            good: 0,
+            next,
+            probing: None,
+            hang_logged: false,
+        });
+        r.good = 0;
+        r.next = next;
+        r.reason = reason.to_owned();
+    }
+
+    /// Starts the probes that are due, collects the ones that answered; a GPU with enough good
+    /// probes in a row is healthy again.
+    fn step(&mut self) {
+        let now = Instant::now();
+        let mut healthy = Vec::new();
+        for (uuid, r) in &mut self.gpus {
+            if let Some((answer, started)) = &r.probing {
+                let outcome = match answer.try_recv() {
+                    Ok(outcome) => Some(outcome),
+                    Err(TryRecvError::Disconnected) => Some(Err(InventoryError::Unavailable {
+                        reason: "probe thread ended".into(),
+                    })),
+                    Err(TryRecvError::Empty) => {
+                        if now.duration_since(*started) > self.config.probe_interval
+                            && !r.hang_logged
+                        {
+                            tracing::warn!(
+                                gpu.uuid = uuid,
+                                "a probe of the unhealthy GPU hangs; it stays unhealthy"
+                            );
+                            r.hang_logged = true;
+                            r.good = 0;
+                        }
+                        None
+                    }
+                };
+                let Some(outcome) = outcome else { continue };
+                r.probing = None;
+                r.hang_logged = false;
+                r.next = now + self.config.probe_interval;
+                match outcome {
+                    Ok(()) => {
+                        r.good += 1;
+                        tracing::info!(
+                            gpu.uuid = uuid,
+                            good = r.good,
+                            of = self.config.recovery_probes,
+                            reason = r.reason,
+                            "unhealthy GPU answered a probe"
+                        );
+                        if r.good >= self.config.recovery_probes {
+                            healthy.push(uuid.clone());
+                        }
+                    }
+                    Err(e) => {
+                        self.calls.record(&e);
+                        if r.good > 0 {
+                            tracing::warn!(gpu.uuid = uuid, error = %Chain(&e), "unhealthy GPU failed a probe; counting again");
+                        }
+                        r.good = 0;
+                    }
+                }
+            } else if now >= r.next {
+                let (tx, rx) = mpsc::channel();
+                let (inventory, gpu) = (self.inventory.clone(), uuid.clone());
+                let spawned =
+                    std::thread::Builder::new().name("baleen-probe".into()).spawn(move || {
+                        let outcome = GpuUuid::new(&gpu)
+                            .map_err(|e| InventoryError::Unavailable { reason: e.to_string() })
+                            .and_then(|g| inventory.probe(&g));
+                        let _ = tx.send(outcome);
+                    });
+                match spawned {
+                    Ok(_) => r.probing = Some((rx, now)),
+                    Err(e) => {
+                        tracing::warn!(error = %Chain(&e), "cannot start a GPU probe");
+                        r.next = now + self.config.probe_interval;
+                    }
+                }
+            }
+        }
+        for uuid in healthy {
+            if let Some(r) = self.gpus.remove(&uuid) {
+                tracing::warn!(
+                    gpu.uuid = uuid,
+                    probes = r.good,
+                    was = r.reason,
+                    "GPU healthy again: it answered every probe"
+                );
+            }
+            if self.resources.set_health(&uuid, true, "") {
+                count(self.resources, &uuid, "healthy");
+            }
+        }
+    }
+}
+
+/// Counts a transition of `uuid` to `to`, where the metrics are on.
+fn count(resources: &NodeResources, uuid: &str, to: &str) {
+    if let Some((node, i)) = resources.instruments() {
+        i.gpu_health_transitions.with_label_values(&[node.as_str(), uuid, to]).inc();
+    }
+}
+
 fn watch(
-    inventory: &dyn GpuInventory,
+    inventory: &Arc<dyn GpuInventory>,
     resources: &NodeResources,
     calls: &CallFailures,
+    config: HealthConfig,
     stop: &CancellationToken,
 ) {
     let mut retry = Duration::from_secs(1);
@@ -68,23 +229,18 @@ fn watch(
     for gpu in watcher.unwatched() {
         tracing::warn!(gpu.uuid = %gpu, "GPU cannot report health events");
     }
+    let mut recoveries = Recoveries { inventory, resources, calls, config, gpus: BTreeMap::new() };
     let mut failing = false;
     while !stop.is_cancelled() {
         let event = watcher.next_event(Duration::from_millis(500));
         if failing && event.is_ok() {
-            tracing::warn!(
-                "GPU health watch answers again; GPUs stay unhealthy until the agent restarts"
-            );
+            tracing::warn!("GPU health watch answers again; every GPU is probed back to health");
             failing = false;
         }
         match event {
             Ok(Some(event)) if event.critical => {
-                tracing::error!(gpu.uuid = %event.gpu, xid = event.xid, "critical XID: GPU marked unhealthy");
-                resources.set_health(
-                    event.gpu.as_str(),
-                    false,
-                    &format!("critical XID {}", event.xid),
-                );
+                tracing::error!(gpu.uuid = %event.gpu, xid = event.xid, "critical XID: GPU marked unhealthy and probed until it answers");
+                recoveries.mark(event.gpu.as_str(), &format!("critical XID {}", event.xid));
             }
             Ok(Some(event)) => {
                 tracing::warn!(gpu.uuid = %event.gpu, xid = event.xid, "application XID; GPU stays healthy");
@@ -94,15 +250,19 @@ fn watch(
                 calls.record(&e);
                 // A failed wait usually means a GPU fell off the bus, and the event cannot even
                 // say which: like NVIDIA's device plugin, mark every GPU unhealthy and keep
-                // watching (once per second while the errors last).
+                // watching (once per second while the errors last); each is probed back.
                 if !failing {
                     tracing::error!(error = %Chain(&e), "GPU health watch failed; every GPU marked unhealthy");
                     failing = true;
                 }
-                resources.set_all_health(false, "health watch failed");
+                let (gpus, _) = resources.snapshot();
+                for g in gpus {
+                    recoveries.mark(&g.uuid, "health watch failed");
+                }
                 std::thread::park_timeout(Duration::from_secs(1));
             }
         }
+        recoveries.step();
     }
 }
 
@@ -183,7 +343,8 @@ mod tests {
         let calls = Arc::new(CallFailures::default());
         let on_calls = calls.clone();
         let thread = std::thread::spawn(move || {
-            watch(inventory.as_ref(), &on_thread, &on_calls, &thread_stop);
+            let inventory: Arc<dyn GpuInventory> = inventory;
+            watch(&inventory, &on_thread, &on_calls, HealthConfig::default(), &thread_stop);
         });
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let mut saw_unhealthy = false;

@@ -70,6 +70,8 @@ pub struct AgentConfig {
     pub responses: ResponseConfig,
     /// The per-container GPU memory watchdog.
     pub watchdog: WatchdogConfig,
+    /// How GPUs marked unhealthy are probed back to health.
+    pub health: health::HealthConfig,
     /// The Prometheus endpoint.
     pub metrics: MetricsConfig,
     /// The node-state annotation for the scheduler extender.
@@ -371,8 +373,13 @@ impl Agent {
             None
         };
         let health_stop = shutdown.child_token();
-        let health =
-            health::spawn(deps.inventory.clone(), resources.clone(), calls, health_stop.clone());
+        let health = health::spawn(
+            deps.inventory.clone(),
+            resources.clone(),
+            calls,
+            config.health,
+            health_stop.clone(),
+        );
         Ok(Self {
             shutdown,
             resources,

@@ -38,6 +38,9 @@ pub struct FileConfig {
     /// The per-container GPU memory watchdog.
     #[serde(default)]
     pub watchdog: WatchdogFile,
+    /// How GPUs marked unhealthy are probed back.
+    #[serde(default)]
+    pub health: HealthFile,
     /// The Prometheus endpoint.
     #[serde(default)]
     pub metrics: MetricsFile,
@@ -178,6 +181,16 @@ pub struct MpsFile {
     pub thread_percentage: Option<serde_yaml_ng::Value>,
     /// Who owns the daemons: `agent` (default) or `external`.
     pub daemons: Option<String>,
+}
+
+/// `health:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HealthFile {
+    /// Time between two probes of an unhealthy GPU, e.g. `10s` (default).
+    pub probe_interval: Option<String>,
+    /// Good probes in a row that make it healthy again, 1..100 (default 3).
+    pub recovery_probes: Option<u32>,
 }
 
 /// `watchdog:` in the file.

@@ -315,6 +315,12 @@ fn resolve_with(
         duration("watchdog interval", file.watchdog.interval.as_ref(), defaults::WATCHDOG_INTERVAL);
     let watchdog_grace =
         duration("watchdog grace", file.watchdog.grace.as_ref(), defaults::WATCHDOG_GRACE);
+    let health_probe_interval = duration(
+        "health probeInterval",
+        file.health.probe_interval.as_ref(),
+        defaults::HEALTH_PROBE_INTERVAL,
+    );
+
     // As the annotation: inside a pod the API server (the node's pods) is there; outside one,
     // only when asked.
     let watchdog_enabled = file.watchdog.enabled.unwrap_or(env.in_pod);
@@ -333,6 +339,14 @@ fn resolve_with(
         Some(Err(e)) => {
             problems.push(format!("colocation identifyWait: {e}"));
             defaults::IDENTIFY_WAIT
+        }
+    };
+    let recovery_probes = match file.health.recovery_probes {
+        None => defaults::HEALTH_RECOVERY_PROBES,
+        Some(n @ 1..=100) => n,
+        Some(n) => {
+            problems.push(format!("health recoveryProbes {n} is not between 1 and 100"));
+            defaults::HEALTH_RECOVERY_PROBES
         }
     };
     if reconcile_settle > defaults::RECONCILE_SETTLE_MAX {
@@ -491,6 +505,10 @@ fn resolve_with(
                 thread_percentage,
                 daemons,
             },
+        },
+        health: crate::agent::health::HealthConfig {
+            probe_interval: health_probe_interval,
+            recovery_probes,
         },
         watchdog: WatchdogConfig {
             enabled: watchdog_enabled,

@@ -428,6 +428,12 @@ pub trait GpuInventory: Send + Sync {
     /// Every GPU's live readings now (memory used, utilisation, temperature, power); a reading
     /// the GPU does not support is `None`.
     fn telemetry(&self) -> Result<Vec<GpuTelemetry>, InventoryError>;
+
+    /// Whether the GPU `gpu` answers now: found by its UUID and its memory read (the health
+    /// watch's re-probe of a GPU it marked unhealthy). A simulated GPU always answers.
+    fn probe(&self, _gpu: &GpuUuid) -> Result<(), InventoryError> {
+        Ok(())
+    }
 }
 
 /// One GPU's live readings.
@@ -481,6 +487,12 @@ pub enum InventoryError {
     /// The simulated topology file is unreadable or invalid; the CLI exits with code 64 on it.
     #[error(transparent)]
     Topology(#[from] TopologyError),
+    /// A read could not even be made (a probe's thread that ended without answering).
+    #[error("{reason}")]
+    Unavailable {
+        /// What happened.
+        reason: String,
+    },
 }
 
 impl InventoryError {

@@ -397,6 +397,18 @@ impl GpuInventory for NvmlInventory {
         Ok(out)
     }
 
+    fn probe(&self, gpu: &GpuUuid) -> Result<(), InventoryError> {
+        for (index, device) in (0u32..).zip(&self.devices()?) {
+            let at = Some(index);
+            let uuid = device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", at))?;
+            if uuid == gpu.as_str() {
+                device.memory_info().map_err(nvml_error("nvmlDeviceGetMemoryInfo_v2", at))?;
+                return Ok(());
+            }
+        }
+        Err(bad_value("nvmlDeviceGetUUID", None, format!("no GPU {gpu} any more")))
+    }
+
     fn telemetry(&self) -> Result<Vec<GpuTelemetry>, InventoryError> {
         use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
         let mut out = Vec::new();
