@@ -435,10 +435,16 @@ impl Metrics {
         mps_enforced: bool,
     ) -> String {
         let _one = self.rendering.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (gpus, views) = resources.snapshot();
-        let reasons = resources.unhealthy_reasons();
-        let clients = resources.mps_clients();
-        let records = resources.records();
+        // One lock, one state of the ledger for the whole scrape.
+        let crate::resources::ScrapeView {
+            gpus,
+            views,
+            reasons,
+            clients,
+            records,
+            fragmentation,
+            grants,
+        } = resources.scrape_view();
         for family in [
             &self.gpu_info,
             &self.gpu_memory_total,
@@ -552,7 +558,7 @@ impl Metrics {
         if let Some(at) = telemetry.at {
             self.telemetry_age.with_label_values(&[node]).set(at.elapsed().as_secs_f64());
         }
-        let fragmentation = resources.fragmentation();
+
         self.fragmentation.with_label_values(&[node]).set(fragmentation.milli_gpu / 1000.0);
         self.free_compute
             .with_label_values(&[node])
@@ -571,7 +577,7 @@ impl Metrics {
                 .sum();
             self.resource_allocated.with_label_values(&labels).set(int(allocated as u64));
         }
-        for (record, gpu, bytes, holder) in resources.grants() {
+        for (record, gpu, bytes, holder) in grants {
             let (namespace, pod, container) =
                 holder.map(|k| (k.namespace, k.pod, k.container)).unwrap_or_default();
             let labels = [

@@ -373,6 +373,10 @@ impl NodeResources {
     /// Every GPU's state, and per resource its devices and healthy devices, now.
     pub fn snapshot(&self) -> (Vec<GpuState>, Vec<(String, usize, usize)>) {
         let inner = self.lock();
+        self.snapshot_of(&inner)
+    }
+
+    fn snapshot_of(&self, inner: &Inner) -> (Vec<GpuState>, Vec<(String, usize, usize)>) {
         let views = self
             .views
             .iter()
@@ -385,23 +389,26 @@ impl NodeResources {
         (inner.state.gpu_states(), views)
     }
 
+    /// Everything a `/metrics` scrape shows of the ledger, read under one lock: one scrape
+    /// never mixes two states of the ledger.
+    pub fn scrape_view(&self) -> ScrapeView {
+        let inner = self.lock();
+        let (gpus, views) = self.snapshot_of(&inner);
+        ScrapeView {
+            gpus,
+            views,
+            reasons: inner.unhealthy.clone(),
+            clients: inner.mps_clients.clone(),
+            records: inner.state.records(),
+            fragmentation: inner.state.fragmentation(),
+            grants: grants_of(&inner),
+        }
+    }
+
     /// Per allocation and GPU, the bytes granted, with the container the kubelet's last list
     /// names for it (`None` for one it has not listed: an init container, or one just granted).
-    pub fn grants(&self) -> Vec<(AllocationRecord, String, u64, Option<KubeletAllocation>)> {
-        let inner = self.lock();
-        inner
-            .state
-            .granted_bytes()
-            .into_iter()
-            .map(|(record, gpu, bytes)| {
-                let holder = inner
-                    .listed
-                    .iter()
-                    .find(|k| k.resource == record.resource && k.device_ids == record.device_ids)
-                    .cloned();
-                (record, gpu, bytes, holder)
-            })
-            .collect()
+    pub fn grants(&self) -> Vec<GrantShown> {
+        grants_of(&self.lock())
     }
 
     /// What the memory watchdog attributes GPU processes with: each listed container's grants
@@ -644,6 +651,45 @@ impl NodeResources {
         }
         changed
     }
+}
+
+/// One allocation on one GPU: the record, the GPU, the bytes granted there, and the container
+/// the kubelet's last list names for it.
+pub type GrantShown = (AllocationRecord, String, u64, Option<KubeletAllocation>);
+
+fn grants_of(inner: &Inner) -> Vec<GrantShown> {
+    inner
+        .state
+        .granted_bytes()
+        .into_iter()
+        .map(|(record, gpu, bytes)| {
+            let holder = inner
+                .listed
+                .iter()
+                .find(|k| k.resource == record.resource && k.device_ids == record.device_ids)
+                .cloned();
+            (record, gpu, bytes, holder)
+        })
+        .collect()
+}
+
+/// What a `/metrics` scrape shows of the ledger, read at one moment ([`NodeResources::scrape_view`]).
+#[derive(Debug, Clone)]
+pub struct ScrapeView {
+    /// Every GPU's state.
+    pub gpus: Vec<GpuState>,
+    /// Per resource: its devices and healthy devices.
+    pub views: Vec<(String, usize, usize)>,
+    /// Why each unhealthy GPU is.
+    pub reasons: BTreeMap<String, String>,
+    /// MPS clients per GPU at the last probe.
+    pub clients: BTreeMap<String, usize>,
+    /// The allocations.
+    pub records: Vec<AllocationRecord>,
+    /// The node's fragmentation.
+    pub fragmentation: Fragmentation,
+    /// Per allocation and GPU, the bytes granted and the container listed for it.
+    pub grants: Vec<GrantShown>,
 }
 
 /// Keeps why `uuid` is unhealthy (the first reason of an episode), or forgets it when healthy.
