@@ -633,6 +633,8 @@ pub struct Endpoint {
     pub instruments: Arc<Instruments>,
     /// Whether MPS enforces the gpu-memory units.
     pub mps_enforced: bool,
+    /// The last render and when it started (see `scrape`).
+    pub last_render: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
 }
 
 impl Endpoint {
@@ -746,6 +748,24 @@ pub async fn bind(
 }
 
 async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
+    // One render at a time; scrapes that arrive while one waits share the text rendered after
+    // they arrived (never an older one): many scrapers at once cost one render, not one each.
+    let arrived = Instant::now();
+    let mut last = endpoint.last_render.lock().await;
+    let text = match &*last {
+        Some((started, text)) if *started >= arrived => text.clone(),
+        _ => {
+            let started = Instant::now();
+            let text = Arc::new(render_now(&endpoint));
+            *last = Some((started, text.clone()));
+            text
+        }
+    };
+    drop(last);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], String::clone(&text))
+}
+
+fn render_now(endpoint: &Endpoint) -> String {
     for (resource, state) in &endpoint.plugins {
         let registrations = match *state.borrow() {
             PluginState::Registered { registrations } => registrations,
@@ -758,15 +778,14 @@ async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
         counter.inc_by(registrations.saturating_sub(counter.get()));
     }
     let telemetry = endpoint.telemetry.borrow().clone();
-    let text = endpoint.metrics.render(
+    endpoint.metrics.render(
         &endpoint.node,
         &endpoint.resources,
         &endpoint.watchdog,
         &endpoint.calls,
         &telemetry,
         endpoint.mps_enforced,
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
+    )
 }
 
 async fn readyz(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {

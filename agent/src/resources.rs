@@ -5,7 +5,7 @@
 //! [`Grant`] into the kubelet's Allocate answer with the isolation module's help. The only module
 //! of the agent that speaks device-plugin types.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -172,6 +172,25 @@ struct Inner {
     /// The MPS server PIDs each GPU's daemon named at its last answered probe (the watchdog
     /// leaves them alone).
     mps_servers: BTreeMap<String, Vec<u32>>,
+    /// Changes staged in `state` that must reach the checkpoint, numbered; see [`Commits`].
+    staged: u64,
+}
+
+/// The group commit of the checkpoint: a change is applied to the ledger under its lock (fast)
+/// and numbered; then one thread at a time writes the ledger as it is then (every change staged
+/// so far) and syncs it, outside the lock, while the others wait for their number to be on
+/// disk. Under concurrency one write covers many changes. A change is answered only once its
+/// number is durable; a write that fails fails every change it was to cover (their grants stay
+/// held in the ledger, never answered: released once the reconciliation's grace for grants the
+/// kubelet never lists has passed; never handed out twice).
+#[derive(Debug, Default)]
+struct Commits {
+    /// A thread is writing.
+    writing: bool,
+    /// The last change number on disk.
+    durable: u64,
+    /// The last change number a failed write was to cover, and why it failed.
+    failed: (u64, String),
 }
 
 /// The node's device ledger shared by every view, persisted on every change.
@@ -192,6 +211,11 @@ pub struct NodeResources {
     answers: Mutex<Answers>,
     /// Finds the pod of an Allocate for its MPS client priority, once co-location runs.
     identifier: std::sync::OnceLock<Arc<PodIdentifier>>,
+    /// The group commit's state (taken after `inner`'s lock is released, or inside it only to
+    /// read `staged`: never the other way round).
+    commits: Mutex<Commits>,
+    /// Told whenever a write ends.
+    committed: std::sync::Condvar,
 }
 
 impl NodeResources {
@@ -232,6 +256,7 @@ impl NodeResources {
                 unhealthy: BTreeMap::new(),
                 mps_clients: BTreeMap::new(),
                 mps_servers: BTreeMap::new(),
+                staged: 0,
             }),
             views,
             state_changes: watch::channel(0).0,
@@ -241,6 +266,8 @@ impl NodeResources {
             instruments: std::sync::OnceLock::new(),
             identifier: std::sync::OnceLock::new(),
             answers: Mutex::new(Answers::default()),
+            commits: Mutex::new(Commits::default()),
+            committed: std::sync::Condvar::new(),
         })
     }
 
@@ -459,11 +486,10 @@ impl NodeResources {
     /// The node-state document now: the ledger, with the pods the kubelet's last list names.
     pub fn node_state(&self) -> baleen_scheduler_core::gpu_state::NodeGpuState {
         let inner = self.lock();
+        let holders = listed_by_key(&inner.listed);
         let holder = |r: &AllocationRecord| {
-            inner
-                .listed
-                .iter()
-                .find(|k| k.resource == r.resource && k.device_ids == r.device_ids)
+            holders
+                .get(&(r.resource.as_str(), r.device_ids.as_slice()))
                 .map(|k| format!("{}/{}", k.namespace, k.pod))
         };
         inner.state.node_state(&inner.node, inner.generation, holder)
@@ -488,29 +514,21 @@ impl NodeResources {
         }
     }
 
-    /// Applies `change` (given the ledger and the generation it applies to) to the state; keeps
-    /// it only if the checkpoint is written. While the ledger is untrusted nothing is written (see
+    /// Applies `change` (given the ledger and the generation it applies to) to the state, and
+    /// returns once the checkpoint holds it (the group commit, [`Commits`]); a change that fails
+    /// leaves the ledger as it was. While the ledger is untrusted nothing is written (see
     /// `Inner::trusted`); an applied reconciliation makes it trusted.
     fn change<T>(
         &self,
         change: impl FnOnce(&mut DeviceLedger, u64) -> Result<(T, Trust), BackendError>,
     ) -> Result<T, BackendError> {
         let mut inner = self.lock();
-        let before = inner.state.records();
+        let before = inner.state.records_version();
         let mut next = inner.state.clone();
         let (out, trust) = change(&mut next, inner.generation)?;
         let trusted = inner.trusted || trust == Trust::Reconciled;
-        let changed = next.records() != before;
-        if trusted && (changed || !inner.trusted) {
-            let started = std::time::Instant::now();
-            inner
-                .checkpoint
-                .store(&inner.node, &inner.boot_id, &next.layout(), &next.records())
-                .map_err(|e| BackendError::Internal { reason: Chain(&e).to_string() })?;
-            if let Some((_, i)) = self.instruments.get() {
-                i.checkpoint_write_seconds.observe(started.elapsed().as_secs_f64());
-            }
-        }
+        let changed = next.records_version() != before;
+        let durable = trusted && (changed || !inner.trusted);
         inner.trusted = trusted;
         // Kept even when no record changed: the ledger also counts missed listings.
         inner.state = next;
@@ -521,7 +539,80 @@ impl NodeResources {
         if changed {
             self.publish(&inner.state);
         }
+        if !durable {
+            return Ok(out);
+        }
+        inner.staged += 1;
+        let number = inner.staged;
+        drop(inner);
+        self.until_durable(number)?;
         Ok(out)
+    }
+
+    /// Returns once change `number` is on disk (writing the checkpoint itself when no other
+    /// thread is), or with the error of the write that was to cover it.
+    fn until_durable(&self, number: u64) -> Result<(), BackendError> {
+        let commits = || self.commits.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut c = commits();
+        loop {
+            if c.durable >= number {
+                return Ok(());
+            }
+            if c.failed.0 >= number {
+                return Err(BackendError::Internal { reason: c.failed.1.clone() });
+            }
+            if !c.writing {
+                c.writing = true;
+                break;
+            }
+            c = self.committed.wait(c).unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(c);
+        // The writer: the ledger as it is now covers every change staged so far.
+        loop {
+            let (covers, checkpoint, node, boot_id, layout, records) = {
+                let inner = self.lock();
+                (
+                    inner.staged,
+                    inner.checkpoint.clone(),
+                    inner.node.clone(),
+                    inner.boot_id.clone(),
+                    inner.state.layout(),
+                    inner.state.records(),
+                )
+            };
+            let started = std::time::Instant::now();
+            let written = checkpoint.store(&node, &boot_id, &layout, &records);
+            if let Some((_, i)) = self.instruments.get() {
+                i.checkpoint_write_seconds.observe(started.elapsed().as_secs_f64());
+            }
+            let more = self.lock().staged > covers;
+            let mut c = commits();
+            match written {
+                Ok(()) => c.durable = c.durable.max(covers),
+                Err(e) => {
+                    let why = Chain(&e).to_string();
+                    tracing::error!(
+                        error = why,
+                        "the checkpoint cannot be written: the changes it was to hold are refused"
+                    );
+                    c.failed = (covers, why);
+                }
+            }
+            if !more {
+                c.writing = false;
+            }
+            self.committed.notify_all();
+            if !more {
+                break;
+            }
+        }
+        let c = commits();
+        if c.durable >= number {
+            Ok(())
+        } else {
+            Err(BackendError::Internal { reason: c.failed.1.clone() })
+        }
     }
 
     /// The current generation of the allocations: read it before asking pod-resources, and
@@ -658,19 +749,23 @@ impl NodeResources {
 pub type GrantShown = (AllocationRecord, String, u64, Option<KubeletAllocation>);
 
 fn grants_of(inner: &Inner) -> Vec<GrantShown> {
+    let holders = listed_by_key(&inner.listed);
     inner
         .state
         .granted_bytes()
         .into_iter()
         .map(|(record, gpu, bytes)| {
-            let holder = inner
-                .listed
-                .iter()
-                .find(|k| k.resource == record.resource && k.device_ids == record.device_ids)
-                .cloned();
+            let holder = holders
+                .get(&(record.resource.as_str(), record.device_ids.as_slice()))
+                .map(|k| (*k).clone());
             (record, gpu, bytes, holder)
         })
         .collect()
+}
+
+/// The kubelet's last list by `(resource, device IDs)`: one lookup per grant, not a scan.
+fn listed_by_key(listed: &[KubeletAllocation]) -> HashMap<(&str, &[String]), &KubeletAllocation> {
+    listed.iter().map(|k| ((k.resource.as_str(), k.device_ids.as_slice()), k)).collect()
 }
 
 /// What a `/metrics` scrape shows of the ledger, read at one moment ([`NodeResources::scrape_view`]).
@@ -738,11 +833,12 @@ impl Answers {
         self.by_key.get(key).is_none_or(|&answered| answered < asked)
     }
 
-    /// Forgets the grants no longer held, once the map is well past the ledger's size.
-    fn prune(&mut self, held: &[AllocationRecord]) {
-        if self.by_key.len() > 2 * held.len() + 64 {
+    /// Forgets the grants no longer held, once the map is well past the ledger's size (`held`
+    /// allocations; `records` read only then).
+    fn prune(&mut self, held: usize, records: impl FnOnce() -> Vec<AllocationRecord>) {
+        if self.by_key.len() > 2 * held + 64 {
             let held: BTreeSet<RecordKey> =
-                held.iter().map(|r| (r.resource.clone(), r.device_ids.clone())).collect();
+                records().into_iter().map(|r| (r.resource, r.device_ids)).collect();
             self.by_key.retain(|k, _| held.contains(k));
         }
     }
@@ -944,7 +1040,7 @@ impl ViewBackend {
                     .iter()
                     .map(|ids| state.allocate(&view, ids, now))
                     .collect::<Result<Vec<Grant>, Refusal>>()?;
-                answers.prune(&state.records());
+                answers.prune(state.held_count(), || state.records());
                 for g in &grants {
                     answers.by_key.insert((resource.clone(), g.device_ids.clone()), u64::MAX);
                 }

@@ -2517,3 +2517,69 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
     }
     stop(agent, token).await
 }
+
+/// Issue 22, item 5: under concurrency (16 clients at once, one write covering many of them)
+/// every grant is on disk before it is answered: each client reads the checkpoint the moment
+/// its answer arrives and finds its devices there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_grants_are_each_durable_before_they_are_answered() -> Result<()> {
+    let node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    let view = node.registered(&agent, 1).await?;
+    let mut free = view.healthy(MEM);
+    free.sort();
+    let checkpoint = node.checkpoint();
+    let kubelet = &node.kubelet;
+    // Sixteen clients in flight at once (one task, their requests interleaved).
+    let clients = (0..16).map(|_| {
+        let ids: Vec<String> = free.drain(..20).collect();
+        let checkpoint = checkpoint.clone();
+        async move {
+            for id in ids {
+                kubelet
+                    .allocate_raw(MEM, vec![vec![id.clone()]])
+                    .await
+                    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                let text = std::fs::read_to_string(&checkpoint)?;
+                anyhow::ensure!(
+                    text.contains(&format!("\"{id}\"")),
+                    "{id} answered before it was on disk"
+                );
+            }
+            anyhow::Ok(())
+        }
+    });
+    let clients: Vec<_> = clients.collect();
+    futures::future::try_join_all(clients).await?;
+    assert_eq!(agent.resources().records().len(), 320);
+    stop(agent, token).await
+}
+
+/// Issue 22, item 5: a checkpoint that cannot be written refuses the grants it was to hold
+/// (Internal), and their devices stay held: never handed out twice; once it can be written
+/// again, grants go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_that_cannot_be_written_refuses_the_grant_and_hands_nothing_out_twice()
+-> Result<()> {
+    let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    let view = node.registered(&agent, 1).await?;
+    let mut free = view.healthy(MEM);
+    free.sort();
+    // The temporary file's path taken by a directory: the atomic write cannot happen.
+    let blocker = PathBuf::from(format!("{}.tmp", node.checkpoint().display()));
+    std::fs::create_dir_all(&blocker)?;
+    let refused = node.kubelet.allocate_raw(MEM, vec![vec![free[0].clone()]]).await;
+    assert!(refused.is_err(), "answered though not durable");
+    assert!(format!("{refused:?}").contains("Internal"), "{refused:?}");
+    std::fs::remove_dir(&blocker)?;
+    let again = node.kubelet.allocate_raw(MEM, vec![vec![free[0].clone(), free[1].clone()]]).await;
+    assert!(again.is_err(), "the refused grant's unit handed out again: {again:?}");
+    node.kubelet
+        .allocate_raw(MEM, vec![vec![free[1].clone()]])
+        .await
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let text = std::fs::read_to_string(node.checkpoint())?;
+    assert!(text.contains(&free[1]) && text.contains(&free[0]), "both held, on disk now");
+    stop(agent, token).await
+}

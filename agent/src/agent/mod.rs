@@ -363,6 +363,7 @@ impl Agent {
                 telemetry,
                 instruments,
                 mps_enforced: config.responses.mps.enabled,
+                last_render: tokio::sync::Mutex::new(None),
             });
             let (bound, serve) =
                 crate::metrics::bind(config.metrics.address, endpoint, shutdown.clone()).await?;

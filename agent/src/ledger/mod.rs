@@ -308,6 +308,8 @@ pub struct DeviceLedger {
     group_by_id: HashMap<String, usize>,
     ledger: NodeLedger,
     held: BTreeMap<u64, Held>,
+    /// Counts every change of the records (see [`Self::records_version`]).
+    records_version: u64,
     next_id: u64,
     /// The shapes of the last allocations: the target workload of [`Self::fragmentation`].
     recent: RecentWorkload,
@@ -411,6 +413,7 @@ impl DeviceLedger {
             group_by_id: HashMap::new(),
             ledger,
             held: BTreeMap::new(),
+            records_version: 0,
             next_id: 1,
             recent: RecentWorkload::default(),
         };
@@ -645,6 +648,18 @@ impl DeviceLedger {
         }
     }
 
+    /// A number that changes whenever the records do (an allocation made, repeated, released,
+    /// listed, or its holder named): telling whether a change changed them without comparing
+    /// them all.
+    pub fn records_version(&self) -> u64 {
+        self.records_version
+    }
+
+    /// How many allocations are held.
+    pub fn held_count(&self) -> usize {
+        self.held.len()
+    }
+
     /// The current allocations, in grant order.
     pub fn records(&self) -> Vec<AllocationRecord> {
         self.held.values().map(|h| h.record.clone()).collect()
@@ -835,6 +850,7 @@ impl DeviceLedger {
             h.record.listed = false;
             h.missed = 0;
             let h = h.clone();
+            self.records_version += 1;
             return Ok(self.grant(&h));
         }
         let parsed = self.parse(view, ids)?;
@@ -890,6 +906,7 @@ impl DeviceLedger {
         };
         let grant = self.grant(&held);
         self.held.insert(id, held);
+        self.records_version += 1;
         Ok(grant)
     }
 
@@ -982,6 +999,7 @@ impl DeviceLedger {
 
     fn release_id(&mut self, id: u64) -> Option<AllocationRecord> {
         let held = self.held.remove(&id)?;
+        self.records_version += 1;
         if !matches!(held.view, View::Mig(_)) {
             // Recorded together with `held`, so the ledger knows it.
             let _ = self.ledger.release(AllocationId(id));
@@ -1061,6 +1079,7 @@ impl DeviceLedger {
                 changed += 1;
             }
         }
+        self.records_version += changed as u64;
         changed
     }
 
@@ -1079,6 +1098,7 @@ impl DeviceLedger {
                 changed += 1;
             }
         }
+        self.records_version += changed as u64;
         changed
     }
 

@@ -1,0 +1,190 @@
+//! Issue 22, item 5: Allocate under a growing ledger, under scrapes and under concurrency, on
+//! the simulated 8x H200 (a 256 MiB unit: 4,480 units) with the whole agent in-process against
+//! the fake kubelet over real Unix sockets, every grant durable (the checkpoint written and
+//! synced) before it is answered. In one run, so that the machine's noise falls on every phase:
+//!
+//! - single-client Allocate of one unit at 10 to 110 records, then at 1,000 to 1,100;
+//! - the same at 1,100 to 1,200 records with 8 clients scraping `/metrics` in a loop;
+//! - 16 clients at once, 100 grants each: grants per second and the latency percentiles.
+//!
+//! Run with `cargo bench -p baleen-tests --bench allocate_load`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
+use baleen_agent::inventory::GpuInventory;
+use baleen_agent::inventory::simulated::SimulatedInventory;
+use baleen_agent::isolation::mps::MpsConfig;
+use baleen_agent::isolation::watchdog::WatchdogConfig;
+use baleen_agent::ledger::ViewConfig;
+use baleen_agent::metrics::MetricsConfig;
+use baleen_agent::resources::ResponseConfig;
+use baleen_tests::fake_kubelet::FakeKubelet;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio_util::sync::CancellationToken;
+
+const MEM: &str = "awesome-ai-company.com/gpu-memory";
+
+fn ms(samples: &mut [Duration], q: f64) -> f64 {
+    samples.sort_unstable();
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a rounded index between 0 and the sample count"
+    )]
+    let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
+    samples[i].as_secs_f64() * 1e3
+}
+
+fn line(label: &str, samples: &mut [Duration]) -> f64 {
+    let p99 = ms(samples, 0.99);
+    println!(
+        "{label:>40}: n={} p50={:.2}ms p90={:.2}ms p99={:.2}ms max={:.2}ms",
+        samples.len(),
+        ms(samples, 0.5),
+        ms(samples, 0.9),
+        p99,
+        ms(samples, 1.0)
+    );
+    p99
+}
+
+async fn scrape(address: std::net::SocketAddr) -> anyhow::Result<()> {
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    anyhow::ensure!(response.starts_with(b"HTTP/1.1 200"), "scrape failed");
+    Ok(())
+}
+
+/// Allocates each of `ids` alone, in turn; the latency of each.
+async fn one_by_one(kubelet: &FakeKubelet, ids: &[String]) -> anyhow::Result<Vec<Duration>> {
+    let mut samples = Vec::with_capacity(ids.len());
+    for id in ids {
+        let started = Instant::now();
+        kubelet
+            .allocate_raw(MEM, vec![vec![id.clone()]])
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        samples.push(started.elapsed());
+    }
+    Ok(samples)
+}
+
+fn main() -> anyhow::Result<()> {
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async move {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path();
+        let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
+        kubelet.serve_pod_resources(&root.join("pr.sock"))?;
+        std::fs::write(root.join("boot_id"), "b")?;
+        let example = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../packaging/examples/h200-8x-nvswitch.yaml");
+        let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::from_file(&example)?);
+        let config = AgentConfig {
+            node_name: "load".into(),
+            device_plugin_dir: root.join("dp"),
+            pod_resources_socket: root.join("pr.sock"),
+            state_dir: root.join("state"),
+            boot_id_file: root.join("boot_id"),
+            // A 256 MiB unit: 4,480 units on the 8 GPUs, room for every phase.
+            views: ViewConfig { memory_unit_bytes: 256 << 20, ..ViewConfig::default() },
+            responses: ResponseConfig {
+                devices: baleen_agent::isolation::devices::DeviceListConfig {
+                    strategy: baleen_agent::isolation::devices::Strategy::Envvar,
+                    ..Default::default()
+                },
+                mps: MpsConfig {
+                    root: root.join("mps"),
+                    control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
+                    ..MpsConfig::default()
+                },
+            },
+            health: Default::default(),
+            watchdog: WatchdogConfig { enabled: false, ..WatchdogConfig::default() },
+            metrics: MetricsConfig {
+                enabled: true,
+                address: "127.0.0.1:0".parse()?,
+                interval: Duration::from_secs(1),
+            },
+            annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
+            colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
+            reconcile_interval: Duration::from_secs(1),
+            reconcile_grace: Duration::from_secs(600),
+            reconcile_settle: Duration::from_secs(300),
+        };
+        let token = CancellationToken::new();
+        let agent = Agent::start(
+            config,
+            Dependencies { inventory, registry: Default::default(), node_api: None },
+            token.clone(),
+        )
+        .await?;
+        kubelet.wait_registered(MEM, 1).await?;
+        let view = kubelet
+            .wait_for("units offered", Duration::from_secs(10), |v| v.healthy(MEM).len() > 4000)
+            .await?;
+        let mut free: Vec<String> = view.healthy(MEM);
+        free.sort();
+        let mut take = |n: usize| -> Vec<String> { free.drain(..n).collect() };
+        let address = agent.metrics_address().context("metrics on")?;
+        one_by_one(&kubelet, &take(10)).await?;
+        let small =
+            line("Allocate at 10-110 records", &mut one_by_one(&kubelet, &take(100)).await?);
+        one_by_one(&kubelet, &take(890)).await?;
+        let large =
+            line("Allocate at 1,000-1,100 records", &mut one_by_one(&kubelet, &take(100)).await?);
+        let stop = CancellationToken::new();
+        let scrapers: Vec<_> = (0..8)
+            .map(|_| {
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    let mut n = 0u64;
+                    while !stop.is_cancelled() {
+                        if scrape(address).await.is_ok() {
+                            n += 1;
+                        }
+                    }
+                    n
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let scraped = line("... with 8 scrapers", &mut one_by_one(&kubelet, &take(100)).await?);
+        stop.cancel();
+        let mut scrapes = 0;
+        for s in scrapers {
+            scrapes += s.await?;
+        }
+        println!("{:>40}: {scrapes}", "scrapes meanwhile");
+        let kubelet = Arc::new(kubelet);
+        let started = Instant::now();
+        let clients: Vec<_> = (0..16)
+            .map(|_| {
+                let (kubelet, ids) = (kubelet.clone(), take(100));
+                tokio::spawn(async move { one_by_one(&kubelet, &ids).await })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for c in clients {
+            all.extend(c.await??);
+        }
+        let took = started.elapsed().as_secs_f64();
+        line("16 clients, 1,600 grants", &mut all);
+        println!("{:>40}: {:.0} grants/s over {took:.2} s", "throughput", 1600.0 / took);
+        println!("{:>40}: {:.2}x", "p99 at 1,000 / at 10 records", large / small);
+        println!("{:>40}: {:.2}x", "p99 with / without scrapers", scraped / large);
+        assert_eq!(agent.resources().records().len(), 10 + 100 + 890 + 100 + 100 + 1600);
+        token.cancel();
+        tokio::time::timeout(Duration::from_secs(10), agent.wait()).await??;
+        Ok(())
+    })
+}
