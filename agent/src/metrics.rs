@@ -674,7 +674,7 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long one connection may live, whatever it does.
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
 /// The most bytes buffered per connection (a request's headers included).
-const MAX_BUFFER: usize = 16 * 1024;
+pub const MAX_BUFFER: usize = 16 * 1024;
 
 /// Binds `address` now (readiness by binding, not by sleeping); the bound address and the
 /// server, which serves until `shutdown`. The port is unauthenticated and open to the pod

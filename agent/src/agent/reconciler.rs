@@ -130,9 +130,13 @@ pub async fn run(
         }
         let now = registrations(&witnesses.plugins);
         if now > registered {
-            tracing::info!(
-                "the kubelet registered the plugins again (it restarted): allocations it no longer lists are kept until the miss is confirmed"
-            );
+            // The first registrations are the kubelet appearing to this agent; later ones, the
+            // kubelet coming back after a restart. Either way it may still be syncing.
+            if registered > 0 {
+                tracing::info!(
+                    "the kubelet registered the plugins again (it restarted): allocations it no longer lists are kept until the miss is confirmed"
+                );
+            }
             appeared = Instant::now();
         }
         registered = now;
