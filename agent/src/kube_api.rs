@@ -171,37 +171,13 @@ impl NodeApi for KubeNodeApi {
         use crate::isolation::colocation::CLASS_LABEL;
         let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
         let config = watcher::Config::default().labels(CLASS_LABEL);
-        let stream = watcher::watcher(namespaces, config).default_backoff();
-        futures::pin_mut!(stream);
         let class_of = |ns: &k8s_openapi::api::core::v1::Namespace| {
             let name = ns.metadata.name.clone()?;
             let value = ns.metadata.labels.as_ref()?.get(CLASS_LABEL)?.clone();
             Some((name, value))
         };
         let mut listing: Option<std::collections::BTreeMap<String, String>> = None;
-        let mut failing = false;
-        loop {
-            let event = tokio::select! {
-                () = shutdown.cancelled() => return,
-                event = stream.next() => match event {
-                    Some(e) => e,
-                    None => return,
-                },
-            };
-            let event = match event {
-                Ok(e) => e,
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(error = %e, "cannot follow the namespaces' class labels; retrying with backoff (co-location keeps the last ones meanwhile)");
-                    }
-                    failing = true;
-                    continue;
-                }
-            };
-            if failing {
-                tracing::info!("following the namespaces' class labels again");
-                failing = false;
-            }
+        follow_events(namespaces, config, "the namespaces' class labels", &shutdown, |event| {
             match event {
                 Event::Init => listing = Some(std::collections::BTreeMap::new()),
                 Event::InitApply(ns) => {
@@ -234,7 +210,8 @@ impl NodeApi for KubeNodeApi {
                     }
                 }
             }
-        }
+        })
+        .await;
     }
 
     async fn follow_pods(
@@ -245,62 +222,78 @@ impl NodeApi for KubeNodeApi {
     ) {
         let pods: Api<Pod> = Api::all(self.client.clone());
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let stream = watcher::watcher(pods, config).default_backoff();
-        futures::pin_mut!(stream);
         let mut listing: Option<NodePods> = None;
-        let mut failing = false;
-        loop {
-            let event = tokio::select! {
-                () = shutdown.cancelled() => return,
-                event = stream.next() => match event {
-                    Some(e) => e,
-                    None => return,
-                },
-            };
-            let event = match event {
-                Ok(e) => e,
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(node, error = %e, "cannot follow the node's pods; retrying with backoff (co-location and the memory watchdog keep the last view meanwhile)");
-                    }
-                    failing = true;
-                    continue;
+        follow_events(pods, config, "the node's pods", &shutdown, |event| match event {
+            Event::Init => listing = Some(NodePods::default()),
+            Event::InitApply(pod) => {
+                if let (Some(list), Some(p)) = (listing.as_mut(), PodInfo::of(&pod)) {
+                    list.pods.insert(p.uid.clone(), p);
                 }
-            };
-            if failing {
-                tracing::info!(node, "following the node's pods again");
-                failing = false;
             }
-            match event {
-                Event::Init => listing = Some(NodePods::default()),
-                Event::InitApply(pod) => {
-                    if let (Some(list), Some(p)) = (listing.as_mut(), PodInfo::of(&pod)) {
-                        list.pods.insert(p.uid.clone(), p);
-                    }
+            Event::InitDone => {
+                if let Some(list) = listing.take() {
+                    // The namespaces' labels, followed by another watcher, stay.
+                    view.send_modify(|v| {
+                        v.synced = true;
+                        v.pods = list.pods;
+                    });
                 }
-                Event::InitDone => {
-                    if let Some(list) = listing.take() {
-                        // The namespaces' labels, followed by another watcher, stay.
-                        view.send_modify(|v| {
-                            v.synced = true;
-                            v.pods = list.pods;
-                        });
-                    }
+            }
+            Event::Apply(pod) => {
+                if let Some(p) = PodInfo::of(&pod) {
+                    view.send_modify(|v| {
+                        v.pods.insert(p.uid.clone(), p);
+                    });
                 }
-                Event::Apply(pod) => {
-                    if let Some(p) = PodInfo::of(&pod) {
-                        view.send_modify(|v| {
-                            v.pods.insert(p.uid.clone(), p);
-                        });
-                    }
+            }
+            Event::Delete(pod) => {
+                if let Some(uid) = pod.metadata.uid {
+                    view.send_modify(|v| {
+                        v.pods.remove(&uid);
+                    });
                 }
-                Event::Delete(pod) => {
-                    if let Some(uid) = pod.metadata.uid {
-                        view.send_modify(|v| {
-                            v.pods.remove(&uid);
-                        });
-                    }
+            }
+        })
+        .await;
+    }
+}
+
+/// Follows `api` (filtered by `config`) until `shutdown` or the stream's end, giving each event
+/// to `apply`. A failing watch is retried with kube-rs's backoff and logged once per outage
+/// (`what` names it); its users keep their last view meanwhile.
+async fn follow_events<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    what: &str,
+    shutdown: &CancellationToken,
+    mut apply: impl FnMut(Event<K>),
+) where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    let stream = watcher::watcher(api, config).default_backoff();
+    futures::pin_mut!(stream);
+    let mut failing = false;
+    loop {
+        let event = tokio::select! {
+            () = shutdown.cancelled() => return,
+            event = stream.next() => match event {
+                Some(e) => e,
+                None => return,
+            },
+        };
+        match event {
+            Ok(event) => {
+                if failing {
+                    tracing::info!("following {what} again");
+                    failing = false;
                 }
+                apply(event);
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "cannot follow {what}; retrying with backoff (co-location and the memory watchdog keep the last view meanwhile)");
+                }
+                failing = true;
             }
         }
     }
