@@ -117,9 +117,6 @@ pub enum MetricsError {
         #[source]
         source: std::io::Error,
     },
-    /// The server failed.
-    #[error("the metrics server failed")]
-    Serve(#[source] std::io::Error),
 }
 
 const GPU_LABELS: [&str; 4] = ["node", "gpu_uuid", "gpu_index", "model"];
@@ -577,6 +574,13 @@ impl Metrics {
                 .sum();
             self.resource_allocated.with_label_values(&labels).set(int(allocated as u64));
         }
+        // Each grant's usage by key: one lookup per grant, not a scan (the first of a key wins).
+        let mut used_by = std::collections::HashMap::new();
+        for u in &usage {
+            used_by
+                .entry((u.gpu.as_str(), u.resource.as_str(), u.device_ids.as_slice()))
+                .or_insert(u);
+        }
         for (record, gpu, bytes, holder) in grants {
             let (namespace, pod, container) =
                 holder.map(|k| (k.namespace, k.pod, k.container)).unwrap_or_default();
@@ -589,11 +593,11 @@ impl Metrics {
                 gpu.as_str(),
             ];
             self.grant_bytes.with_label_values(&labels).set(int(bytes));
-            let used = usage.iter().find(|u| {
-                u.gpu.as_str() == gpu
-                    && u.resource == record.resource
-                    && u.device_ids == record.device_ids
-            });
+            let used = used_by.get(&(
+                gpu.as_str(),
+                record.resource.as_str(),
+                record.device_ids.as_slice(),
+            ));
             if let Some(u) = used {
                 self.grant_used.with_label_values(&labels).set(int(u.used_bytes));
                 self.grant_episodes.with_label_values(&labels).inc_by(u.over_grant_episodes);

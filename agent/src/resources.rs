@@ -387,16 +387,6 @@ impl NodeResources {
             .collect()
     }
 
-    /// MPS client processes per GPU at the last probe, by UUID.
-    pub fn mps_clients(&self) -> BTreeMap<String, usize> {
-        self.lock().mps_clients.clone()
-    }
-
-    /// Why each unhealthy GPU is, by UUID.
-    pub fn unhealthy_reasons(&self) -> BTreeMap<String, String> {
-        self.lock().unhealthy.clone()
-    }
-
     /// Every GPU's state, and per resource its devices and healthy devices, now.
     pub fn snapshot(&self) -> (Vec<GpuState>, Vec<(String, usize, usize)>) {
         let inner = self.lock();
@@ -449,9 +439,10 @@ impl NodeResources {
             .filter(|(v, _)| matches!(v, View::GpuMemory))
             .map(|(_, (name, _))| name.as_str())
             .collect();
+        let inner = self.lock();
         let mut holdings = Vec::new();
         let mut unlisted = Vec::new();
-        for (record, gpu, bytes, holder) in self.grants() {
+        for (record, gpu, bytes, holder) in grants_of(&inner) {
             let Ok(gpu) = GpuUuid::new(&gpu) else { continue };
             match holder {
                 Some(k) => holdings.push(Holding {
@@ -464,13 +455,8 @@ impl NodeResources {
                 None => unlisted.push((record.resource, gpu)),
             }
         }
-        let servers = self.lock().mps_servers.values().flatten().copied().collect();
+        let servers = inner.mps_servers.values().flatten().copied().collect();
         (holdings, unlisted, servers)
-    }
-
-    /// The node's fragmentation now (see [`DeviceLedger::fragmentation`]).
-    pub fn fragmentation(&self) -> Fragmentation {
-        self.lock().state.fragmentation()
     }
 
     /// The current allocations.
