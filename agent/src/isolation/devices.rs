@@ -120,21 +120,12 @@ struct SpecDevice {
     name: String,
 }
 
-/// A regular file's bytes, at most [`MAX_FILE_BYTES`] (a FIFO, a device or an endless file
-/// is refused, not read).
-fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
-    use std::io::Read as _;
-    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
-    if !meta.is_file() {
-        return Err("not a regular file".into());
-    }
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(|e| e.to_string())?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(format!("larger than {MAX_FILE_BYTES} bytes"));
-    }
-    Ok(bytes)
+/// A regular file's bytes, at most [`MAX_FILE_BYTES`] (`crate::files::read_bounded`: a FIFO, a
+/// device or an endless file is refused, not read; links followed, as a mounted file's are):
+/// `Ok(None)` when there is none.
+fn read_bounded(path: &Path) -> Result<Option<Vec<u8>>, String> {
+    crate::files::read_bounded(path, MAX_FILE_BYTES, crate::files::Links::Follow)
+        .map_err(|e| e.to_string())
 }
 
 /// The devices of `kind` in the spec files (`*.yaml`, `*.yml`, `*.json`) of `dirs`. A missing
@@ -161,10 +152,12 @@ pub fn read_cdi_specs(dirs: &[PathBuf], kind: &str) -> CdiSpecs {
             if !spec_like {
                 continue;
             }
-            let parsed = read_bounded(&path).and_then(|bytes| {
-                // JSON is YAML: one parser for both forms.
-                serde_yaml_ng::from_slice::<SpecFile>(&bytes).map_err(|e| e.to_string())
-            });
+            let parsed = read_bounded(&path)
+                .and_then(|bytes| bytes.ok_or_else(|| "no such file".to_owned()))
+                .and_then(|bytes| {
+                    // JSON is YAML: one parser for both forms.
+                    serde_yaml_ng::from_slice::<SpecFile>(&bytes).map_err(|e| e.to_string())
+                });
             match parsed {
                 Ok(spec) if spec.kind == kind => {
                     specs.names.extend(spec.devices.into_iter().map(|d| d.name));
@@ -191,8 +184,8 @@ pub struct ToolkitSettings {
 /// mounted into the agent's container), `Err` when it is there but unreadable or not TOML.
 pub fn read_toolkit_config(path: &Path) -> Result<Option<ToolkitSettings>, String> {
     let bytes = match read_bounded(path) {
-        Ok(bytes) => bytes,
-        Err(_) if !path.exists() => return Ok(None),
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
     let text = String::from_utf8(bytes).map_err(|e| format!("{}: {e}", path.display()))?;
