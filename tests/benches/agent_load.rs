@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use baleen_tests::fake_kubelet::FakeKubelet;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::AsyncWriteExt as _;
 
 const MEM: &str = "awesome-ai-company.com/gpu-memory";
 
@@ -33,15 +33,11 @@ fn report(pid: u32, what: &str) {
     );
 }
 
+/// The size of one `/metrics` answer's body.
 async fn scrape(address: std::net::SocketAddr) -> anyhow::Result<usize> {
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await?;
-    anyhow::ensure!(response.starts_with(b"HTTP/1.1 200"), "scrape failed");
-    Ok(response.len())
+    let (code, body) = baleen_tests::http::request(address, "GET", "/metrics", "").await?;
+    anyhow::ensure!(code == 200, "scrape failed: {code}");
+    Ok(body.len())
 }
 
 fn main() -> anyhow::Result<()> {

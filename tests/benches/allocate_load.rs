@@ -14,16 +14,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
+use baleen_agent::agent::{Agent, Dependencies};
 use baleen_agent::inventory::GpuInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
-use baleen_agent::isolation::mps::MpsConfig;
-use baleen_agent::isolation::watchdog::WatchdogConfig;
 use baleen_agent::ledger::ViewConfig;
-use baleen_agent::metrics::MetricsConfig;
-use baleen_agent::resources::ResponseConfig;
 use baleen_tests::fake_kubelet::FakeKubelet;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
 
 const MEM: &str = "awesome-ai-company.com/gpu-memory";
@@ -53,13 +48,8 @@ fn line(label: &str, samples: &mut [Duration]) -> f64 {
 }
 
 async fn scrape(address: std::net::SocketAddr) -> anyhow::Result<()> {
-    let mut stream = tokio::net::TcpStream::connect(address).await?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await?;
-    anyhow::ensure!(response.starts_with(b"HTTP/1.1 200"), "scrape failed");
+    let (code, _) = baleen_tests::http::request(address, "GET", "/metrics", "").await?;
+    anyhow::ensure!(code == 200, "scrape failed: {code}");
     Ok(())
 }
 
@@ -89,38 +79,13 @@ fn main() -> anyhow::Result<()> {
         let example = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../packaging/examples/h200-8x-nvswitch.yaml");
         let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::from_file(&example)?);
-        let config = AgentConfig {
-            node_name: "load".into(),
-            device_plugin_dir: root.join("dp"),
-            pod_resources_socket: root.join("pr.sock"),
-            state_dir: root.join("state"),
-            boot_id_file: root.join("boot_id"),
-            // A 256 MiB unit: 4,480 units on the 8 GPUs, room for every phase.
-            views: ViewConfig { memory_unit_bytes: 256 << 20, ..ViewConfig::default() },
-            responses: ResponseConfig {
-                devices: baleen_agent::isolation::devices::DeviceListConfig {
-                    strategy: baleen_agent::isolation::devices::Strategy::Envvar,
-                    ..Default::default()
-                },
-                mps: MpsConfig {
-                    root: root.join("mps"),
-                    control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
-                    ..MpsConfig::default()
-                },
-            },
-            health: Default::default(),
-            watchdog: WatchdogConfig { enabled: false, ..WatchdogConfig::default() },
-            metrics: MetricsConfig {
-                enabled: true,
-                address: "127.0.0.1:0".parse()?,
-                interval: Duration::from_secs(1),
-            },
-            annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
-            colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
-            reconcile_interval: Duration::from_secs(1),
-            reconcile_grace: Duration::from_secs(600),
-            reconcile_settle: Duration::from_secs(300),
-        };
+        // A 256 MiB unit: 4,480 units on the 8 GPUs, room for every phase.
+        let config = baleen_tests::bench::agent_config(
+            root,
+            "load",
+            ViewConfig { memory_unit_bytes: 256 << 20, ..ViewConfig::default() },
+            Path::new(env!("CARGO_BIN_EXE_fake-mps-control")),
+        );
         let token = CancellationToken::new();
         let agent = Agent::start(
             config,

@@ -6,6 +6,7 @@
 //!   container, and a restart that wipes the directory.
 //! - [`cluster_loop`]: a trace list replayed through the extender, a fake API server and
 //!   agent ledgers (the cluster in the loop);
+//! - [`bench`](mod@bench): the in-process benchmarks' agent configuration;
 //! - [`fuzz`]: the bodies and seeds of the fuzz targets (`fuzz/`);
 //! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
 //!   which can go away and come back;
@@ -17,6 +18,7 @@
 //! The tests themselves are in `tests/tests/`. The placement replay check against the published
 //! Alibaba results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
 
+pub mod bench;
 pub mod cluster_loop;
 pub mod fake_apiserver;
 pub mod fake_kubelet;

@@ -1,0 +1,48 @@
+//! What the in-process benchmarks (`tests/benches/`) share: the agent's configuration for a
+//! node under `root` beside the fake kubelet.
+
+use std::path::Path;
+use std::time::Duration;
+
+use baleen_agent::agent::AgentConfig;
+use baleen_agent::isolation::devices::{DeviceListConfig, Strategy};
+use baleen_agent::isolation::mps::MpsConfig;
+use baleen_agent::isolation::watchdog::WatchdogConfig;
+use baleen_agent::ledger::ViewConfig;
+use baleen_agent::metrics::MetricsConfig;
+use baleen_agent::resources::ResponseConfig;
+
+/// The agent of node `node` under `root` (device plugins in `dp`, pod-resources at `pr.sock`,
+/// state in `state`, boot ID in `boot_id`), with `views`, GPUs handed out by the variable, the
+/// MPS daemons run by `mps_control` (the fake's binary), metrics on a free loopback port, no
+/// watchdog, and a reconciliation every second.
+pub fn agent_config(root: &Path, node: &str, views: ViewConfig, mps_control: &Path) -> AgentConfig {
+    AgentConfig {
+        node_name: node.into(),
+        device_plugin_dir: root.join("dp"),
+        pod_resources_socket: root.join("pr.sock"),
+        state_dir: root.join("state"),
+        boot_id_file: root.join("boot_id"),
+        views,
+        responses: ResponseConfig {
+            devices: DeviceListConfig { strategy: Strategy::Envvar, ..Default::default() },
+            mps: MpsConfig {
+                root: root.join("mps"),
+                control_binary: mps_control.to_path_buf(),
+                ..MpsConfig::default()
+            },
+        },
+        health: Default::default(),
+        watchdog: WatchdogConfig { enabled: false, ..WatchdogConfig::default() },
+        metrics: MetricsConfig {
+            enabled: true,
+            address: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            interval: Duration::from_secs(1),
+        },
+        annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
+        colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
+        reconcile_interval: Duration::from_secs(1),
+        reconcile_grace: Duration::from_secs(600),
+        reconcile_settle: Duration::from_secs(300),
+    }
+}
