@@ -26,7 +26,8 @@ use crate::isolation::pod_identity::{self, PodIdentifier};
 use crate::isolation::watchdog::Holding;
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{
-    AllocationRecord, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal, View,
+    AllocationRecord, Delta, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal,
+    View,
 };
 use crate::reconcile::{self, KubeletAllocation, Report};
 
@@ -140,62 +141,149 @@ enum Trust {
     Reconciled,
 }
 
-/// The refusal of an Allocate on GPUs whose MPS daemon does not answer.
-fn unavailable(gpus: &[String]) -> BackendError {
-    BackendError::Unavailable {
-        reason: format!(
-            "the MPS daemon of GPU {} does not answer, so no memory limit on it can be enforced now",
-            gpus.join(", ")
-        ),
+/// Counts the changes of the allocations: a pod-resources list applies only to the generation
+/// it was asked at (see [`NodeResources::reconcile`]), and the node-state document carries it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Generation(u64);
+
+impl Generation {
+    /// The generation after this one.
+    #[must_use]
+    pub fn next(self) -> Self {
+        Self(self.0.wrapping_add(1))
+    }
+
+    /// Its number.
+    pub fn get(self) -> u64 {
+        self.0
     }
 }
 
+impl std::fmt::Display for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Why a change of the ledger was not made, or not made durable. A change that fails leaves
+/// the ledger as it was, except [`ChangeError::NotDurable`]: the change is in the ledger (its
+/// devices stay held, never handed out twice) but was never answered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChangeError {
+    /// The ledger refused it.
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    /// A share on these GPUs cannot be enforced now: their MPS daemon does not answer.
+    #[error(
+        "the MPS daemon of GPU {} does not answer, so no memory limit on it can be enforced now",
+        gpus.join(", ")
+    )]
+    Unenforced {
+        /// The GPUs.
+        gpus: Vec<String>,
+    },
+    /// The checkpoint could not be written: the change is not durable.
+    #[error("the checkpoint cannot be written: {reason}")]
+    NotDurable {
+        /// Why the write failed.
+        reason: String,
+    },
+}
+
+impl From<ChangeError> for BackendError {
+    fn from(e: ChangeError) -> Self {
+        match e {
+            ChangeError::Refused(r) => r.into(),
+            e @ ChangeError::Unenforced { .. } => {
+                BackendError::Unavailable { reason: e.to_string() }
+            }
+            ChangeError::NotDurable { reason } => BackendError::Internal { reason },
+        }
+    }
+}
+
+/// The writer's state, behind `NodeResources::inner`: taken by every change for the time it
+/// takes to apply it to a clone of the ledger (cheap, see [`DeviceLedger`]), never while the
+/// checkpoint is written.
 struct Inner {
-    state: DeviceLedger,
-    checkpoint: Checkpoint,
-    node: String,
-    boot_id: String,
+    /// The ledger as last changed (also the published one).
+    state: Arc<DeviceLedger>,
     /// Whether the ledger may be written to the checkpoint: it was restored from a trusted
     /// checkpoint, or reconciled with the kubelet since. An untrusted ledger (after a reboot, a
     /// corrupt or foreign checkpoint) that has not been reconciled knows nothing of the running
     /// containers; writing it would make the next start trust an empty ledger.
     trusted: bool,
-    /// Counts the changes of the allocations; a pod-resources list applies only to the
-    /// generation it was asked at (see [`NodeResources::reconcile`]).
-    generation: u64,
+    generation: Generation,
     /// The kubelet's last list applied: who holds which devices (for the metrics' pod labels).
-    listed: Vec<KubeletAllocation>,
+    listed: Arc<Vec<KubeletAllocation>>,
     /// Why each unhealthy GPU is (for the metrics).
-    unhealthy: BTreeMap<String, String>,
+    unhealthy: Arc<BTreeMap<String, String>>,
     /// MPS client processes per GPU at the last probe (for the metrics).
-    mps_clients: BTreeMap<String, usize>,
+    mps_clients: Arc<BTreeMap<String, usize>>,
     /// The MPS server PIDs each GPU's daemon named at its last answered probe (the watchdog
     /// leaves them alone).
-    mps_servers: BTreeMap<String, Vec<u32>>,
-    /// Changes staged in `state` that must reach the checkpoint, numbered; see [`Commits`].
-    staged: u64,
+    mps_servers: Arc<BTreeMap<String, Vec<u32>>>,
+    /// Changes applied to `state` that must reach the checkpoint, numbered; see [`Commits`].
+    staged: Vec<(u64, Delta)>,
+    /// The number of the last change staged (the journal's sequence).
+    sequence: u64,
+    /// The next write must be a whole snapshot: the ledger was just trusted.
+    compact: bool,
+    /// Per view, the availability its device list was last published with.
+    shown: BTreeMap<View, Vec<bool>>,
+}
+
+/// The ledger and what goes with it at one moment, published after every change: every reader
+/// (GetPreferredAllocation, `/metrics`, the node-state document, the watchdog) reads one of
+/// these without waiting on a change or a checkpoint write, and never mixes two states.
+#[derive(Debug, Clone)]
+pub struct Published {
+    /// The ledger.
+    pub state: Arc<DeviceLedger>,
+    /// Its generation.
+    pub generation: Generation,
+    /// The kubelet's last list applied.
+    pub listed: Arc<Vec<KubeletAllocation>>,
+    /// Why each unhealthy GPU is.
+    pub unhealthy: Arc<BTreeMap<String, String>>,
+    /// MPS clients per GPU at the last probe.
+    pub mps_clients: Arc<BTreeMap<String, usize>>,
+    /// The MPS servers' PIDs per GPU.
+    pub mps_servers: Arc<BTreeMap<String, Vec<u32>>>,
 }
 
 /// The group commit of the checkpoint: a change is applied to the ledger under its lock (fast)
-/// and numbered; then one thread at a time writes the ledger as it is then (every change staged
-/// so far) and syncs it, outside the lock, while the others wait for their number to be on
-/// disk. Under concurrency one write covers many changes. A change is answered only once its
-/// number is durable; a write that fails fails every change it was to cover (their grants stay
-/// held in the ledger, never answered: released once the reconciliation's grace for grants the
-/// kubelet never lists has passed; never handed out twice).
+/// and numbered; then one thread at a time (the one holding `NodeResources::store`) appends
+/// every change staged so far to the journal and syncs it, outside the ledger's lock, while
+/// the others wait for their number to be on disk. Under concurrency one write covers many
+/// changes. A change is answered only once its number is durable; a write that fails fails
+/// every change it was to cover (their grants stay held in the ledger, never answered:
+/// released once the reconciliation's grace for grants the kubelet never lists has passed;
+/// never handed out twice), and the next write rewrites the snapshot whole.
 #[derive(Debug, Default)]
 struct Commits {
-    /// A thread is writing.
-    writing: bool,
     /// The last change number on disk.
     durable: u64,
     /// The last change number a failed write was to cover, and why it failed.
     failed: (u64, String),
 }
 
+/// The writer's end of the checkpoint, held by the one thread writing.
+#[derive(Debug, Default)]
+struct Store {
+    /// The journal being appended to; `None` until the first write, and after a failed one:
+    /// the next write is then a compaction.
+    journal: Option<crate::checkpoint::JournalWriter>,
+}
+
 /// The node's device ledger shared by every view, persisted on every change.
 pub struct NodeResources {
     inner: Mutex<Inner>,
+    /// The last state published (see [`Published`]): held only to clone or replace the `Arc`.
+    published: Mutex<Arc<Published>>,
+    checkpoint: Checkpoint,
+    node: String,
+    boot_id: String,
     /// Where the agent's own measurements go, once the metrics are set up (with the node label).
     instruments: std::sync::OnceLock<(String, Arc<Instruments>)>,
     views: BTreeMap<View, (String, watch::Sender<DeviceSnapshot>)>,
@@ -211,53 +299,62 @@ pub struct NodeResources {
     answers: Mutex<Answers>,
     /// Finds the pod of an Allocate for its MPS client priority, once co-location runs.
     identifier: std::sync::OnceLock<Arc<PodIdentifier>>,
-    /// The group commit's state (taken after `inner`'s lock is released, or inside it only to
-    /// read `staged`: never the other way round).
+    /// The group commit's state (taken alone, or inside `store`: never with `inner` held).
     commits: Mutex<Commits>,
-    /// Told whenever a write ends.
-    committed: std::sync::Condvar,
+    /// The checkpoint's writer: whoever holds it writes (taken before `inner`, never inside it).
+    store: Mutex<Store>,
 }
 
 impl NodeResources {
     /// Wraps `state`; every change is written to `checkpoint` for `node` in boot `boot_id`.
     /// `pod_resources` is the kubelet's pod-resources socket, asked before an Allocate replaces
     /// an older allocation of the same resource (`None`: trust the kubelet without asking).
-    /// Allocate answers are written with `responses`. `trusted`: `state` was restored from a
-    /// trusted checkpoint; if not, nothing is written until the first reconciliation.
+    /// Allocate answers are written with `responses`. `restored`: the sequence of the trusted
+    /// checkpoint `state` was restored from; if `None`, nothing is written until the first
+    /// reconciliation.
     pub fn new(
-        state: DeviceLedger,
+        mut state: DeviceLedger,
         checkpoint: Checkpoint,
         node: String,
         boot_id: String,
         pod_resources: Option<PathBuf>,
         responses: ResponseConfig,
-        trusted: bool,
+        restored: Option<u64>,
     ) -> Arc<Self> {
+        state.forget_changes();
         let domain = state.config().domain.clone();
+        let mut shown = BTreeMap::new();
         let views = state
             .views()
             .into_iter()
             .map(|v| {
                 let (tx, _) =
                     watch::channel(Arc::new(DeviceList::new(device_list(state.devices(&v)))));
+                shown.insert(v.clone(), state.availability(&v));
                 let name = v.resource_name(&domain);
                 (v, (name, tx))
             })
             .collect();
+        let inner = Inner {
+            state: Arc::new(state),
+            trusted: restored.is_some(),
+            generation: Generation::default(),
+            listed: Arc::default(),
+            unhealthy: Arc::default(),
+            mps_clients: Arc::default(),
+            mps_servers: Arc::default(),
+            staged: Vec::new(),
+            sequence: restored.unwrap_or(0),
+            compact: true,
+            shown,
+        };
+        let published = Mutex::new(Arc::new(published_of(&inner)));
         Arc::new(Self {
-            inner: Mutex::new(Inner {
-                state,
-                checkpoint,
-                node,
-                boot_id,
-                trusted,
-                generation: 0,
-                listed: Vec::new(),
-                unhealthy: BTreeMap::new(),
-                mps_clients: BTreeMap::new(),
-                mps_servers: BTreeMap::new(),
-                staged: 0,
-            }),
+            inner: Mutex::new(inner),
+            published,
+            checkpoint,
+            node,
+            boot_id,
             views,
             state_changes: watch::channel(0).0,
             pod_resources,
@@ -267,7 +364,7 @@ impl NodeResources {
             identifier: std::sync::OnceLock::new(),
             answers: Mutex::new(Answers::default()),
             commits: Mutex::new(Commits::default()),
-            committed: std::sync::Condvar::new(),
+            store: Mutex::new(Store::default()),
         })
     }
 
@@ -278,17 +375,15 @@ impl NodeResources {
     /// `baleen_device_isolation` where the metrics are on.
     pub fn report_device_posture(&self) -> Vec<crate::isolation::devices::Check> {
         use crate::isolation::devices::CheckState;
-        let visible: Vec<String> = {
-            let inner = self.lock();
-            inner
-                .state
-                .gpus()
-                .flat_map(|g| {
-                    std::iter::once(g.uuid.to_string())
-                        .chain(g.mig.instances().iter().map(|m| m.uuid.to_string()))
-                })
-                .collect()
-        };
+        let visible: Vec<String> = self
+            .published()
+            .state
+            .gpus()
+            .flat_map(|g| {
+                std::iter::once(g.uuid.to_string())
+                    .chain(g.mig.instances().iter().map(|m| m.uuid.to_string()))
+            })
+            .collect();
         let checks = self.devices.posture(&visible);
         let strategy = self.devices.config().strategy.name();
         for c in &checks {
@@ -346,7 +441,7 @@ impl NodeResources {
     /// shows holding `resource`, by their number of devices.
     fn listed_holders(&self, resource: &str) -> BTreeMap<(String, u64), usize> {
         let mut holders = BTreeMap::new();
-        for k in self.lock().listed.iter().filter(|k| k.resource == resource) {
+        for k in self.published().listed.iter().filter(|k| k.resource == resource) {
             let count = u64::try_from(k.device_ids.len()).unwrap_or(u64::MAX);
             *holders.entry((format!("{}/{}", k.namespace, k.pod), count)).or_default() += 1;
         }
@@ -373,6 +468,21 @@ impl NodeResources {
         self.answers.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn commits_lock(&self) -> MutexGuard<'_, Commits> {
+        self.commits.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The state published last: what every reader reads.
+    pub fn published(&self) -> Arc<Published> {
+        self.published.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Publishes `inner` as it is now (see [`Published`]).
+    fn publish(&self, inner: &Inner) {
+        let next = Arc::new(published_of(inner));
+        *self.published.lock().unwrap_or_else(PoisonError::into_inner) = next;
+    }
+
     /// One backend per view.
     pub fn backends(self: &Arc<Self>) -> Vec<Arc<ViewBackend>> {
         self.views
@@ -389,43 +499,41 @@ impl NodeResources {
 
     /// Every GPU's state, and per resource its devices and healthy devices, now.
     pub fn snapshot(&self) -> (Vec<GpuState>, Vec<(String, usize, usize)>) {
-        let inner = self.lock();
-        self.snapshot_of(&inner)
+        self.snapshot_of(&self.published().state)
     }
 
-    fn snapshot_of(&self, inner: &Inner) -> (Vec<GpuState>, Vec<(String, usize, usize)>) {
+    fn snapshot_of(&self, state: &DeviceLedger) -> (Vec<GpuState>, Vec<(String, usize, usize)>) {
         let views = self
             .views
             .iter()
             .map(|(view, (name, _))| {
-                let devices = inner.state.devices(view);
-                let healthy = devices.iter().filter(|d| d.healthy).count();
-                (name.clone(), devices.len(), healthy)
+                let (devices, healthy) = state.device_counts(view);
+                (name.clone(), devices, healthy)
             })
             .collect();
-        (inner.state.gpu_states(), views)
+        (state.gpu_states(), views)
     }
 
-    /// Everything a `/metrics` scrape shows of the ledger, read under one lock: one scrape
-    /// never mixes two states of the ledger.
+    /// Everything a `/metrics` scrape shows of the ledger, from one published state: one
+    /// scrape never mixes two states of the ledger, and never holds up a change.
     pub fn scrape_view(&self) -> ScrapeView {
-        let inner = self.lock();
-        let (gpus, views) = self.snapshot_of(&inner);
+        let published = self.published();
+        let (gpus, views) = self.snapshot_of(&published.state);
         ScrapeView {
             gpus,
             views,
-            reasons: inner.unhealthy.clone(),
-            clients: inner.mps_clients.clone(),
-            records: inner.state.records(),
-            fragmentation: inner.state.fragmentation(),
-            grants: grants_of(&inner),
+            reasons: (*published.unhealthy).clone(),
+            clients: (*published.mps_clients).clone(),
+            records: published.state.records(),
+            fragmentation: published.state.fragmentation(),
+            grants: grants_of(&published),
         }
     }
 
     /// Per allocation and GPU, the bytes granted, with the container the kubelet's last list
     /// names for it (`None` for one it has not listed: an init container, or one just granted).
     pub fn grants(&self) -> Vec<GrantShown> {
-        grants_of(&self.lock())
+        grants_of(&self.published())
     }
 
     /// What the memory watchdog attributes GPU processes with: each listed container's grants
@@ -439,10 +547,10 @@ impl NodeResources {
             .filter(|(v, _)| matches!(v, View::GpuMemory))
             .map(|(_, (name, _))| name.as_str())
             .collect();
-        let inner = self.lock();
+        let published = self.published();
         let mut holdings = Vec::new();
         let mut unlisted = Vec::new();
-        for (record, gpu, bytes, holder) in grants_of(&inner) {
+        for (record, gpu, bytes, holder) in grants_of(&published) {
             let Ok(gpu) = GpuUuid::new(&gpu) else { continue };
             match holder {
                 Some(k) => holdings.push(Holding {
@@ -455,13 +563,13 @@ impl NodeResources {
                 None => unlisted.push((record.resource, gpu)),
             }
         }
-        let servers = inner.mps_servers.values().flatten().copied().collect();
+        let servers = published.mps_servers.values().flatten().copied().collect();
         (holdings, unlisted, servers)
     }
 
     /// The current allocations.
     pub fn records(&self) -> Vec<AllocationRecord> {
-        self.lock().state.records()
+        self.published().state.records()
     }
 
     /// Follows changes of the node-state document (see [`Self::node_state`]).
@@ -471,24 +579,30 @@ impl NodeResources {
 
     /// The node-state document now: the ledger, with the pods the kubelet's last list names.
     pub fn node_state(&self) -> baleen_scheduler_core::gpu_state::NodeGpuState {
-        let inner = self.lock();
-        let holders = listed_by_key(&inner.listed);
+        let published = self.published();
+        let holders = listed_by_key(&published.listed);
         let holder = |r: &AllocationRecord| {
             holders
                 .get(&(r.resource.as_str(), r.device_ids.as_slice()))
                 .map(|k| format!("{}/{}", k.namespace, k.pod))
         };
-        inner.state.node_state(&inner.node, inner.generation, holder)
+        published.state.node_state(&self.node, published.generation.get(), holder)
     }
 
     fn state_changed(&self) {
         self.state_changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    fn publish(&self, state: &DeviceLedger) {
-        self.state_changed();
+    /// Sends the device list of every view whose availability changed (a GPU taken whole or
+    /// freed, a first unit taken or the last freed, health, enforcement): a grant that changes
+    /// no device's health costs no list.
+    fn publish_devices(&self, inner: &mut Inner) {
         for (view, (_, tx)) in &self.views {
-            let devices = device_list(state.devices(view));
+            let availability = inner.state.availability(view);
+            if inner.shown.get(view) == Some(&availability) {
+                continue;
+            }
+            let devices = device_list(inner.state.devices(view));
             tx.send_if_modified(|current| {
                 if current.devices() == devices.as_slice() {
                     false
@@ -497,39 +611,62 @@ impl NodeResources {
                     true
                 }
             });
+            inner.shown.insert(view.clone(), availability);
         }
     }
 
-    /// Applies `change` (given the ledger and the generation it applies to) to the state, and
-    /// returns once the checkpoint holds it (the group commit, [`Commits`]); a change that fails
-    /// leaves the ledger as it was. While the ledger is untrusted nothing is written (see
-    /// `Inner::trusted`); an applied reconciliation makes it trusted.
+    /// Changes what is not an allocation (health, enforcement) on the ledger and publishes it;
+    /// `change` says whether anything changed.
+    fn change_devices(&self, change: impl FnOnce(&mut DeviceLedger) -> bool) -> bool {
+        let mut inner = self.lock();
+        let mut next = DeviceLedger::clone(&inner.state);
+        if !change(&mut next) {
+            return false;
+        }
+        inner.state = Arc::new(next);
+        self.publish_devices(&mut inner);
+        self.publish(&inner);
+        self.state_changed();
+        true
+    }
+
+    /// Applies `change` (given the ledger and the generation it applies to) to a clone of the
+    /// ledger and publishes it, then returns once the checkpoint holds it (the group commit,
+    /// [`Commits`]); a change that fails leaves the ledger as it was. While the ledger is
+    /// untrusted nothing is written (see `Inner::trusted`); an applied reconciliation makes it
+    /// trusted, and its first write is a whole snapshot.
     fn change<T>(
         &self,
-        change: impl FnOnce(&mut DeviceLedger, u64) -> Result<(T, Trust), BackendError>,
-    ) -> Result<T, BackendError> {
+        change: impl FnOnce(&mut DeviceLedger, Generation) -> Result<(T, Trust), ChangeError>,
+    ) -> Result<T, ChangeError> {
         let mut inner = self.lock();
-        let before = inner.state.records_version();
-        let mut next = inner.state.clone();
+        let mut next = DeviceLedger::clone(&inner.state);
         let (out, trust) = change(&mut next, inner.generation)?;
-        let trusted = inner.trusted || trust == Trust::Reconciled;
-        let changed = next.records_version() != before;
-        let durable = trusted && (changed || !inner.trusted);
-        inner.trusted = trusted;
+        let delta = next.changes_since(&inner.state);
+        let was_trusted = inner.trusted;
+        inner.trusted = was_trusted || trust == Trust::Reconciled;
+        let changed = !delta.is_empty();
         // Kept even when no record changed: the ledger also counts missed listings.
-        inner.state = next;
+        inner.state = Arc::new(next);
         if changed || trust == Trust::Granted {
-            inner.generation += 1;
+            inner.generation = inner.generation.next();
             self.state_changed();
         }
         if changed {
-            self.publish(&inner.state);
+            self.publish_devices(&mut inner);
         }
+        self.publish(&inner);
+        // Written: a change of a trusted ledger, and the first reconciliation that trusts it.
+        let durable = inner.trusted && (changed || !was_trusted);
         if !durable {
             return Ok(out);
         }
-        inner.staged += 1;
-        let number = inner.staged;
+        if !was_trusted {
+            inner.compact = true;
+        }
+        inner.sequence += 1;
+        let number = inner.sequence;
+        inner.staged.push((number, delta));
         drop(inner);
         self.until_durable(number)?;
         Ok(out)
@@ -537,90 +674,99 @@ impl NodeResources {
 
     /// Returns once change `number` is on disk (writing the checkpoint itself when no other
     /// thread is), or with the error of the write that was to cover it.
-    fn until_durable(&self, number: u64) -> Result<(), BackendError> {
-        let commits = || self.commits.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut c = commits();
-        loop {
+    fn until_durable(&self, number: u64) -> Result<(), ChangeError> {
+        let settled = |c: &Commits| {
             if c.durable >= number {
-                return Ok(());
+                Some(Ok(()))
+            } else if c.failed.0 >= number {
+                Some(Err(ChangeError::NotDurable { reason: c.failed.1.clone() }))
+            } else {
+                None
             }
-            if c.failed.0 >= number {
-                return Err(BackendError::Internal { reason: c.failed.1.clone() });
-            }
-            if !c.writing {
-                c.writing = true;
-                break;
-            }
-            c = self.committed.wait(c).unwrap_or_else(PoisonError::into_inner);
-        }
-        drop(c);
-        // The writer: the ledger as it is now covers every change staged so far.
+        };
         loop {
-            let (covers, checkpoint, node, boot_id, layout, records) = {
-                let inner = self.lock();
-                (
-                    inner.staged,
-                    inner.checkpoint.clone(),
-                    inner.node.clone(),
-                    inner.boot_id.clone(),
-                    inner.state.layout(),
-                    inner.state.records(),
-                )
-            };
-            let started = std::time::Instant::now();
-            let written = checkpoint.store(&node, &boot_id, &layout, &records);
-            if let Some((_, i)) = self.instruments.get() {
-                i.checkpoint_write_seconds.observe(started.elapsed().as_secs_f64());
+            if let Some(done) = settled(&self.commits_lock()) {
+                return done;
             }
-            let more = self.lock().staged > covers;
-            let mut c = commits();
-            match written {
-                Ok(()) => c.durable = c.durable.max(covers),
-                Err(e) => {
-                    let why = Chain(&e).to_string();
-                    tracing::error!(
-                        error = why,
-                        "the checkpoint cannot be written: the changes it was to hold are refused"
-                    );
-                    c.failed = (covers, why);
-                }
+            // Become the writer, or wait for the one writing (it may cover this change).
+            let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(done) = settled(&self.commits_lock()) {
+                return done;
             }
-            if !more {
-                c.writing = false;
-            }
-            self.committed.notify_all();
-            if !more {
-                break;
-            }
+            self.write(&mut store);
         }
-        let c = commits();
-        if c.durable >= number {
-            Ok(())
-        } else {
-            Err(BackendError::Internal { reason: c.failed.1.clone() })
+    }
+
+    /// Writes every change staged so far: appended to the journal, or, when the journal has
+    /// outgrown the snapshot (or none is open), the ledger as it is now as a new snapshot.
+    fn write(&self, store: &mut Store) {
+        let (covers, staged, snapshot) = {
+            let mut inner = self.lock();
+            let compact = std::mem::take(&mut inner.compact)
+                || store.journal.as_ref().is_none_or(|j| j.wants_compaction());
+            let staged = std::mem::take(&mut inner.staged);
+            (inner.sequence, staged, compact.then(|| inner.state.clone()))
+        };
+        let started = std::time::Instant::now();
+        let written = match (snapshot, store.journal.as_mut()) {
+            (None, Some(journal)) => journal.append(&staged),
+            (snapshot, _) => {
+                let state = snapshot.unwrap_or_else(|| self.lock().state.clone());
+                self.checkpoint
+                    .compact(&self.node, &self.boot_id, &state.layout(), &state.records(), covers)
+                    .map(|journal| store.journal = Some(journal))
+            }
+        };
+        if let Some((_, i)) = self.instruments.get() {
+            i.checkpoint_write_seconds.observe(started.elapsed().as_secs_f64());
+        }
+        let mut c = self.commits_lock();
+        match written {
+            Ok(()) => c.durable = c.durable.max(covers),
+            Err(e) => {
+                let why = Chain(&e).to_string();
+                tracing::error!(
+                    error = why,
+                    "the checkpoint cannot be written: the changes it was to hold are refused"
+                );
+                c.failed = (covers, why);
+                // The journal's end is unknown now: the next write starts afresh.
+                store.journal = None;
+            }
         }
     }
 
     /// The current generation of the allocations: read it before asking pod-resources, and
     /// pass it to [`Self::reconcile`].
-    pub fn generation(&self) -> u64 {
-        self.lock().generation
+    pub fn generation(&self) -> Generation {
+        self.published().generation
     }
 
-    /// Writes the checkpoint now.
-    /// Nothing is written while the ledger is untrusted (never reconciled since an untrusted
-    /// start); returns whether it was written.
+    /// Writes the checkpoint now, whole (a snapshot with an empty journal), through the same
+    /// writer as every change. Nothing is written while the ledger is untrusted (never
+    /// reconciled since an untrusted start); returns whether it was written.
     pub fn persist(&self) -> Result<bool, crate::checkpoint::CheckpointError> {
-        let inner = self.lock();
-        if !inner.trusted {
-            return Ok(false);
-        }
-        inner.checkpoint.store(
-            &inner.node,
-            &inner.boot_id,
-            &inner.state.layout(),
-            &inner.state.records(),
+        let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+        let (covers, state) = {
+            let mut inner = self.lock();
+            if !inner.trusted {
+                return Ok(false);
+            }
+            inner.staged.clear();
+            inner.compact = false;
+            (inner.sequence, inner.state.clone())
+        };
+        store.journal = None;
+        let journal = self.checkpoint.compact(
+            &self.node,
+            &self.boot_id,
+            &state.layout(),
+            &state.records(),
+            covers,
         )?;
+        store.journal = Some(journal);
+        let mut c = self.commits_lock();
+        c.durable = c.durable.max(covers);
         Ok(true)
     }
 
@@ -638,9 +784,9 @@ impl NodeResources {
         &self,
         allocations: &[KubeletAllocation],
         grace_secs: u64,
-        asked_at: u64,
+        asked_at: Generation,
         witness: &reconcile::Witness,
-    ) -> Result<Option<Report>, BackendError> {
+    ) -> Result<Option<Report>, ChangeError> {
         self.reconcile_at(allocations, grace_secs, asked_at, boot_seconds(), witness)
     }
 
@@ -649,10 +795,10 @@ impl NodeResources {
         &self,
         allocations: &[KubeletAllocation],
         grace_secs: u64,
-        asked_at: u64,
+        asked_at: Generation,
         now: u64,
         witness: &reconcile::Witness,
-    ) -> Result<Option<Report>, BackendError> {
+    ) -> Result<Option<Report>, ChangeError> {
         let report = self.change(|state, generation| {
             if generation != asked_at {
                 return Ok((None, Trust::Unchanged));
@@ -662,8 +808,9 @@ impl NodeResources {
         })?;
         if report.is_some() {
             let mut inner = self.lock();
-            if inner.listed != allocations {
-                inner.listed = allocations.to_vec();
+            if inner.listed.as_slice() != allocations {
+                inner.listed = Arc::new(allocations.to_vec());
+                self.publish(&inner);
                 self.state_changed();
             }
         }
@@ -691,42 +838,46 @@ impl NodeResources {
 
     /// Marks every GPU healthy or not (saying why when not) and republishes.
     pub fn set_all_health(&self, healthy: bool, reason: &str) {
-        let mut inner = self.lock();
-        let uuids: Vec<String> = inner.state.gpus().map(|g| g.uuid.to_string()).collect();
-        let mut changed = false;
+        let uuids: Vec<String> =
+            self.published().state.gpus().map(|g| g.uuid.to_string()).collect();
         for uuid in uuids {
-            changed |= inner.state.set_health(&uuid, healthy);
-            note_reason(&mut inner.unhealthy, &uuid, healthy, reason);
-        }
-        if changed {
-            self.publish(&inner.state);
+            self.set_health(&uuid, healthy, reason);
         }
     }
 
     /// Marks whether a GPU's shares are enforced (its MPS daemon answers) and republishes.
     pub fn set_shares_enforced(&self, uuid: &str, enforced: bool) -> bool {
-        let mut inner = self.lock();
-        let changed = inner.state.set_shares_enforced(uuid, enforced);
-        if changed {
-            self.publish(&inner.state);
-        }
-        changed
+        self.change_devices(|state| state.set_shares_enforced(uuid, enforced))
     }
 
     /// The GPUs whose memory units are offered, by UUID.
     pub fn shared_gpus(&self) -> Vec<String> {
-        self.lock().state.shared_gpus()
+        self.published().state.shared_gpus()
     }
 
     /// Marks a GPU healthy or not (saying why when not) and republishes.
     pub fn set_health(&self, uuid: &str, healthy: bool, reason: &str) -> bool {
+        let changed = self.change_devices(|state| state.set_health(uuid, healthy));
         let mut inner = self.lock();
-        let changed = inner.state.set_health(uuid, healthy);
-        note_reason(&mut inner.unhealthy, uuid, healthy, reason);
-        if changed {
-            self.publish(&inner.state);
+        let before = inner.unhealthy.get(uuid).cloned();
+        let mut reasons = (*inner.unhealthy).clone();
+        note_reason(&mut reasons, uuid, healthy, reason);
+        if reasons.get(uuid) != before.as_ref() {
+            inner.unhealthy = Arc::new(reasons);
+            self.publish(&inner);
         }
         changed
+    }
+}
+
+fn published_of(inner: &Inner) -> Published {
+    Published {
+        state: inner.state.clone(),
+        generation: inner.generation,
+        listed: inner.listed.clone(),
+        unhealthy: inner.unhealthy.clone(),
+        mps_clients: inner.mps_clients.clone(),
+        mps_servers: inner.mps_servers.clone(),
     }
 }
 
@@ -734,9 +885,9 @@ impl NodeResources {
 /// the kubelet's last list names for it.
 pub type GrantShown = (AllocationRecord, String, u64, Option<KubeletAllocation>);
 
-fn grants_of(inner: &Inner) -> Vec<GrantShown> {
-    let holders = listed_by_key(&inner.listed);
-    inner
+fn grants_of(published: &Published) -> Vec<GrantShown> {
+    let holders = listed_by_key(&published.listed);
+    published
         .state
         .granted_bytes()
         .into_iter()
@@ -788,11 +939,19 @@ impl mps::supervisor::Enforcement for NodeResources {
     }
 
     fn set_clients(&self, gpu_uuid: &str, clients: usize) {
-        self.lock().mps_clients.insert(gpu_uuid.to_owned(), clients);
+        let mut inner = self.lock();
+        if inner.mps_clients.get(gpu_uuid) != Some(&clients) {
+            Arc::make_mut(&mut inner.mps_clients).insert(gpu_uuid.to_owned(), clients);
+            self.publish(&inner);
+        }
     }
 
     fn set_servers(&self, gpu_uuid: &str, servers: &[u32]) {
-        self.lock().mps_servers.insert(gpu_uuid.to_owned(), servers.to_vec());
+        let mut inner = self.lock();
+        if inner.mps_servers.get(gpu_uuid).map(Vec::as_slice) != Some(servers) {
+            Arc::make_mut(&mut inner.mps_servers).insert(gpu_uuid.to_owned(), servers.to_vec());
+            self.publish(&inner);
+        }
     }
 }
 
@@ -865,13 +1024,13 @@ impl DeviceBackend for ViewBackend {
         request: PreferredAllocationRequest,
     ) -> Result<Vec<String>, BackendError> {
         let started = std::time::Instant::now();
-        let answer = {
-            let inner = self.resources.lock();
-            inner
-                .state
-                .preferred(&self.view, &request.available, &request.must_include, request.size)
-                .map_err(BackendError::from)
-        };
+        // From the published ledger: never waits on a change or a checkpoint write.
+        let answer = self
+            .resources
+            .published()
+            .state
+            .preferred(&self.view, &request.available, &request.must_include, request.size)
+            .map_err(BackendError::from);
         self.measure(|i| &i.preferred_seconds, started, &answer);
         answer
     }
@@ -927,19 +1086,19 @@ impl ViewBackend {
         // lost its books could hand out devices still in use. Ask its pod-resources list first;
         // if it cannot answer, refuse rather than risk a GPU handed out twice.
         let held: Vec<(usize, Vec<AllocationRecord>)> = {
-            let inner = self.resources.lock();
+            let published = self.resources.published();
             // A share nothing enforces is not handed out (the daemon died after the kubelet
             // chose the units).
             for ids in &containers {
-                let unenforced = inner.state.unenforced(&self.view, ids);
-                if !unenforced.is_empty() {
-                    return Err(unavailable(&unenforced));
+                let gpus = published.state.unenforced(&self.view, ids);
+                if !gpus.is_empty() {
+                    return Err(ChangeError::Unenforced { gpus }.into());
                 }
             }
             containers
                 .iter()
                 .enumerate()
-                .map(|(i, ids)| (i, inner.state.sharing_devices(&self.view, ids)))
+                .map(|(i, ids)| (i, published.state.sharing_devices(&self.view, ids)))
                 .filter(|(_, held)| !held.is_empty())
                 .collect()
         };
@@ -994,9 +1153,9 @@ impl ViewBackend {
             resources.change(|state, _| {
                 // Again under the lock: the daemon may have died while pod-resources answered.
                 for ids in &containers {
-                    let unenforced = state.unenforced(&view, ids);
-                    if !unenforced.is_empty() {
-                        return Err(unavailable(&unenforced));
+                    let gpus = state.unenforced(&view, ids);
+                    if !gpus.is_empty() {
+                        return Err(ChangeError::Unenforced { gpus });
                     }
                 }
                 // The check and the grant are one step: nothing granted since the check, and
@@ -1012,13 +1171,14 @@ impl ViewBackend {
                         } else {
                             continue;
                         };
-                        return Err(BackendError::Conflict {
+                        return Err(Refusal::Conflict {
                             ids: ids.clone(),
                             reason: format!(
                                 "devices {:?} {why}; refused rather than handing them out twice",
                                 r.device_ids
                             ),
-                        });
+                        }
+                        .into());
                     }
                 }
                 let now = boot_seconds();
@@ -1109,7 +1269,7 @@ pub(crate) mod test_support {
             "b".into(),
             None,
             ResponseConfig::default(),
-            true,
+            Some(0),
         )
     }
 }
@@ -1152,7 +1312,42 @@ mod tests {
         // The same IDs again in the same second: no record changes, the generation does, so a
         // list asked before this repeat is not applied after it.
         grant().expect("repeat granted");
-        assert_eq!(resources.generation(), first + 1);
+        assert_eq!(resources.generation(), first.next());
+    }
+
+    /// Changes from many threads at once (one write covering many of them): every one is kept,
+    /// in the published ledger and on disk.
+    #[test]
+    fn concurrent_changes_are_all_kept_and_all_on_disk() {
+        let inventory = test_support::l4_inventory();
+        let ledger = DeviceLedger::new("n", &inventory, crate::ledger::ViewConfig::default())
+            .expect("ledger");
+        let ids: Vec<String> = ledger.devices(&View::GpuMemory).into_iter().map(|d| d.id).collect();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let resources = test_support::resources(ledger, Checkpoint::in_dir(dir.path()));
+        resources.persist().expect("persist");
+        std::thread::scope(|s| {
+            for chunk in ids.chunks(12) {
+                let resources = &resources;
+                s.spawn(move || {
+                    for id in chunk {
+                        resources
+                            .change(|state, _| {
+                                let grant = state.allocate(
+                                    &View::GpuMemory,
+                                    std::slice::from_ref(id),
+                                    7,
+                                )?;
+                                Ok((grant, Trust::Granted))
+                            })
+                            .expect("granted");
+                    }
+                });
+            }
+        });
+        assert_eq!(resources.records().len(), ids.len());
+        let cp = Checkpoint::in_dir(dir.path()).load("n", "b").expect("load").expect("some");
+        assert_eq!(cp.allocations.len(), ids.len());
     }
 
     /// The gpu-memory backend over a fresh ledger of the L4 node, and the first GPU's UUID.
@@ -1290,7 +1485,7 @@ mod tests {
             /// partial list omits a running container; two in a row may release it).
             missed: Vec<u32>,
             /// Past lists, with the generation each was asked at.
-            asked: Vec<(u64, Vec<KubeletAllocation>)>,
+            asked: Vec<(Generation, Vec<KubeletAllocation>)>,
             clock: u64,
         }
 
@@ -1335,7 +1530,7 @@ mod tests {
 
             /// Applies `list`, asked at generation `asked_at`, through
             /// `NodeResources::reconcile`; the model counts the misses of running containers.
-            fn reconcile(&mut self, list: &[KubeletAllocation], asked_at: u64) {
+            fn reconcile(&mut self, list: &[KubeletAllocation], asked_at: Generation) {
                 let applied = self.resources.reconcile_at(
                     list,
                     GRACE,
@@ -1354,8 +1549,8 @@ mod tests {
             }
 
             fn admit(&mut self, gpu: usize, count: u32) {
-                let inner = self.resources.lock();
-                let state = &inner.state;
+                let published = self.resources.published();
+                let state = &published.state;
                 let uuid = state.gpus().nth(gpu).expect("gpu").uuid.to_string();
                 let domain = state.config().domain.clone();
                 // Like the kubelet: only devices advertised Healthy and not in its own books.
@@ -1378,7 +1573,6 @@ mod tests {
                         .collect();
                     (View::GpuMemory, if ids.len() == count as usize { ids } else { vec![] })
                 };
-                drop(inner);
                 if ids.is_empty() {
                     return;
                 }

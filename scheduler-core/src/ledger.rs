@@ -8,7 +8,6 @@
 use crate::fit;
 use crate::model::{GpuDemand, GpuSet, MAX_GPUS_PER_NODE, NodeSpec, Request};
 use crate::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
-use std::collections::BTreeMap;
 use thiserror::Error;
 
 /// Identifies one allocation on a node (a container, a task).
@@ -77,7 +76,9 @@ pub struct NodeLedger {
     free_cpu: MilliCpu,
     free_memory: MemMib,
     gpus: Vec<GpuFree>,
-    allocations: BTreeMap<AllocationId, Allocation>,
+    /// A persistent map: a clone of the ledger (the agent changes a clone and publishes it) costs
+    /// a pointer, not a copy of every allocation.
+    allocations: imbl::OrdMap<AllocationId, Allocation>,
 }
 
 impl NodeLedger {
@@ -109,7 +110,7 @@ impl NodeLedger {
             free_cpu: spec.cpu,
             free_memory: spec.memory,
             gpus,
-            allocations: BTreeMap::new(),
+            allocations: imbl::OrdMap::new(),
             spec,
         })
     }

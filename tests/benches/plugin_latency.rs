@@ -64,7 +64,8 @@ async fn agent_allocate(
         "boot".into(),
         None,
         ResponseConfig::default(),
-        true,
+        // As if restored from a trusted checkpoint at sequence 0: every grant is written.
+        Some(0),
     );
     let backend = resources
         .backends()

@@ -47,10 +47,21 @@ pub fn topology(data: &[u8]) {
     }
 }
 
-/// The checkpoint, checked as the agent reads it.
+/// The checkpoint, checked as the agent reads it: as a snapshot, and as a journal replayed over
+/// an empty snapshot.
 pub fn checkpoint(data: &[u8]) {
-    let cp = baleen_agent::checkpoint::Checkpoint::in_dir(Path::new("/nonexistent"));
+    use baleen_agent::checkpoint::{Checkpoint, Contents, FORMAT};
+    let cp = Checkpoint::in_dir(Path::new("/nonexistent"));
     let _ = cp.parse(data);
+    let mut contents = Contents {
+        format: FORMAT,
+        node: "seed".into(),
+        boot_id: "boot".into(),
+        layout: Default::default(),
+        sequence: Some(0),
+        allocations: Vec::new(),
+    };
+    let _ = cp.replay_journal(&mut contents, data);
 }
 
 /// The node-state annotation, as the extender reads it.
@@ -165,10 +176,14 @@ fn written(target: &str, topologies: &[Vec<u8>]) -> Vec<Vec<u8>> {
                 .push(ledger.node_state("seed", 3, |_| Some("ns/p".into())).to_json().into_bytes()),
             _ => {
                 let cp = baleen_agent::checkpoint::Checkpoint::in_dir(&dir);
-                if cp.store("seed", "boot", &ledger.layout(), &ledger.records()).is_ok()
-                    && let Ok(bytes) = std::fs::read(cp.path())
+                if let Ok(mut journal) =
+                    cp.compact("seed", "boot", &ledger.layout(), &ledger.records(), 0)
                 {
-                    out.push(bytes);
+                    let delta =
+                        baleen_agent::ledger::Delta { removed: Vec::new(), put: ledger.records() };
+                    let _ = journal.append(&[(1, delta)]);
+                    out.extend(std::fs::read(cp.path()));
+                    out.extend(std::fs::read(cp.journal_path()));
                 }
             }
         }

@@ -375,8 +375,12 @@ async fn crash_and_restart(corrupt: bool) -> Result<()> {
         assert!(socket.exists());
     }
     if corrupt {
-        let text = std::fs::read_to_string(node.checkpoint())?;
-        std::fs::write(node.checkpoint(), text.replacen("::1", "::9", 1))?;
+        // The grants are in the journal (the snapshot was written at start, empty): one byte of
+        // a whole line changed.
+        let journal = node.config.state_dir.join(baleen_agent::checkpoint::JOURNAL_FILE_NAME);
+        let text = std::fs::read_to_string(&journal)?;
+        anyhow::ensure!(text.contains("::1"), "the grants are in the journal: {text}");
+        std::fs::write(&journal, text.replacen("::1", "::9", 1))?;
     }
     let (agent, token) = node.start().await?;
     assert_eq!(sorted(agent.resources().records()), before, "nothing lost or duplicated");
@@ -851,7 +855,8 @@ async fn a_configuration_that_changes_held_device_ids_is_refused() -> Result<()>
     let group =
         node.kubelet.admit_to("ns/g", "c", "awesome-ai-company.com/nvlink-group-2", 1).await?;
     stop(agent, token).await?;
-    let saved = std::fs::read(node.checkpoint())?;
+    let journal = node.config.state_dir.join(baleen_agent::checkpoint::JOURNAL_FILE_NAME);
+    let saved = (std::fs::read(node.checkpoint())?, std::fs::read(&journal)?);
     let start = |config: AgentConfig, inventory: Arc<dyn GpuInventory>| async move {
         let token = CancellationToken::new();
         let started = tokio::time::timeout(
@@ -886,7 +891,8 @@ async fn a_configuration_that_changes_held_device_ids_is_refused() -> Result<()>
     let text =
         refused(start(node.config.clone(), Arc::new(SimulatedInventory::new(inventory))).await?.0)?;
     assert!(text.contains(&format!("NVLink group {}", group.device_ids[0])), "{text}");
-    assert_eq!(std::fs::read(node.checkpoint())?, saved, "the checkpoint is left as it was");
+    let now = (std::fs::read(node.checkpoint())?, std::fs::read(&journal)?);
+    assert_eq!(now, saved, "the checkpoint and its journal are left as they were");
     // The configuration it was written with starts, with both allocations.
     let (agent, token) = node.start().await?;
     assert_eq!(agent.resources().records().len(), 2);
@@ -2523,12 +2529,14 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
 /// its answer arrives and finds its devices there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_grants_are_each_durable_before_they_are_answered() -> Result<()> {
-    let node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    let mut node = Node::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    // Never listed (raw Allocates): kept for the whole test.
+    node.config.reconcile_grace = Duration::from_secs(600);
     let (agent, token) = node.start().await?;
     let view = node.registered(&agent, 1).await?;
     let mut free = view.healthy(MEM);
     free.sort();
-    let checkpoint = node.checkpoint();
+    let checkpoint = baleen_agent::checkpoint::Checkpoint::in_dir(&node.config.state_dir);
     let kubelet = &node.kubelet;
     // Sixteen clients in flight at once (one task, their requests interleaved).
     let clients = (0..16).map(|_| {
@@ -2540,9 +2548,10 @@ async fn concurrent_grants_are_each_durable_before_they_are_answered() -> Result
                     .allocate_raw(MEM, vec![vec![id.clone()]])
                     .await
                     .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-                let text = std::fs::read_to_string(&checkpoint)?;
+                // The snapshot and its journal, read as a restart would.
+                let held = checkpoint.load("node-a", "boot-1")?.context("a checkpoint")?;
                 anyhow::ensure!(
-                    text.contains(&format!("\"{id}\"")),
+                    held.allocations.iter().any(|r| r.device_ids == [id.clone()]),
                     "{id} answered before it was on disk"
                 );
             }
@@ -2566,20 +2575,28 @@ async fn a_checkpoint_that_cannot_be_written_refuses_the_grant_and_hands_nothing
     let view = node.registered(&agent, 1).await?;
     let mut free = view.healthy(MEM);
     free.sort();
-    // The temporary file's path taken by a directory: the atomic write cannot happen.
+    let checkpoint = baleen_agent::checkpoint::Checkpoint::in_dir(&node.config.state_dir);
+    // The journal removed under the agent (an append would go nowhere), and the snapshot's
+    // temporary path taken by a directory (no new snapshot can be written either).
     let blocker = PathBuf::from(format!("{}.tmp", node.checkpoint().display()));
     std::fs::create_dir_all(&blocker)?;
-    let refused = node.kubelet.allocate_raw(MEM, vec![vec![free[0].clone()]]).await;
-    assert!(refused.is_err(), "answered though not durable");
-    assert!(format!("{refused:?}").contains("Internal"), "{refused:?}");
+    std::fs::remove_file(checkpoint.journal_path())?;
+    for unit in &free[..2] {
+        let refused = node.kubelet.allocate_raw(MEM, vec![vec![unit.clone()]]).await;
+        assert!(refused.is_err(), "answered though not durable");
+        assert!(format!("{refused:?}").contains("Internal"), "{refused:?}");
+    }
     std::fs::remove_dir(&blocker)?;
-    let again = node.kubelet.allocate_raw(MEM, vec![vec![free[0].clone(), free[1].clone()]]).await;
+    let again = node.kubelet.allocate_raw(MEM, vec![vec![free[0].clone(), free[2].clone()]]).await;
     assert!(again.is_err(), "the refused grant's unit handed out again: {again:?}");
     node.kubelet
-        .allocate_raw(MEM, vec![vec![free[1].clone()]])
+        .allocate_raw(MEM, vec![vec![free[2].clone()]])
         .await
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let text = std::fs::read_to_string(node.checkpoint())?;
-    assert!(text.contains(&free[1]) && text.contains(&free[0]), "both held, on disk now");
+    let held = checkpoint.load("node-a", "boot-1")?.context("a checkpoint")?;
+    let on_disk: Vec<&String> = held.allocations.iter().flat_map(|r| &r.device_ids).collect();
+    for unit in &free[..3] {
+        assert!(on_disk.contains(&unit), "{unit} held, on disk now: {on_disk:?}");
+    }
     stop(agent, token).await
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use baleen_device_plugin::{BackendError, PluginState};
+use baleen_device_plugin::PluginState;
 use tokio::sync::watch;
 use tokio::task::JoinError;
 use tokio::time::Instant;
@@ -35,7 +35,7 @@ const STALE_RETRIES: usize = 3;
 pub enum ReconcileError {
     /// The ledger change (its checkpoint write) failed.
     #[error("the reconciled ledger cannot be saved")]
-    Saving(#[source] BackendError),
+    Saving(#[source] crate::resources::ChangeError),
     /// The blocking task that applies the change failed.
     #[error("the reconciliation task failed")]
     Task(#[source] JoinError),

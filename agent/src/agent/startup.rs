@@ -95,7 +95,7 @@ pub async fn restore(
         Some(c) => checkpoint.verify(&c, &config.node_name, &boot_id).map(|()| Some(c)),
         None => Ok(None),
     });
-    let trusted = match verified {
+    let restored = match verified {
         Ok(Some(contents)) => {
             let refused = ledger.restore(&contents.allocations);
             if !refused.is_empty() {
@@ -113,17 +113,18 @@ pub async fn restore(
                 checkpoint = %checkpoint.path().display(),
                 "ledger restored from the checkpoint"
             );
-            true
+            Some(contents.sequence.unwrap_or(0))
         }
         Ok(None) => {
             tracing::info!(checkpoint = %checkpoint.path().display(), "no checkpoint");
-            false
+            None
         }
         Err(e) => {
             tracing::warn!(error = %Chain(&e), "checkpoint not trusted; rebuilding the ledger from pod-resources");
-            false
+            None
         }
     };
+    let trusted = restored.is_some();
     let resources = NodeResources::new(
         ledger,
         checkpoint,
@@ -131,7 +132,7 @@ pub async fn restore(
         boot_id,
         Some(config.pod_resources_socket.clone()),
         config.responses.clone(),
-        trusted,
+        restored,
     );
     let grace = config.reconcile_grace.as_secs();
     // Without a trusted checkpoint the ledger knows nothing of the containers running on the

@@ -25,6 +25,7 @@ pub mod preferred;
 pub mod view;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use baleen_scheduler_core::frag::{self, NodeFree, RecentWorkload, TaskShape};
 use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
@@ -263,7 +264,7 @@ pub struct Share {
 
 #[derive(Debug, Clone)]
 struct Slot {
-    gpu: Gpu,
+    gpu: Arc<Gpu>,
     units: u32,
     healthy: bool,
     /// Whether a share of this GPU is enforced (its MPS daemon answers), where that is
@@ -271,6 +272,10 @@ struct Slot {
     shares_enforced: bool,
     /// Per unit, the allocation holding it.
     unit_holder: Vec<Option<u64>>,
+    /// How many of `unit_holder` are taken.
+    taken: u32,
+    /// The allocation holding the GPU whole (gpu or NVLink-group view), if any.
+    whole: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -298,21 +303,68 @@ struct Parsed {
 }
 
 /// The node's device ledger and its views. See the module documentation.
+///
+/// Cheap to clone, whatever it holds: what never changes after it is built is shared, and the
+/// allocations are persistent maps (`imbl`), so a clone costs a few pointers per GPU. The agent
+/// changes a clone and publishes it whole ([`crate::resources`]): a change that fails leaves
+/// the published ledger as it was, and readers read a published one without any lock.
 #[derive(Debug, Clone)]
 pub struct DeviceLedger {
-    config: ViewConfig,
+    config: Arc<ViewConfig>,
     slots: Vec<Slot>,
-    by_uuid: HashMap<String, usize>,
-    mig: HashMap<String, (usize, String)>,
-    groups: Vec<Group>,
-    group_by_id: HashMap<String, usize>,
+    by_uuid: Arc<HashMap<String, usize>>,
+    mig: Arc<HashMap<String, (usize, String)>>,
+    groups: Arc<Vec<Group>>,
+    group_by_id: Arc<HashMap<String, usize>>,
     ledger: NodeLedger,
-    held: BTreeMap<u64, Held>,
+    held: imbl::OrdMap<u64, Arc<Held>>,
+    /// The allocation holding each device ID (IDs are unique across views).
+    by_device: imbl::HashMap<Arc<str>, u64>,
+    /// The allocations touched since [`Self::changes_since`] last took them.
+    touched: Vec<u64>,
     /// Counts every change of the records (see [`Self::records_version`]).
     records_version: u64,
     next_id: u64,
     /// The shapes of the last allocations: the target workload of [`Self::fragmentation`].
-    recent: RecentWorkload,
+    recent: Arc<RecentWorkload>,
+}
+
+/// A record's key: its resource and sorted device IDs (one record per key at any time).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecordKey {
+    /// The extended resource name.
+    pub resource: String,
+    /// The device IDs, sorted.
+    pub device_ids: Vec<String>,
+}
+
+impl AllocationRecord {
+    /// The record's key.
+    pub fn key(&self) -> RecordKey {
+        RecordKey { resource: self.resource.clone(), device_ids: self.device_ids.clone() }
+    }
+}
+
+/// What one change did to the records, as the checkpoint's journal keeps it: the keys of the
+/// records removed, then the records put (new, or changed under their key). Applied in that
+/// order to the records before it, it gives the records after it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Delta {
+    /// The records removed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<RecordKey>,
+    /// The records added or changed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub put: Vec<AllocationRecord>,
+}
+
+impl Delta {
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.removed.is_empty() && self.put.is_empty()
+    }
 }
 
 /// A count of units or GPUs as the placement model's `u32`. Counts are bounded by a GPU's units
@@ -376,11 +428,13 @@ impl DeviceLedger {
             }
             let units = units_of(gpu);
             slots.push(Slot {
-                gpu: gpu.clone(),
+                gpu: Arc::new(gpu.clone()),
                 units,
                 healthy: true,
                 shares_enforced: true,
                 unit_holder: vec![None; units as usize],
+                taken: 0,
+                whole: None,
             });
         }
         let spec = NodeSpec {
@@ -405,17 +459,19 @@ impl DeviceLedger {
         };
         let ledger = NodeLedger::new(spec).map_err(BuildError::Placement)?;
         let mut state = Self {
-            config,
+            config: Arc::new(config),
             slots,
-            by_uuid,
-            mig,
-            groups: Vec::new(),
-            group_by_id: HashMap::new(),
+            by_uuid: Arc::new(by_uuid),
+            mig: Arc::new(mig),
+            groups: Arc::new(Vec::new()),
+            group_by_id: Arc::new(HashMap::new()),
             ledger,
-            held: BTreeMap::new(),
+            held: imbl::OrdMap::new(),
+            by_device: imbl::HashMap::new(),
+            touched: Vec::new(),
             records_version: 0,
             next_id: 1,
-            recent: RecentWorkload::default(),
+            recent: Arc::new(RecentWorkload::default()),
         };
         state.build_groups();
         Ok(state)
@@ -425,6 +481,7 @@ impl DeviceLedger {
     /// ungrouped GPUs all NVLink peers of each other; groups of one size never overlap.
     fn build_groups(&mut self) {
         let spec = self.ledger.spec().clone();
+        let (mut groups, mut group_by_id) = (Vec::new(), HashMap::new());
         for &size in &self.config.nvlink_group_sizes {
             if size < 2 {
                 continue;
@@ -452,11 +509,13 @@ impl DeviceLedger {
                         grouped.insert(m);
                     }
                     let id = group_id(size, self.slots[seed].gpu.uuid.as_str());
-                    self.group_by_id.insert(id.clone(), self.groups.len());
-                    self.groups.push(Group { size, id, members: set });
+                    group_by_id.insert(id.clone(), groups.len());
+                    groups.push(Group { size, id, members: set });
                 }
             }
         }
+        self.groups = Arc::new(groups);
+        self.group_by_id = Arc::new(group_by_id);
     }
 
     /// What this ledger's device IDs mean (see [`Layout`]).
@@ -545,7 +604,7 @@ impl DeviceLedger {
 
     /// The GPUs of the node.
     pub fn gpus(&self) -> impl Iterator<Item = &Gpu> {
-        self.slots.iter().map(|s| &s.gpu)
+        self.slots.iter().map(|s| &*s.gpu)
     }
 
     /// Every GPU's state now.
@@ -704,76 +763,132 @@ impl DeviceLedger {
 
     /// Per GPU: held whole by which allocation (gpu or nvlink view), and units taken.
     fn whole_holder(&self, index: usize, except: &BTreeSet<u64>) -> Option<&Held> {
-        self.held
-            .iter()
-            .filter(|(id, _)| !except.contains(id))
-            .map(|(_, h)| h)
-            .find(|h| h.view.is_whole() && h.gpus.contains(index))
+        let id = self.slots[index].whole.filter(|id| !except.contains(id))?;
+        self.held.get(&id).map(|h| &**h)
     }
 
     fn units_held(&self, index: usize, except: &BTreeSet<u64>) -> usize {
-        self.slots[index]
-            .unit_holder
-            .iter()
-            .filter(|h| h.is_some_and(|id| !except.contains(&id)))
-            .count()
+        let slot = &self.slots[index];
+        if except.is_empty() {
+            return slot.taken as usize;
+        }
+        slot.unit_holder.iter().filter(|h| h.is_some_and(|id| !except.contains(&id))).count()
+    }
+
+    /// Per device group of `view`, whether its devices can be allocated now, in the order of
+    /// [`Self::devices`]: per GPU outside MIG mode (gpu: the GPU; gpu-memory: all its units
+    /// alike), per MIG instance, per NVLink group. A device list changes only when this does;
+    /// it costs no string, so a change can tell cheaply whether to send the list again.
+    pub fn availability(&self, view: &View) -> Vec<bool> {
+        let none = BTreeSet::new();
+        let plain = || self.slots.iter().enumerate().filter(|(_, s)| !s.gpu.mig.is_enabled());
+        match view {
+            View::Gpu => plain()
+                .map(|(i, s)| {
+                    let other = self.units_held(i, &none) > 0
+                        || self.whole_holder(i, &none).is_some_and(|h| h.view != View::Gpu);
+                    s.healthy && !other
+                })
+                .collect(),
+            View::GpuMemory => plain()
+                .map(|(i, s)| {
+                    s.healthy && s.shares_enforced && self.whole_holder(i, &none).is_none()
+                })
+                .collect(),
+            View::Mig(profile) => self
+                .slots
+                .iter()
+                .flat_map(|s| {
+                    s.gpu
+                        .mig
+                        .instances()
+                        .iter()
+                        .filter(|m| &m.profile == profile)
+                        .map(|_| s.healthy)
+                })
+                .collect(),
+            View::NvlinkGroup(size) => self
+                .groups
+                .iter()
+                .filter(|g| g.size == *size)
+                .map(|g| {
+                    g.members.iter().all(|i| {
+                        self.slots[i].healthy
+                            && self.units_held(i, &none) == 0
+                            && self.whole_holder(i, &none).is_none_or(|h| {
+                                h.view == *view && h.record.device_ids.contains(&g.id)
+                            })
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// How many devices `view` lists, and how many of them are healthy (without listing them).
+    pub fn device_counts(&self, view: &View) -> (usize, usize) {
+        let available = self.availability(view);
+        match view {
+            View::GpuMemory => {
+                let plain = self.slots.iter().filter(|s| !s.gpu.mig.is_enabled());
+                plain.zip(&available).fold((0, 0), |(all, ok), (s, &a)| {
+                    let units = s.units as usize;
+                    (all + units, ok + if a { units } else { 0 })
+                })
+            }
+            _ => (available.len(), available.iter().filter(|&&a| a).count()),
+        }
     }
 
     /// The device list of `view`.
     pub fn devices(&self, view: &View) -> Vec<DeviceState> {
-        let none = BTreeSet::new();
+        let available = self.availability(view);
         let mut out = Vec::new();
+        let plain = self.slots.iter().filter(|s| !s.gpu.mig.is_enabled());
         match view {
             View::Gpu => {
-                for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| !s.gpu.mig.is_enabled())
-                {
-                    let other = self.units_held(i, &none) > 0
-                        || self.whole_holder(i, &none).is_some_and(|h| h.view != View::Gpu);
+                for (s, &healthy) in plain.zip(&available) {
                     out.push(DeviceState {
                         id: s.gpu.uuid.to_string(),
-                        healthy: s.healthy && !other,
+                        healthy,
                         numa_node: s.gpu.numa_node,
                     });
                 }
             }
             View::GpuMemory => {
-                for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| !s.gpu.mig.is_enabled())
-                {
-                    let ok =
-                        s.healthy && s.shares_enforced && self.whole_holder(i, &none).is_none();
+                for (s, &healthy) in plain.zip(&available) {
                     for unit in 0..s.units {
                         out.push(DeviceState {
                             id: unit_id(s.gpu.uuid.as_str(), unit),
-                            healthy: ok,
+                            healthy,
                             numa_node: s.gpu.numa_node,
                         });
                     }
                 }
             }
             View::Mig(profile) => {
-                for s in &self.slots {
-                    for inst in s.gpu.mig.instances().iter().filter(|m| &m.profile == profile) {
-                        out.push(DeviceState {
-                            id: inst.uuid.to_string(),
-                            healthy: s.healthy,
-                            numa_node: s.gpu.numa_node,
-                        });
-                    }
+                let instances = self.slots.iter().flat_map(|s| {
+                    s.gpu
+                        .mig
+                        .instances()
+                        .iter()
+                        .filter(|m| &m.profile == profile)
+                        .map(move |m| (s, m))
+                });
+                for ((s, inst), &healthy) in instances.zip(&available) {
+                    out.push(DeviceState {
+                        id: inst.uuid.to_string(),
+                        healthy,
+                        numa_node: s.gpu.numa_node,
+                    });
                 }
             }
             View::NvlinkGroup(size) => {
-                for g in self.groups.iter().filter(|g| g.size == *size) {
-                    let ok = g.members.iter().all(|i| {
-                        self.slots[i].healthy
-                            && self.units_held(i, &none) == 0
-                            && self.whole_holder(i, &none).is_none_or(|h| {
-                                h.view == *view && h.record.device_ids.contains(&g.id)
-                            })
-                    });
+                let groups = self.groups.iter().filter(|g| g.size == *size);
+                for (g, &healthy) in groups.zip(&available) {
                     let first = g.members.iter().next().unwrap_or(0);
                     out.push(DeviceState {
                         id: g.id.clone(),
-                        healthy: ok,
+                        healthy,
                         numa_node: self.slots[first].gpu.numa_node,
                     });
                 }
@@ -840,24 +955,30 @@ impl DeviceLedger {
     /// Grants one container the devices `ids` of `view`, or refuses with nothing changed.
     pub fn allocate(&mut self, view: &View, ids: &[String], now: u64) -> Result<Grant, Refusal> {
         let sorted = ids_of(ids);
-        if let Some(h) =
-            self.held.values_mut().find(|h| h.view == *view && h.record.device_ids == sorted)
+        let repeat =
+            sorted.first().and_then(|d| self.by_device.get(d.as_str())).copied().filter(|id| {
+                self.held.get(id).is_some_and(|h| h.view == *view && h.record.device_ids == sorted)
+            });
+        if let Some(id) = repeat
+            && let Some(h) = self.held.get_mut(&id)
         {
             // A repeated Allocate: an init container's devices reused, or a new pod given exactly
             // the devices of one that ended. The same answer; the allocation counts as new
             // until the kubelet lists it.
+            let h = Arc::make_mut(h);
             h.record.allocated_at = now;
             h.record.listed = false;
             h.missed = 0;
             let h = h.clone();
             self.records_version += 1;
+            self.touched.push(id);
             return Ok(self.grant(&h));
         }
         let parsed = self.parse(view, ids)?;
         // Older allocations of the same view that share a device ended (the kubelet reassigns
         // only freed devices): they are replaced.
         let superseded: BTreeSet<u64> =
-            self.replaced_by(view, &sorted).map(|(&id, _)| id).collect();
+            self.replaced_by(view, &sorted).into_iter().map(|(id, _)| id).collect();
         self.check_conflicts(view, ids, &parsed, &superseded)?;
         for id in &superseded {
             self.release_id(*id);
@@ -886,10 +1007,18 @@ impl DeviceLedger {
             self.ledger
                 .allocate(AllocationId(id), &request, parsed.gpus)
                 .map_err(|e| Refusal::Conflict { ids: ids.to_vec(), reason: e.to_string() })?;
-            self.recent.record(self.shape_of(&parsed));
+            let shape = self.shape_of(&parsed);
+            Arc::make_mut(&mut self.recent).record(shape);
         }
         for &(i, n) in &parsed.units {
-            self.slots[i].unit_holder[n as usize] = Some(id);
+            let slot = &mut self.slots[i];
+            slot.unit_holder[n as usize] = Some(id);
+            slot.taken += 1;
+        }
+        if view.is_whole() {
+            for i in parsed.gpus.iter() {
+                self.slots[i].whole = Some(id);
+            }
         }
         let held = Held {
             missed: 0,
@@ -905,8 +1034,12 @@ impl DeviceLedger {
             units: parsed.units,
         };
         let grant = self.grant(&held);
-        self.held.insert(id, held);
+        for d in &held.record.device_ids {
+            self.by_device.insert(Arc::from(d.as_str()), id);
+        }
+        self.held.insert(id, Arc::new(held));
         self.records_version += 1;
+        self.touched.push(id);
         Ok(grant)
     }
 
@@ -1000,14 +1133,28 @@ impl DeviceLedger {
     fn release_id(&mut self, id: u64) -> Option<AllocationRecord> {
         let held = self.held.remove(&id)?;
         self.records_version += 1;
+        self.touched.push(id);
         if !matches!(held.view, View::Mig(_)) {
             // Recorded together with `held`, so the ledger knows it.
             let _ = self.ledger.release(AllocationId(id));
         }
         for &(i, n) in &held.units {
-            self.slots[i].unit_holder[n as usize] = None;
+            let slot = &mut self.slots[i];
+            if slot.unit_holder[n as usize].take().is_some() {
+                slot.taken = slot.taken.saturating_sub(1);
+            }
         }
-        Some(held.record)
+        for i in held.gpus.iter() {
+            if self.slots[i].whole == Some(id) {
+                self.slots[i].whole = None;
+            }
+        }
+        for d in &held.record.device_ids {
+            if self.by_device.get(d.as_str()) == Some(&id) {
+                self.by_device.remove(d.as_str());
+            }
+        }
+        Some(Arc::unwrap_or_clone(held).record)
     }
 
     /// Releases every allocation for which `keep` is false; returns them.
@@ -1029,14 +1176,24 @@ impl DeviceLedger {
         mut release: impl FnMut(&AllocationRecord, u32) -> bool,
     ) -> Vec<AllocationRecord> {
         let mut gone = Vec::new();
-        for (&id, h) in &mut self.held {
+        let mut missed = Vec::new();
+        for (&id, h) in &self.held {
             if shown(&h.record) {
-                h.missed = 0;
+                if h.missed != 0 {
+                    missed.push((id, 0));
+                }
                 continue;
             }
-            h.missed = h.missed.saturating_add(1);
-            if release(&h.record, h.missed) {
+            let n = h.missed.saturating_add(1);
+            missed.push((id, n));
+            if release(&h.record, n) {
                 gone.push(id);
+            }
+        }
+        // Only the counts that change are written: a shared allocation is copied on write.
+        for (id, n) in missed {
+            if let Some(h) = self.held.get_mut(&id) {
+                Arc::make_mut(h).missed = n;
             }
         }
         gone.into_iter().filter_map(|id| self.release_id(id)).collect()
@@ -1072,15 +1229,20 @@ impl DeviceLedger {
     /// Marks the allocations for which `listed` is true as seen in the kubelet's list; returns
     /// how many changed.
     pub fn mark_listed(&mut self, mut listed: impl FnMut(&AllocationRecord) -> bool) -> usize {
-        let mut changed = 0;
-        for h in self.held.values_mut() {
-            if !h.record.listed && listed(&h.record) {
-                h.record.listed = true;
-                changed += 1;
+        let ids: Vec<u64> = self
+            .held
+            .iter()
+            .filter(|(_, h)| !h.record.listed && listed(&h.record))
+            .map(|(&id, _)| id)
+            .collect();
+        for &id in &ids {
+            if let Some(h) = self.held.get_mut(&id) {
+                Arc::make_mut(h).record.listed = true;
             }
         }
-        self.records_version += changed as u64;
-        changed
+        self.records_version += ids.len() as u64;
+        self.touched.extend_from_slice(&ids);
+        ids.len()
     }
 
     /// Records the holder `holder_of` names for each allocation (`None`: left as it is); how many
@@ -1089,13 +1251,19 @@ impl DeviceLedger {
         &mut self,
         mut holder_of: impl FnMut(&AllocationRecord) -> Option<Holder>,
     ) -> usize {
-        let mut changed = 0;
-        for h in self.held.values_mut() {
-            if let Some(holder) = holder_of(&h.record)
-                && h.record.holder.as_ref() != Some(&holder)
-            {
-                h.record.holder = Some(holder);
-                changed += 1;
+        let changes: Vec<(u64, Holder)> = self
+            .held
+            .iter()
+            .filter_map(|(&id, h)| {
+                let holder = holder_of(&h.record)?;
+                (h.record.holder.as_ref() != Some(&holder)).then_some((id, holder))
+            })
+            .collect();
+        let changed = changes.len();
+        for (id, holder) in changes {
+            if let Some(h) = self.held.get_mut(&id) {
+                Arc::make_mut(h).record.holder = Some(holder);
+                self.touched.push(id);
             }
         }
         self.records_version += changed as u64;
@@ -1107,18 +1275,44 @@ impl DeviceLedger {
     /// the adapter asks the kubelet whether their containers still run.
     pub fn sharing_devices(&self, view: &View, ids: &[String]) -> Vec<AllocationRecord> {
         let sorted = ids_of(ids);
-        self.replaced_by(view, &sorted).map(|(_, h)| h.record.clone()).collect()
+        self.replaced_by(view, &sorted).into_iter().map(|(_, h)| h.record.clone()).collect()
     }
 
-    /// Allocations of `view` sharing a device with `sorted` (sorted device IDs).
-    fn replaced_by<'a>(
-        &'a self,
-        view: &'a View,
-        sorted: &'a [String],
-    ) -> impl Iterator<Item = (&'a u64, &'a Held)> + 'a {
-        self.held.iter().filter(move |(_, h)| {
-            h.view == *view && h.record.device_ids.iter().any(|d| sorted.binary_search(d).is_ok())
-        })
+    /// Allocations of `view` sharing a device with `sorted` (sorted device IDs), by ID: looked
+    /// up per device, never a scan of the allocations.
+    fn replaced_by(&self, view: &View, sorted: &[String]) -> Vec<(u64, &Held)> {
+        let ids: BTreeSet<u64> =
+            sorted.iter().filter_map(|d| self.by_device.get(d.as_str()).copied()).collect();
+        ids.into_iter()
+            .filter_map(|id| self.held.get(&id).map(|h| (id, &**h)))
+            .filter(|(_, h)| h.view == *view)
+            .collect()
+    }
+
+    /// What the allocations touched since the last call became, against `before` (the ledger
+    /// this one was cloned from): the change the checkpoint's journal records. Takes them: the
+    /// next call starts afresh.
+    pub fn changes_since(&mut self, before: &DeviceLedger) -> Delta {
+        let mut touched = std::mem::take(&mut self.touched);
+        touched.sort_unstable();
+        touched.dedup();
+        let mut delta = Delta::default();
+        for id in touched {
+            match (before.held.get(&id), self.held.get(&id)) {
+                (Some(old), None) => delta.removed.push(old.record.key()),
+                (None, Some(new)) => delta.put.push(new.record.clone()),
+                (Some(old), Some(new)) if old.record != new.record => {
+                    delta.put.push(new.record.clone());
+                }
+                _ => {}
+            }
+        }
+        delta
+    }
+
+    /// Forgets the allocations touched so far (a ledger restored before it is first published).
+    pub fn forget_changes(&mut self) {
+        self.touched.clear();
     }
 
     /// What an allocation grants, as the isolation module and the kubelet adapter need it.
