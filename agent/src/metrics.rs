@@ -638,7 +638,42 @@ pub struct Endpoint {
     /// Whether MPS enforces the gpu-memory units.
     pub mps_enforced: bool,
     /// The last render and when it started (see `scrape`).
-    pub last_render: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
+    pub last_render: tokio::sync::Mutex<Option<(Instant, axum::body::Bytes)>>,
+    /// Paces the scrapes served (see [`Pacer`]).
+    pub pacer: Pacer,
+}
+
+/// Scrapes served per second at most, after a burst of [`SCRAPE_BURST`]: Prometheus scrapes a
+/// target every few seconds (an HA pair, twice), so only a flood waits; what it costs the agent
+/// (connections, HTTP, the text written) is bounded by this rate, not by the flood.
+pub const MAX_SCRAPES_PER_SECOND: u32 = 50;
+/// Scrapes served at once before the pace applies.
+pub const SCRAPE_BURST: u32 = 10;
+
+/// A rate limit by theoretical arrival time (GCRA): a scrape waits until its turn at
+/// [`MAX_SCRAPES_PER_SECOND`], with [`SCRAPE_BURST`] served without waiting.
+#[derive(Debug)]
+pub struct Pacer {
+    /// When the next scrape is due, were none early.
+    due: std::sync::Mutex<Instant>,
+}
+
+impl Default for Pacer {
+    fn default() -> Self {
+        Self { due: std::sync::Mutex::new(Instant::now()) }
+    }
+}
+
+impl Pacer {
+    /// How long the scrape arriving now must wait for its turn (and takes it).
+    fn turn(&self) -> Duration {
+        let period = Duration::from_secs(1) / MAX_SCRAPES_PER_SECOND;
+        let now = Instant::now();
+        let mut due = self.due.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = (*due).max(now);
+        *due = at + period;
+        at.saturating_duration_since(now + period * SCRAPE_BURST)
+    }
 }
 
 impl Endpoint {
@@ -751,22 +786,50 @@ pub async fn bind(
     Ok((bound, serve))
 }
 
+/// A scrape shares the text of a render that started at most this long before it: a flood of
+/// scrapes (the port is unauthenticated) costs at most ten renders a second and leaves the CPU
+/// to Allocate. Prometheus scrapes a target every few seconds, so what it reads is never more
+/// than this much older than its scrape.
+pub const MIN_RENDER_INTERVAL: Duration = Duration::from_millis(100);
+
 async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
+    // A flood waits for its turn (see Pacer).
+    let wait = endpoint.pacer.turn();
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
     // One render at a time; scrapes that arrive while one waits share the text rendered after
-    // they arrived (never an older one): many scrapers at once cost one render, not one each.
+    // they arrived, or at most MIN_RENDER_INTERVAL before: many scrapers at once cost one
+    // render, not one each.
     let arrived = Instant::now();
     let mut last = endpoint.last_render.lock().await;
+    let fresh = |started: Instant| {
+        started >= arrived || arrived.duration_since(started) < MIN_RENDER_INTERVAL
+    };
     let text = match &*last {
-        Some((started, text)) if *started >= arrived => text.clone(),
+        Some((started, text)) if fresh(*started) => text.clone(),
         _ => {
             let started = Instant::now();
-            let text = Arc::new(render_now(&endpoint));
+            // Off the runtime's workers: a render never delays the gRPC answers they serve.
+            let rendering = endpoint.clone();
+            let text = match tokio::task::spawn_blocking(move || render_now(&rendering)).await {
+                Ok(text) => axum::body::Bytes::from(text),
+                Err(e) => {
+                    tracing::error!(error = %e, "the metrics render failed");
+                    return (
+                        http::StatusCode::INTERNAL_SERVER_ERROR,
+                        "the metrics render failed\n",
+                    )
+                        .into_response();
+                }
+            };
             *last = Some((started, text.clone()));
             text
         }
     };
     drop(last);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], String::clone(&text))
+    // Shared, not copied: one render's bytes serve every scrape that shares it.
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
 fn render_now(endpoint: &Endpoint) -> String {
@@ -796,5 +859,23 @@ async fn readyz(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
     match endpoint.ready() {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_scrapes_is_paced_after_its_burst() {
+        let pacer = Pacer::default();
+        let waits: Vec<Duration> = (0..40).map(|_| pacer.turn()).collect();
+        let period = Duration::from_secs(1) / MAX_SCRAPES_PER_SECOND;
+        assert!(waits[..=SCRAPE_BURST as usize].iter().all(|w| w.is_zero()), "{waits:?}");
+        // Each later one a period after the one before (give or take the time the loop took).
+        let last = waits[39];
+        let expected = period * (39 - SCRAPE_BURST);
+        assert!(last <= expected && last + period >= expected, "{last:?} vs {expected:?}");
+        assert!(waits.windows(2).all(|w| w[1] >= w[0]), "{waits:?}");
     }
 }

@@ -3,8 +3,10 @@
 //! the fake kubelet over real Unix sockets, every grant durable (the checkpoint written and
 //! synced) before it is answered. In one run, so that the machine's noise falls on every phase:
 //!
-//! - single-client Allocate of one unit at 10 to 110 records, then at 1,000 to 1,100;
-//! - the same at 1,100 to 1,200 records with 8 clients scraping `/metrics` in a loop;
+//! - single-client Allocate of one unit at 10 to 310 records, then at 1,000 to 1,300 (300
+//!   samples each, so that a p99 is not one sample);
+//! - the same at 1,300 to 1,600 records with 8 clients scraping `/metrics` in a loop (the
+//!   agent paces a flood: see `baleen_agent::metrics::Pacer`);
 //! - 16 clients at once, 100 grants each: grants per second and the latency percentiles.
 //!
 //! Run with `cargo bench -p baleen-tests --bench allocate_load`.
@@ -103,10 +105,10 @@ fn main() -> anyhow::Result<()> {
         let address = agent.metrics_address().context("metrics on")?;
         one_by_one(&kubelet, &take(10)).await?;
         let small =
-            line("Allocate at 10-110 records", &mut one_by_one(&kubelet, &take(100)).await?);
-        one_by_one(&kubelet, &take(890)).await?;
+            line("Allocate at 10-310 records", &mut one_by_one(&kubelet, &take(300)).await?);
+        one_by_one(&kubelet, &take(690)).await?;
         let large =
-            line("Allocate at 1,000-1,100 records", &mut one_by_one(&kubelet, &take(100)).await?);
+            line("Allocate at 1,000-1,300 records", &mut one_by_one(&kubelet, &take(300)).await?);
         let stop = CancellationToken::new();
         let scrapers: Vec<_> = (0..8)
             .map(|_| {
@@ -123,7 +125,7 @@ fn main() -> anyhow::Result<()> {
             })
             .collect();
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let scraped = line("... with 8 scrapers", &mut one_by_one(&kubelet, &take(100)).await?);
+        let scraped = line("... with 8 scrapers", &mut one_by_one(&kubelet, &take(300)).await?);
         stop.cancel();
         let mut scrapes = 0;
         for s in scrapers {
@@ -147,7 +149,7 @@ fn main() -> anyhow::Result<()> {
         println!("{:>40}: {:.0} grants/s over {took:.2} s", "throughput", 1600.0 / took);
         println!("{:>40}: {:.2}x", "p99 at 1,000 / at 10 records", large / small);
         println!("{:>40}: {:.2}x", "p99 with / without scrapers", scraped / large);
-        assert_eq!(agent.resources().records().len(), 10 + 100 + 890 + 100 + 100 + 1600);
+        assert_eq!(agent.resources().records().len(), 10 + 300 + 690 + 300 + 300 + 1600);
         token.cancel();
         tokio::time::timeout(Duration::from_secs(10), agent.wait()).await??;
         Ok(())

@@ -364,6 +364,7 @@ impl Agent {
                 instruments,
                 mps_enforced: config.responses.mps.enabled,
                 last_render: tokio::sync::Mutex::new(None),
+                pacer: Default::default(),
             });
             let (bound, serve) =
                 crate::metrics::bind(config.metrics.address, endpoint, shutdown.clone()).await?;
