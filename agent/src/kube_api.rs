@@ -85,7 +85,7 @@ pub fn event_of(node: &str, notice: &Notice) -> (String, k8s_openapi::api::event
     };
     let event = k8s_openapi::api::events::v1::Event {
         metadata: ObjectMeta {
-            generate_name: Some("baleen-watchdog-".into()),
+            generate_name: Some("baleen-".into()),
             namespace: Some(namespace.clone()),
             ..ObjectMeta::default()
         },
@@ -96,7 +96,7 @@ pub fn event_of(node: &str, notice: &Notice) -> (String, k8s_openapi::api::event
         regarding: Some(regarding),
         reporting_controller: Some(crate::kube_access::EVENT_CONTROLLER.into()),
         reporting_instance: Some(format!("{}-{node}", crate::kube_access::EVENT_CONTROLLER)),
-        type_: Some("Warning".into()),
+        type_: Some(if notice.warning { "Warning" } else { "Normal" }.into()),
         ..Default::default()
     };
     (namespace, event)

@@ -2476,7 +2476,10 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
         probe_interval: Duration::from_millis(150),
         recovery_probes: 3,
     };
-    let (agent, token) = node.start().await?;
+    // With the API: each transition is an Event on the node.
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    let (agent, token) =
+        node.start_with(Some(baleen_agent::kube_api::KubeNodeApi::at(&api.url())?)).await?;
     node.registered(&agent, 1).await?;
     let gpu = expected.gpus[1].uuid.to_string();
     let units_are = |healthy: bool| {
@@ -2523,6 +2526,21 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
         );
         assert_eq!(got, Some(n), "{to}");
     }
+    let events = tokio::time::timeout(WAIT, async {
+        loop {
+            let events = watchdog_events(&api);
+            if events.iter().any(|e| e.0 == "GpuHealthy") {
+                return events;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .context("the GPU's Events")?;
+    let reasons: Vec<&str> = events.iter().map(|e| e.0.as_str()).collect();
+    assert_eq!(reasons, ["GpuUnhealthy", "GpuHealthy"], "{events:?}");
+    assert!(events.iter().all(|e| e.1 == "node-a" && e.2.contains(&gpu)), "{events:?}");
+    assert!(events[0].2.contains("critical XID 79"), "{events:?}");
     stop(agent, token).await
 }
 

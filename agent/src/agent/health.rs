@@ -5,7 +5,8 @@
 //! memory read), each probe on a thread of its own and bounded by the interval (a probe that
 //! hangs counts as failed, and no second one starts meanwhile); after `health.recoveryProbes`
 //! good probes in a row it is healthy again. A critical XID during probing starts the count
-//! again. Every transition is logged and counted (`baleen_gpu_health_transitions_total`).
+//! again. Every transition is logged, counted (`baleen_gpu_health_transitions_total`) and, where
+//! the API is reachable, an Event on the node (`GpuUnhealthy`, a Warning, and `GpuHealthy`).
 //! MPS daemons that stop answering are the MPS supervisor's (their GPU's units withdrawn until
 //! the daemon answers).
 
@@ -16,8 +17,10 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use super::events::EventQueue;
 use crate::error_chain::Chain;
 use crate::inventory::{CallFailures, GpuInventory, GpuUuid, InventoryError};
+use crate::isolation::watchdog::{Notice, Regarding};
 use crate::resources::NodeResources;
 
 /// The longest wait between two tries to start the health watch.
@@ -45,17 +48,19 @@ impl Default for HealthConfig {
 /// While the watch cannot be started, every GPU is advertised Unhealthy (nothing would tell the
 /// agent that one failed) and the start is retried with backoff; once it starts, the GPUs are
 /// healthy again.
+/// `report`: where NVML call failures are counted, and where transitions go as Events.
 pub fn spawn(
     inventory: Arc<dyn GpuInventory>,
     resources: Arc<NodeResources>,
-    calls: Arc<CallFailures>,
+    report: (Arc<CallFailures>, Option<EventQueue>),
     config: HealthConfig,
     stop: CancellationToken,
 ) -> Option<std::thread::JoinHandle<()>> {
     let on_thread = resources.clone();
+    let (calls, events) = report;
     let spawned = std::thread::Builder::new()
         .name("baleen-health".into())
-        .spawn(move || watch(&inventory, &on_thread, &calls, config, &stop));
+        .spawn(move || watch(&inventory, &on_thread, (&calls, events), config, &stop));
     match spawned {
         Ok(handle) => Some(handle),
         Err(e) => {
@@ -81,15 +86,33 @@ struct Recoveries<'a> {
     inventory: &'a Arc<dyn GpuInventory>,
     resources: &'a NodeResources,
     calls: &'a CallFailures,
+    events: Option<EventQueue>,
     config: HealthConfig,
     gpus: BTreeMap<String, Recovery>,
 }
 
 impl Recoveries<'_> {
+    /// Sends the Event of a transition, where the API is reachable.
+    fn announce(&self, reason: &'static str, note: String, warning: bool) {
+        if let Some(events) = &self.events {
+            let action = if warning { "MarkedUnhealthy" } else { "MarkedHealthy" };
+            events.send(Notice { regarding: Regarding::Node, reason, action, note, warning });
+        }
+    }
+
     /// `uuid` is unhealthy for `reason`: probed from now on (its count of good probes from 0).
     fn mark(&mut self, uuid: &str, reason: &str) {
         if self.resources.set_health(uuid, false, reason) {
             count(self.resources, uuid, "unhealthy");
+            self.announce(
+                "GpuUnhealthy",
+                format!(
+                    "GPU {uuid} marked Unhealthy ({reason}): its devices are withdrawn; it is probed every {} s and healthy again after {} good probes in a row",
+                    self.config.probe_interval.as_secs_f64(),
+                    self.config.recovery_probes
+                ),
+                true,
+            );
         }
         let next = Instant::now() + self.config.probe_interval;
         let r = self.gpus.entry(uuid.to_owned()).or_insert_with(|| Recovery {
@@ -176,16 +199,23 @@ impl Recoveries<'_> {
             }
         }
         for uuid in healthy {
-            if let Some(r) = self.gpus.remove(&uuid) {
+            let was = self.gpus.remove(&uuid).map(|r| {
                 tracing::warn!(
                     gpu.uuid = uuid,
                     probes = r.good,
                     was = r.reason,
                     "GPU healthy again: it answered every probe"
                 );
-            }
+                (r.good, r.reason)
+            });
             if self.resources.set_health(&uuid, true, "") {
                 count(self.resources, &uuid, "healthy");
+                let (probes, reason) = was.unwrap_or_default();
+                self.announce(
+                    "GpuHealthy",
+                    format!("GPU {uuid} healthy again after {probes} good probes in a row (was: {reason}); its devices are offered again"),
+                    false,
+                );
             }
         }
     }
@@ -201,7 +231,7 @@ fn count(resources: &NodeResources, uuid: &str, to: &str) {
 fn watch(
     inventory: &Arc<dyn GpuInventory>,
     resources: &NodeResources,
-    calls: &CallFailures,
+    (calls, events): (&CallFailures, Option<EventQueue>),
     config: HealthConfig,
     stop: &CancellationToken,
 ) {
@@ -229,7 +259,8 @@ fn watch(
     for gpu in watcher.unwatched() {
         tracing::warn!(gpu.uuid = %gpu, "GPU cannot report health events");
     }
-    let mut recoveries = Recoveries { inventory, resources, calls, config, gpus: BTreeMap::new() };
+    let mut recoveries =
+        Recoveries { inventory, resources, calls, events, config, gpus: BTreeMap::new() };
     let mut failing = false;
     while !stop.is_cancelled() {
         let event = watcher.next_event(Duration::from_millis(500));
@@ -344,7 +375,7 @@ mod tests {
         let on_calls = calls.clone();
         let thread = std::thread::spawn(move || {
             let inventory: Arc<dyn GpuInventory> = inventory;
-            watch(&inventory, &on_thread, &on_calls, HealthConfig::default(), &thread_stop);
+            watch(&inventory, &on_thread, (&on_calls, None), HealthConfig::default(), &thread_stop);
         });
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let mut saw_unhealthy = false;

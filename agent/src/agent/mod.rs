@@ -22,6 +22,7 @@
 //! tasks aborted, nothing flushed beyond what every change already wrote).
 
 pub mod colocation;
+pub mod events;
 pub mod health;
 pub mod lock;
 pub mod mps;
@@ -375,10 +376,21 @@ impl Agent {
             None
         };
         let health_stop = shutdown.child_token();
+        // GPU health transitions as Events on the node, where the API is reachable.
+        let health_events = deps.node_api.clone().map(|api| {
+            events::start(
+                &mut tasks,
+                "GPU health events",
+                config.node_name.clone(),
+                api,
+                crate::defaults::WATCHDOG_EVENT_QUEUE,
+                &shutdown,
+            )
+        });
         let health = health::spawn(
             deps.inventory.clone(),
             resources.clone(),
-            calls,
+            (calls, health_events),
             config.health,
             health_stop.clone(),
         );

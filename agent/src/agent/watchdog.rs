@@ -2,26 +2,19 @@
 //! (`crate::isolation::watchdog`) with what the agent knows of who holds what: the API's view of
 //! the node's pods (shared with co-location), the kubelet's last pod-resources list and the
 //! ledger (`NodeResources::watchdog_view`), and the MPS servers the daemons named. Its Events go
-//! to the API server from a second task, one at a time, each bounded by a timeout; a failure is
-//! logged once per episode of failures and counted.
+//! to the API server from a second task ([`super::events::send_all`]).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{AgentConfig, AgentError, Tasks};
-use crate::error_chain::Chain;
 use crate::inventory::{CallFailures, GpuInventory};
 use crate::isolation::node_pods::NodePods;
 use crate::isolation::watchdog::{Holders, Published, Watchdog};
 use crate::kube_api::NodeApi;
 use crate::resources::NodeResources;
-
-/// How long one Event may take the API server.
-const EVENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Starts the watchdog and its Event sender when `watchdog.enabled`.
 pub fn start(
@@ -42,7 +35,7 @@ pub fn start(
     let (Some(api), Some(pods)) = (api, pods) else {
         return Err(AgentError::NoNodeApi { what: "watchdog.enabled" });
     };
-    let (queue, mut notices) = mpsc::channel(crate::defaults::WATCHDOG_EVENT_QUEUE);
+    let (queue, notices) = mpsc::channel(crate::defaults::WATCHDOG_EVENT_QUEUE);
     let dog = Watchdog::new(config.watchdog.clone(), Some(queue));
     let published = dog.published();
     let counts = published.counts.clone();
@@ -58,33 +51,8 @@ pub fn start(
     });
     let (node, token) = (config.node_name.clone(), shutdown.clone());
     tasks.spawn("watchdog events", async move {
-        let mut failing = false;
-        loop {
-            let notice = tokio::select! {
-                () = token.cancelled() => return Ok(()),
-                n = notices.recv() => match n { Some(n) => n, None => return Ok(()) },
-            };
-            let sent = tokio::time::timeout(EVENT_TIMEOUT, api.record_event(&node, &notice)).await;
-            let problem = match sent {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(Chain(&e).to_string()),
-                Err(_) => Some(format!("no answer within {} s", EVENT_TIMEOUT.as_secs())),
-            };
-            match problem {
-                None if failing => {
-                    tracing::info!("watchdog Events are recorded again");
-                    failing = false;
-                }
-                None => {}
-                Some(problem) => {
-                    counts.failed.fetch_add(1, Ordering::Relaxed);
-                    if !failing {
-                        tracing::warn!(error = problem, reason = notice.reason, "cannot record a watchdog Event (logged above as well); later failures are counted in baleen_watchdog_event_failures_total");
-                        failing = true;
-                    }
-                }
-            }
-        }
+        super::events::send_all("watchdog", node, api, notices, counts, token).await;
+        Ok(())
     });
     Ok(published)
 }

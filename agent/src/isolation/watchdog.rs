@@ -224,6 +224,8 @@ pub struct Notice {
     pub action: &'static str,
     /// The human text.
     pub note: String,
+    /// A Warning (else a Normal Event: a recovery).
+    pub warning: bool,
 }
 
 /// The watchdog's kills and Events so far, for the metrics.
@@ -603,6 +605,7 @@ impl Watchdog {
                 o.granted_bytes >> 20,
                 o.pids
             ),
+            warning: true,
         });
     }
 
@@ -640,6 +643,7 @@ impl Watchdog {
                 o.used_bytes >> 20,
                 o.granted_bytes >> 20
             ),
+            warning: true,
         });
     }
 
@@ -701,6 +705,7 @@ impl Watchdog {
                 s.used_bytes >> 20,
                 s.gpu
             ),
+            warning: true,
         });
     }
 
@@ -1106,6 +1111,7 @@ mod tests {
                 reason: "R",
                 action: "Observed",
                 note: String::new(),
+                warning: true,
             });
         }
         assert_eq!(dog.counts().queued.load(Ordering::Relaxed), 1);
