@@ -107,7 +107,7 @@ fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Inventory { driver_version: None, gpus })
+    Ok(Inventory { driver_version: None, gpus, unreadable: Vec::new() })
 }
 
 fn node_json(spec: &NodeSpec) -> Value {

@@ -4,6 +4,7 @@
 //! crash recovery with an intact or a corrupted checkpoint, the node-state annotation against a
 //! fake API server. Every wait has a timeout.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -2746,4 +2747,65 @@ async fn sigkill_during_bursts_of_grants_loses_no_answered_grant() -> Result<()>
     assert!(answered.len() as u64 >= ROUNDS, "{} grants answered", answered.len());
     eprintln!("{} grants answered over {ROUNDS} kills, none lost", answered.len());
     Ok(())
+}
+
+/// Issue 22, item 7: a GPU NVML cannot read at start is not offered and the others are served;
+/// what was held on it stays held (parked, in every checkpoint), and a readable GPU held
+/// together with it stays unoffered; a start that reads every GPU restores it all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_gpu_at_start_is_left_out_and_what_it_held_stays_held() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::FakeNvml).await?;
+    // Raw Allocates, never listed: kept for the whole test.
+    node.config.reconcile_grace = Duration::from_secs(600);
+    let uuid = |i: usize| expected.gpus[i].uuid.to_string();
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    let raw = |resource: &'static str, ids: Vec<String>| {
+        let kubelet = &node.kubelet;
+        async move {
+            kubelet.allocate_raw(resource, vec![ids]).await.map_err(|e| anyhow::anyhow!("{e:?}"))
+        }
+    };
+    raw(GPU, vec![uuid(0), uuid(1)]).await?;
+    raw(MEM, vec![format!("{}::0", uuid(3)), format!("{}::1", uuid(3))]).await?;
+    stop(agent, token).await?;
+    // GPU 1 falls off the bus before the next start: its memory cannot be read.
+    let fake = node._nvml.as_ref().context("fake NVML")?;
+    fake.set_faults(&["fail nvmlDeviceGetMemoryInfo_v2 1 15"])?;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 2).await?;
+    let view =
+        node.kubelet.wait_for("GPU 1 withdrawn", WAIT, |v| v.devices_of(GPU).len() == 3).await?;
+    let gpus: BTreeSet<String> = view.devices_of(GPU).iter().map(|d| d.id.clone()).collect();
+    assert!(!gpus.contains(&uuid(1)), "the unreadable GPU is not offered: {gpus:?}");
+    assert_eq!(view.healthy(GPU), vec![uuid(2)], "GPU 0 is held with GPU 1, GPU 3 is shared");
+    assert!(
+        unit_health(&view, &uuid(2)).iter().all(|h| *h == HEALTHY),
+        "the readable GPUs are served"
+    );
+    let records = sorted(agent.resources().records());
+    assert_eq!(records.len(), 2, "both held: {records:?}");
+    assert_eq!(agent.resources().published().state.parked().len(), 1);
+    let refused = node.kubelet.allocate_raw(GPU, vec![vec![uuid(0)]]).await;
+    assert!(refused.is_err(), "GPU 0 handed out though its holder runs: {refused:?}");
+    stop(agent, token).await?;
+    // Readable again: everything restored as it was granted.
+    fake.set_faults(&[])?;
+    let (agent, token) = node.start().await?;
+    // (The NVLink groups were not offered while GPU 1 could not be read: registered twice.)
+    node.kubelet.wait_registered("awesome-ai-company.com/nvlink-group-2", 2).await?;
+    node.kubelet.wait_registered(MEM, 3).await?;
+    let view = node.kubelet.wait_registered(GPU, 3).await?;
+    assert_eq!(sorted(agent.resources().records()), records);
+    assert!(agent.resources().published().state.parked().is_empty());
+    // Held whole through this view again: Healthy in it (the kubelet counts them); 3 shared.
+    let want: BTreeSet<String> = [uuid(0), uuid(1), uuid(2)].into_iter().collect();
+    drop(view);
+    node.kubelet
+        .wait_for("GPUs 0-2 offered in the gpu view", WAIT, |v| {
+            v.healthy(GPU).into_iter().collect::<BTreeSet<_>>() == want
+        })
+        .await?;
+    stop(agent, token).await
 }

@@ -66,6 +66,14 @@ pub async fn restore(
         driver = discovered.driver_version.as_deref().unwrap_or("unknown"),
         "GPUs discovered"
     );
+    for u in &discovered.unreadable {
+        tracing::error!(
+            gpu.index = u.index,
+            gpu.uuid = u.uuid.as_ref().map(ToString::to_string),
+            error = u.error,
+            "GPU cannot be read: it is not offered, what is held on it stays held; the other GPUs are served"
+        );
+    }
     let mut ledger = DeviceLedger::new(&config.node_name, &discovered, config.views.clone())?;
     check_socket_paths(config, &ledger)?;
     if config.responses.mps.enabled {
@@ -97,7 +105,7 @@ pub async fn restore(
     });
     let restored = match verified {
         Ok(Some(contents)) => {
-            let refused = ledger.restore(&contents.allocations);
+            let refused = ledger.restore_from(&contents.allocations, &contents.layout);
             if !refused.is_empty() {
                 // Dropping them would hand the devices of running containers out again.
                 return Err(AgentError::HeldDevicesChanged {

@@ -145,6 +145,21 @@ pub struct Inventory {
     pub driver_version: Option<String>,
     /// The GPUs, ordered by [`Gpu::index`].
     pub gpus: Vec<Gpu>,
+    /// The GPUs the backend counts but cannot read (NVML errors at discovery): the agent serves
+    /// the others, and keeps what was held on these held (see `crate::ledger`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<UnreadableGpu>,
+}
+
+/// A GPU the backend counts but cannot read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnreadableGpu {
+    /// NVML's index.
+    pub index: u32,
+    /// Its UUID, when even that could be read.
+    pub uuid: Option<GpuUuid>,
+    /// What failed.
+    pub error: String,
 }
 
 impl Inventory {
@@ -618,6 +633,7 @@ mod tests {
     #[test]
     fn inventory_json_round_trips() {
         let inventory = Inventory {
+            unreadable: vec![],
             driver_version: Some("570.124.06".into()),
             gpus: vec![Gpu {
                 index: 0,

@@ -47,8 +47,8 @@ use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{
     BoxError, Gpu, GpuInventory, GpuProcess, GpuTelemetry, GpuUuid, HealthEvent, HealthWatcher,
-    Inventory, InventoryError, MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id,
-    pci_sysfs_name,
+    Inventory, InventoryError, MigInstance, MigProfile, MigState, MigUuid, UnreadableGpu,
+    normalize_pci_bus_id, pci_sysfs_name,
 };
 
 /// The library loaded when none is configured: the name the driver installs, found through the
@@ -352,10 +352,33 @@ impl GpuInventory for NvmlInventory {
     fn discover(&self) -> Result<Inventory, InventoryError> {
         let driver_version = supported(self.nvml.sys_driver_version())
             .map_err(nvml_error("nvmlSystemGetDriverVersion", None))?;
-        let devices = self.devices()?;
-        let mut gpus = Vec::with_capacity(devices.len());
-        for (index, device) in (0u32..).zip(&devices) {
-            gpus.push(self.read_gpu(index, device)?);
+        let count = self.nvml.device_count().map_err(nvml_error("nvmlDeviceGetCount_v2", None))?;
+        // One GPU that cannot be read does not hide the others: it is reported unreadable (with
+        // its UUID when that much answers) and the agent serves the rest.
+        let mut gpus = Vec::with_capacity(count as usize);
+        let mut devices = Vec::with_capacity(count as usize);
+        let mut unreadable = Vec::new();
+        for index in 0..count {
+            let device = match self.nvml.device_by_index(index) {
+                Ok(device) => device,
+                Err(e) => {
+                    let e = nvml_error("nvmlDeviceGetHandleByIndex_v2", Some(index))(e);
+                    let error = crate::error_chain::Chain(&e).to_string();
+                    unreadable.push(UnreadableGpu { index, uuid: None, error });
+                    continue;
+                }
+            };
+            match self.read_gpu(index, &device) {
+                Ok(gpu) => {
+                    gpus.push(gpu);
+                    devices.push(device);
+                }
+                Err(e) => {
+                    let uuid = device.uuid().ok().and_then(|u| GpuUuid::new(u).ok());
+                    let error = crate::error_chain::Chain(&e).to_string();
+                    unreadable.push(UnreadableGpu { index, uuid, error });
+                }
+            }
         }
 
         // NVLink: one P2P query per unordered pair; the answer is symmetric.
@@ -373,7 +396,7 @@ impl GpuInventory for NvmlInventory {
         for (gpu, peers) in gpus.iter_mut().zip(peers) {
             gpu.nvlink_peers = peers.into_iter().collect();
         }
-        Ok(Inventory { driver_version, gpus })
+        Ok(Inventory { driver_version, gpus, unreadable })
     }
 
     fn processes(&self) -> Result<Vec<GpuProcess>, InventoryError> {
@@ -442,11 +465,26 @@ impl GpuInventory for NvmlInventory {
         let mut unwatched = Vec::new();
         for (index, device) in (0u32..).zip(&devices) {
             let at = Some(index);
-            let uuid = device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", at))?;
-            let uuid = GpuUuid::new(uuid).map_err(|err| bad_value("nvmlDeviceGetUUID", at, err))?;
-            let types = supported(device.supported_event_types())
-                .map_err(nvml_error("nvmlDeviceGetSupportedEventTypes", at))?
-                .unwrap_or(EventTypes::empty());
+            // A GPU that cannot say who it is or what it reports is left out (it was reported
+            // unreadable at discovery); the others are watched.
+            let uuid = device.uuid().map_err(nvml_error("nvmlDeviceGetUUID", at)).and_then(|u| {
+                GpuUuid::new(u).map_err(|err| bad_value("nvmlDeviceGetUUID", at, err))
+            });
+            let uuid = match uuid {
+                Ok(uuid) => uuid,
+                Err(e) => {
+                    tracing::warn!(gpu.index = index, error = %crate::error_chain::Chain(&e), "cannot watch this GPU: its UUID cannot be read");
+                    continue;
+                }
+            };
+            let types = match supported(device.supported_event_types()) {
+                Ok(types) => types.unwrap_or(EventTypes::empty()),
+                Err(e) => {
+                    let e = nvml_error("nvmlDeviceGetSupportedEventTypes", at)(e);
+                    tracing::warn!(gpu.uuid = %uuid, error = %crate::error_chain::Chain(&e), "cannot watch this GPU's XID events");
+                    EventTypes::empty()
+                }
+            };
             if types.contains(EventTypes::CRITICAL_XID_ERROR) {
                 watched.push((index, device));
             } else {

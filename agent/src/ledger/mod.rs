@@ -276,6 +276,8 @@ struct Slot {
     taken: u32,
     /// The allocation holding the GPU whole (gpu or NVLink-group view), if any.
     whole: Option<u64>,
+    /// Named by a parked allocation (see [`DeviceLedger::restore_from`]): offered to no one.
+    reserved: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -327,6 +329,15 @@ pub struct DeviceLedger {
     next_id: u64,
     /// The shapes of the last allocations: the target workload of [`Self::fragmentation`].
     recent: Arc<RecentWorkload>,
+    /// The GPUs the inventory counts but could not read, by UUID where it is known, with why.
+    unreadable: Arc<BTreeMap<String, String>>,
+    /// Whether any GPU could not be read (with a UUID or without).
+    any_unreadable: bool,
+    /// Allocations kept as they are because they name a GPU this start could not read (see
+    /// [`Self::restore_from`]).
+    parked: Arc<Vec<AllocationRecord>>,
+    /// The NVLink groups of parked allocations, as the checkpoint they came from defined them.
+    parked_groups: Arc<BTreeMap<String, Vec<String>>>,
 }
 
 /// A record's key: its resource and sorted device IDs (one record per key at any time).
@@ -435,6 +446,7 @@ impl DeviceLedger {
                 unit_holder: vec![None; units as usize],
                 taken: 0,
                 whole: None,
+                reserved: false,
             });
         }
         let spec = NodeSpec {
@@ -472,8 +484,22 @@ impl DeviceLedger {
             records_version: 0,
             next_id: 1,
             recent: Arc::new(RecentWorkload::default()),
+            unreadable: Arc::new(
+                inventory
+                    .unreadable
+                    .iter()
+                    .filter_map(|u| Some((u.uuid.as_ref()?.to_string(), u.error.clone())))
+                    .collect(),
+            ),
+            any_unreadable: !inventory.unreadable.is_empty(),
+            parked: Arc::default(),
+            parked_groups: Arc::default(),
         };
-        state.build_groups();
+        // NVLink groups are numbered over every GPU: with one unreadable they would name other
+        // GPUs, so none is offered until every GPU reads (held ones are parked).
+        if !state.any_unreadable {
+            state.build_groups();
+        }
         Ok(state)
     }
 
@@ -531,6 +557,7 @@ impl DeviceLedger {
                         g.members.iter().map(|i| self.slots[i].gpu.uuid.to_string()).collect();
                     (g.id.clone(), members)
                 })
+                .chain(self.parked_groups.iter().map(|(id, m)| (id.clone(), m.clone())))
                 .collect(),
         }
     }
@@ -541,7 +568,7 @@ impl DeviceLedger {
     pub fn meaning_changes(&self, old: &Layout, records: &[AllocationRecord]) -> Vec<String> {
         let now = self.layout();
         let mut problems = Vec::new();
-        for r in records {
+        for r in records.iter().filter(|r| !self.would_park(r, old)) {
             let Some(view) = self.view_for(&r.resource) else {
                 problems.push(format!(
                     "{} holds {:?}, but this configuration does not offer {}",
@@ -719,9 +746,19 @@ impl DeviceLedger {
         self.held.len()
     }
 
-    /// The current allocations, in grant order.
+    /// The current allocations, in grant order, then the parked ones.
     pub fn records(&self) -> Vec<AllocationRecord> {
-        self.held.values().map(|h| h.record.clone()).collect()
+        self.held.values().map(|h| h.record.clone()).chain(self.parked.iter().cloned()).collect()
+    }
+
+    /// The allocations parked because they name a GPU this start could not read.
+    pub fn parked(&self) -> &[AllocationRecord] {
+        &self.parked
+    }
+
+    /// The GPUs the inventory counts but could not read, by UUID, with why.
+    pub fn unreadable(&self) -> &BTreeMap<String, String> {
+        &self.unreadable
     }
 
     /// Per allocation, per GPU it holds: the bytes of that GPU's memory it was granted (its
@@ -787,12 +824,15 @@ impl DeviceLedger {
                 .map(|(i, s)| {
                     let other = self.units_held(i, &none) > 0
                         || self.whole_holder(i, &none).is_some_and(|h| h.view != View::Gpu);
-                    s.healthy && !other
+                    s.healthy && !s.reserved && !other
                 })
                 .collect(),
             View::GpuMemory => plain()
                 .map(|(i, s)| {
-                    s.healthy && s.shares_enforced && self.whole_holder(i, &none).is_none()
+                    s.healthy
+                        && !s.reserved
+                        && s.shares_enforced
+                        && self.whole_holder(i, &none).is_none()
                 })
                 .collect(),
             View::Mig(profile) => self
@@ -814,6 +854,7 @@ impl DeviceLedger {
                 .map(|g| {
                     g.members.iter().all(|i| {
                         self.slots[i].healthy
+                            && !self.slots[i].reserved
                             && self.units_held(i, &none) == 0
                             && self.whole_holder(i, &none).is_none_or(|h| {
                                 h.view == *view && h.record.device_ids.contains(&g.id)
@@ -1095,6 +1136,11 @@ impl DeviceLedger {
             if !self.slots[i].healthy {
                 return conflict(format!("GPU {uuid} is unhealthy"));
             }
+            if self.slots[i].reserved {
+                return conflict(format!(
+                    "GPU {uuid} is held by an allocation that also names a GPU NVML cannot read"
+                ));
+            }
             if matches!(view, View::Mig(_)) {
                 continue;
             }
@@ -1199,11 +1245,90 @@ impl DeviceLedger {
         gone.into_iter().filter_map(|id| self.release_id(id)).collect()
     }
 
+    /// Whether `record` (granted under `layout`) is parked rather than restored: while a GPU
+    /// cannot be read, a record that names it (a unit of it, it whole, an NVLink group of it
+    /// under `layout`), that needs a view this start does not offer (NVLink groups are not
+    /// offered then), or whose devices this ledger does not know (a MIG instance of the
+    /// unreadable GPU cannot be told).
+    fn would_park(&self, record: &AllocationRecord, layout: &Layout) -> bool {
+        if !self.any_unreadable {
+            return false;
+        }
+        let Some(view) = self.view_for(&record.resource) else { return true };
+        record.device_ids.iter().any(|id| {
+            let gpu = parse_unit_id(id).map_or(id.as_str(), |(uuid, _)| uuid);
+            let members = layout.nvlink_groups.get(id).into_iter().flatten();
+            self.unreadable.contains_key(gpu)
+                || members.into_iter().any(|m| self.unreadable.contains_key(m))
+        }) || self.parse(&view, &record.device_ids).is_err()
+    }
+
+    /// Parks `record` (granted under `layout`): kept as it is, in every checkpoint, never
+    /// released, and every readable GPU it names reserved (offered to no one), until a start
+    /// that reads every GPU restores it. What it holds of the unreadable GPU is not offered
+    /// anyway: that GPU is not in the ledger.
+    fn park(&mut self, record: &AllocationRecord, layout: &Layout) {
+        let mut named: Vec<String> = Vec::new();
+        for id in &record.device_ids {
+            if let Some((uuid, _)) = parse_unit_id(id) {
+                named.push(uuid.to_owned());
+            } else if let Some(members) = layout.nvlink_groups.get(id) {
+                named.extend(members.iter().cloned());
+                Arc::make_mut(&mut self.parked_groups).insert(id.clone(), members.clone());
+            } else if let Some((_, first)) =
+                id.split_once('-').filter(|(kind, _)| kind.starts_with("nvlink"))
+            {
+                // An NVLink group without its layout: its ID names its first GPU.
+                named.push(first.to_owned());
+            } else {
+                named.push(id.clone());
+            }
+        }
+        for uuid in named {
+            if let Some(&i) = self.by_uuid.get(&uuid) {
+                self.slots[i].reserved = true;
+            }
+        }
+        tracing::warn!(
+            resource = record.resource,
+            devices = ?record.device_ids,
+            "allocation parked: it names a GPU NVML cannot read; it stays held, and every GPU it names stays unoffered, until a start that reads every GPU"
+        );
+        Arc::make_mut(&mut self.parked).push(record.clone());
+        self.records_version += 1;
+    }
+
+    /// Restores the allocations of a checkpoint written under `layout` (see [`Self::restore`]),
+    /// parking those that name a GPU this start could not read ([`Self::park`]); returns the
+    /// ones refused, with why.
+    pub fn restore_from(
+        &mut self,
+        records: &[AllocationRecord],
+        layout: &Layout,
+    ) -> Vec<(AllocationRecord, String)> {
+        let (parked, rest): (Vec<&AllocationRecord>, Vec<&AllocationRecord>) =
+            records.iter().partition(|r| self.would_park(r, layout));
+        for r in parked {
+            self.park(r, layout);
+        }
+        let rest: Vec<AllocationRecord> = rest.into_iter().cloned().collect();
+        self.restore(&rest)
+    }
+
     /// Re-records allocations (from a checkpoint or the kubelet); returns the ones refused,
-    /// with why.
+    /// with why. While a GPU cannot be read, a record the kubelet lists that names it is parked
+    /// instead (see [`Self::park`]; no layout: an NVLink group's members are unknown then, and
+    /// only its first GPU, named in its ID, is reserved).
     pub fn restore(&mut self, records: &[AllocationRecord]) -> Vec<(AllocationRecord, String)> {
         let mut refused = Vec::new();
+        let unknown = Layout::default();
         for record in records {
+            if self.would_park(record, &unknown) {
+                if !self.parked.iter().any(|p| p.key() == record.key()) {
+                    self.park(record, &unknown);
+                }
+                continue;
+            }
             let outcome = match self.view_for(&record.resource) {
                 None => Err(format!("this node does not offer {}", record.resource)),
                 Some(view) => self
@@ -1297,6 +1422,8 @@ impl DeviceLedger {
         touched.sort_unstable();
         touched.dedup();
         let mut delta = Delta::default();
+        // Parked allocations are only ever added.
+        delta.put.extend(self.parked.iter().skip(before.parked.len()).cloned());
         for id in touched {
             match (before.held.get(&id), self.held.get(&id)) {
                 (Some(old), None) => delta.removed.push(old.record.key()),

@@ -485,3 +485,64 @@ fn mig_instances_are_in_the_node_state_when_offered() {
     let off = DeviceLedger::new("n", &inventory, config).expect("ledger");
     assert!(off.node_state("n", 0, |_| None).gpus.iter().all(|g| g.mig.is_empty()));
 }
+
+/// Issue 22, item 7: the allocations of a checkpoint on the H200 node, restored by a start at
+/// which GPU 1 cannot be read: what names GPU 1 (its units, a pair of whole GPUs, an NVLink
+/// group of GPUs 0-1, known by the checkpoint's layout) is parked with every readable GPU it
+/// names reserved; the rest restores; no group is offered; the layout keeps the parked group.
+#[test]
+fn allocations_on_an_unreadable_gpu_are_parked_and_their_other_gpus_reserved() {
+    let before = example("h200-8x-nvswitch.yaml");
+    let layout = before.layout();
+    let group = before.devices(&View::NvlinkGroup(2))[0].id.clone();
+    let mut held = before.clone();
+    let domain = held.config().domain.clone();
+    held.allocate(&View::NvlinkGroup(2), std::slice::from_ref(&group), 1).expect("group 0-1");
+    held.allocate(&View::GpuMemory, &units(&before, 4, 0..2), 1).expect("units of 4");
+    held.allocate(&View::Gpu, &[uuid(&before, 5), uuid(&before, 6)], 1).expect("5 and 6");
+    let records = held.records();
+    // GPU 1 unreadable at the next start: the inventory without it.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../packaging/examples/h200-8x-nvswitch.yaml");
+    let mut inventory =
+        SimulatedInventory::from_file(&path).expect("example").discover().expect("discover");
+    let lost = inventory.gpus.remove(1);
+    inventory.unreadable.push(crate::inventory::UnreadableGpu {
+        index: lost.index,
+        uuid: Some(lost.uuid.clone()),
+        error: "GPU is lost".into(),
+    });
+    let mut state = DeviceLedger::new("node-a", &inventory, ViewConfig::default()).expect("ledger");
+    assert!(state.views().iter().all(|v| !matches!(v, View::NvlinkGroup(_))), "no group offered");
+    assert!(state.meaning_changes(&layout, &records).is_empty(), "the parked group is no change");
+    let refused = state.restore_from(&records, &layout);
+    assert!(refused.is_empty(), "{refused:?}");
+    assert_eq!(state.parked().len(), 1, "the group");
+    assert_eq!(state.held_count(), 2, "the units and the pair restored");
+    assert_eq!(state.records().len(), 3, "every record kept");
+    // GPU 0 (the group's other GPU) is offered to no one, in any view.
+    let gpu0 = uuid(&before, 0);
+    let gpus = state.devices(&View::Gpu);
+    assert!(gpus.iter().any(|d| d.id == gpu0 && !d.healthy), "{gpus:?}");
+    assert!(
+        state
+            .devices(&View::GpuMemory)
+            .iter()
+            .filter(|d| d.id.starts_with(&gpu0))
+            .all(|d| !d.healthy)
+    );
+    let err = state.allocate(&View::Gpu, std::slice::from_ref(&gpu0), 2).expect_err("reserved");
+    assert!(err.to_string().contains("NVML cannot read"), "{err}");
+    assert!(state.layout().nvlink_groups.contains_key(&group), "the group's members kept");
+    // The kubelet listing an allocation on GPU 1 (a start without a trusted checkpoint): parked
+    // too, not refused.
+    let listed = AllocationRecord {
+        resource: format!("{domain}/gpu-memory"),
+        device_ids: vec![format!("{}::3", lost.uuid)],
+        allocated_at: 2,
+        listed: true,
+        holder: None,
+    };
+    assert!(state.restore(std::slice::from_ref(&listed)).is_empty());
+    assert_eq!(state.parked().len(), 2);
+}

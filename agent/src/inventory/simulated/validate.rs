@@ -213,7 +213,7 @@ fn build(file: &TopologyFile, node: &str, problems: &mut Problems) -> Inventory 
         }
     }
     gpus.sort_by_key(|gpu| gpu.index);
-    Inventory { driver_version: file.driver_version.clone(), gpus }
+    Inventory { driver_version: file.driver_version.clone(), gpus, unreadable: Vec::new() }
 }
 
 /// NVLink peers by GPU index: from `nvswitch`, `groups` and each GPU's `nvlink_peers`.
