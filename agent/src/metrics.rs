@@ -73,9 +73,20 @@ pub async fn read_telemetry(
     let mut failing = false;
     loop {
         let reading = inventory.clone();
-        let read = tokio::select! {
-            () = shutdown.cancelled() => return,
-            read = tokio::task::spawn_blocking(move || reading.telemetry()) => read,
+        let mut read = tokio::task::spawn_blocking(move || reading.telemetry());
+        // A read that hangs (NVML stuck on a lost GPU) is said once and waited for: the last
+        // good read stays published and ages (`baleen_telemetry_age_seconds`).
+        let mut warned = false;
+        let hang = interval.max(Duration::from_secs(5));
+        let read = loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                read = &mut read => break read,
+                () = tokio::time::sleep(hang), if !warned => {
+                    tracing::warn!(waited_s = hang.as_secs(), "GPU telemetry does not answer (NVML hangs); the last good read stays published and ages");
+                    warned = true;
+                }
+            }
         };
         match read {
             Ok(Ok(readings)) => {

@@ -2809,3 +2809,59 @@ async fn an_unreadable_gpu_at_start_is_left_out_and_what_it_held_stays_held() ->
         .await?;
     stop(agent, token).await
 }
+
+/// Issue 22, item 7: NVML calls that hang (a GPU lost mid-call) stall only the subsystem that
+/// made them: Allocate and `/metrics` answer at once, and the agent stops within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_nvml_calls_stop_neither_allocate_nor_the_metrics_nor_a_stop() -> Result<()> {
+    let expected = example("l4-4x-pcie.yaml")?;
+    let fake = FakeNvml::new(&expected)?;
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    node.config.watchdog = baleen_agent::isolation::watchdog::WatchdogConfig {
+        enabled: true,
+        interval: Duration::from_millis(100),
+        proc_root: tempfile::tempdir()?.path().to_path_buf(),
+        ..Default::default()
+    };
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
+    let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
+    // The agent on a runtime of its own, dropped at the end without waiting for the threads
+    // still inside a hung NVML call.
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let token = CancellationToken::new();
+    let (config, inventory, stop_token) =
+        (node.config.clone(), node.inventory.clone(), token.clone());
+    let agent = tokio::time::timeout(
+        WAIT,
+        runtime.spawn(async move {
+            Agent::start(
+                config,
+                Dependencies { inventory, registry: Default::default(), node_api: Some(client) },
+                stop_token,
+            )
+            .await
+        }),
+    )
+    .await???;
+    node.registered(&agent, 1).await?;
+    // The watchdog's process list and the telemetry hang for a minute.
+    fake.set_faults(&[
+        "hang nvmlDeviceGetComputeRunningProcesses_v3 * 60000",
+        "hang nvmlDeviceGetUtilizationRates * 60000",
+    ])?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let asked = std::time::Instant::now();
+    node.kubelet.admit_to("ns/a", "c", MEM, 2).await?;
+    let address = agent.metrics_address().context("metrics")?;
+    assert_eq!(http_get(address, "/metrics").await?.0, 200);
+    assert!(asked.elapsed() < Duration::from_secs(2), "waited on NVML: {:?}", asked.elapsed());
+    let stopping = std::time::Instant::now();
+    token.cancel();
+    let stopped = runtime.spawn(async move { agent.wait().await });
+    tokio::time::timeout(Duration::from_secs(5), stopped).await.context("stop")???;
+    assert!(stopping.elapsed() < Duration::from_secs(5));
+    runtime.shutdown_background();
+    Ok(())
+}

@@ -725,7 +725,26 @@ impl Watchdog {
                 () = tokio::time::sleep(self.config.interval) => {}
             }
             let reading = inventory.clone();
-            match tokio::task::spawn_blocking(move || reading.processes()).await {
+            let mut read = tokio::task::spawn_blocking(move || reading.processes());
+            // A read that hangs (NVML stuck on a lost GPU) pauses the watchdog alone: said
+            // once, waited for (no second read piles up behind it), and never in the way of a
+            // stop.
+            let mut warned = false;
+            let hang = self.config.interval.max(Duration::from_secs(5));
+            let read = loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    read = &mut read => break read,
+                    () = tokio::time::sleep(hang), if !warned => {
+                        tracing::warn!(waited_s = hang.as_secs(), "the GPUs' process list does not answer (NVML hangs); the memory watchdog waits for it and judges nothing meanwhile");
+                        warned = true;
+                    }
+                }
+            };
+            if warned {
+                tracing::info!("the GPUs' process list answers again; the memory watchdog goes on");
+            }
+            match read {
                 Ok(Ok(processes)) => {
                     failing = false;
                     let holders = holders();
