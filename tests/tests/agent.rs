@@ -2477,6 +2477,7 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
         probe_interval: Duration::from_millis(150),
         recovery_probes: 3,
     };
+    node.config.responses.mps.probe_timeout = Duration::from_millis(300);
     // With the API: each transition is an Event on the node.
     let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
     let (agent, token) =
@@ -2515,8 +2516,28 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
     assert!(asked.elapsed() < Duration::from_millis(800), "the endpoint waited on NVML");
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(units_are(false)(&node.kubelet.view()), "given back while its probe hangs");
-    // It answers again: healthy after three good probes.
+    // NVML answers again, but the GPU's MPS daemon hangs: no probe counts as good.
+    directive(&node, &gpu, "hang")?;
+    let enforced = |agent: &Agent| {
+        agent.resources().snapshot().0.iter().any(|g| g.uuid == gpu && g.shares_enforced)
+    };
+    tokio::time::timeout(WAIT, async {
+        while enforced(&agent) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .context("the daemon seen hanging")?;
     fake.set_faults(&[])?;
+    // Long enough for a hung probe still in flight (1.5 s) and three good ones after it (the
+    // health thread steps at least every 500 ms).
+    tokio::time::sleep(Duration::from_millis(5000)).await;
+    // (Its units are withdrawn by the MPS supervisor anyway; the whole GPU shows its health.)
+    let whole_healthy =
+        |v: &KubeletView| v.devices_of(GPU).iter().any(|d| d.id == gpu && d.health == HEALTHY);
+    assert!(!whole_healthy(&node.kubelet.view()), "given back while its MPS daemon hangs");
+    // Both answer: healthy after three good probes.
+    directive(&node, &gpu, "")?;
     node.kubelet.wait_for("healthy again", WAIT, units_are(true)).await?;
     let text = http_get(address, "/metrics").await?.1;
     for (to, n) in [("unhealthy", 1.0), ("healthy", 1.0)] {

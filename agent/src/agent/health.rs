@@ -8,7 +8,8 @@
 //! again. Every transition is logged, counted (`baleen_gpu_health_transitions_total`) and, where
 //! the API is reachable, an Event on the node (`GpuUnhealthy`, a Warning, and `GpuHealthy`).
 //! MPS daemons that stop answering are the MPS supervisor's (their GPU's units withdrawn until
-//! the daemon answers).
+//! the daemon answers); a GPU whose shares MPS enforces is probed good only while its daemon
+//! answers too.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -157,6 +158,9 @@ impl Recoveries<'_> {
                 r.probing = None;
                 r.hang_logged = false;
                 r.next = now + self.config.probe_interval;
+                // Where MPS serves the GPU's shares, its daemon must answer too (the MPS
+                // supervisor's probe of it: `shares_enforced`).
+                let outcome = outcome.and_then(|()| mps_answers(self.resources, uuid));
                 match outcome {
                     Ok(()) => {
                         r.good += 1;
@@ -218,6 +222,21 @@ impl Recoveries<'_> {
                 );
             }
         }
+    }
+}
+
+/// Whether the MPS daemon of `uuid` answers, where MPS enforces its shares (the MPS
+/// supervisor's last probe of it); a GPU without shares, or with MPS off, needs none.
+fn mps_answers(resources: &NodeResources, uuid: &str) -> Result<(), InventoryError> {
+    if !resources.mps_enforced() {
+        return Ok(());
+    }
+    let (gpus, _) = resources.snapshot();
+    match gpus.iter().find(|g| g.uuid == uuid) {
+        Some(g) if g.units > 0 && !g.shares_enforced => Err(InventoryError::Unavailable {
+            reason: format!("the MPS daemon of GPU {uuid} does not answer"),
+        }),
+        _ => Ok(()),
     }
 }
 
