@@ -73,20 +73,15 @@ pub async fn read_telemetry(
     let mut failing = false;
     loop {
         let reading = inventory.clone();
-        let mut read = tokio::task::spawn_blocking(move || reading.telemetry());
-        // A read that hangs (NVML stuck on a lost GPU) is said once and waited for: the last
-        // good read stays published and ages (`baleen_telemetry_age_seconds`).
-        let mut warned = false;
+        // A read that hangs leaves the last good read published, ageing
+        // (`baleen_telemetry_age_seconds`).
         let hang = interval.max(Duration::from_secs(5));
-        let read = loop {
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                read = &mut read => break read,
-                () = tokio::time::sleep(hang), if !warned => {
-                    tracing::warn!(waited_s = hang.as_secs(), "GPU telemetry does not answer (NVML hangs); the last good read stays published and ages");
-                    warned = true;
-                }
-            }
+        let what = "GPU telemetry (the last good read stays published and ages)";
+        let Some(read) =
+            crate::inventory::read_off_thread(what, hang, &shutdown, move || reading.telemetry())
+                .await
+        else {
+            return;
         };
         match read {
             Ok(Ok(readings)) => {

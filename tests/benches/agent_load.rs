@@ -7,7 +7,6 @@
 //! Run: `cargo bench -p baleen-tests --bench agent_load`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -60,20 +59,10 @@ fn main() -> anyhow::Result<()> {
         let metrics: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let example = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../packaging/examples/h200-8x-nvswitch.yaml");
-        let mut agent = Command::new(&binary)
-            .arg("--simulated")
-            .arg(&example)
-            .args(["--no-mps", "--node-name", "load", "--log-level", "warn"])
-            .arg("--device-plugin-dir")
-            .arg(root.join("dp"))
-            .arg("--pod-resources-socket")
-            .arg(root.join("pr.sock"))
-            .arg("--state-dir")
-            .arg(root.join("state"))
+        let mut agent = baleen_tests::bench::agent_process(&binary, &example, root, "load")
+            .args(["--log-level", "warn"])
             .arg("--metrics-address")
             .arg(metrics.to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .context("the agent binary")?;
         let pid = agent.id();

@@ -46,3 +46,29 @@ pub fn agent_config(root: &Path, node: &str, views: ViewConfig, mps_control: &Pa
         reconcile_settle: Duration::from_secs(300),
     }
 }
+
+/// The agent binary `binary` as its own process for node `node` on the simulated `topology`,
+/// laid out under `root` as [`agent_config`] does (device plugins in `dp`, pod-resources at
+/// `pr.sock`, state in `state`), MPS off, its output dropped; the caller adds the rest
+/// (metrics address, memory unit, log level) and spawns it.
+pub fn agent_process(
+    binary: &Path,
+    topology: &Path,
+    root: &Path,
+    node: &str,
+) -> std::process::Command {
+    let mut command = std::process::Command::new(binary);
+    command
+        .arg("--simulated")
+        .arg(topology)
+        .args(["--no-mps", "--node-name", node])
+        .arg("--device-plugin-dir")
+        .arg(root.join("dp"))
+        .arg("--pod-resources-socket")
+        .arg(root.join("pr.sock"))
+        .arg("--state-dir")
+        .arg(root.join("state"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    command
+}

@@ -2676,22 +2676,11 @@ async fn sigkill_during_bursts_of_grants_loses_no_answered_grant() -> Result<()>
     let topology =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples/h200-8x-nvswitch.yaml");
     let spawn = || {
-        std::process::Command::new(&binary)
-            .arg("--simulated")
-            .arg(&topology)
-            .args(["--no-mps", "--metrics-address", "127.0.0.1:0", "--node-name", "node-a"])
-            .args(["--memory-unit", "256MiB"])
-            .arg("--device-plugin-dir")
-            .arg(root.join("dp"))
-            .arg("--pod-resources-socket")
-            .arg(root.join("pr.sock"))
-            .arg("--state-dir")
-            .arg(root.join("state"))
+        baleen_tests::bench::agent_process(&binary, &topology, root, "node-a")
+            .args(["--metrics-address", "127.0.0.1:0", "--memory-unit", "256MiB"])
             .arg("--boot-id-file")
             .arg(root.join("boot_id"))
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .args(["--log-level", "warn"])
             .spawn()
     };
     let kubelet = Arc::new(kubelet);

@@ -138,6 +138,34 @@ uuid_newtype!(
     "MIG-"
 );
 
+/// Runs the blocking `read` (NVML calls) on a blocking thread and waits for it: says once, at
+/// WARN, that `what` does not answer once `hang` has passed (NVML stuck on a lost GPU), and
+/// stops waiting at `shutdown` (`None`; the thread is left to finish). The caller starts no
+/// second read behind a hung one, so hung threads never pile up.
+pub async fn read_off_thread<T: Send + 'static>(
+    what: &'static str,
+    hang: std::time::Duration,
+    shutdown: &tokio_util::sync::CancellationToken,
+    read: impl FnOnce() -> T + Send + 'static,
+) -> Option<Result<T, tokio::task::JoinError>> {
+    let mut handle = tokio::task::spawn_blocking(read);
+    let mut warned = false;
+    let outcome = loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return None,
+            outcome = &mut handle => break outcome,
+            () = tokio::time::sleep(hang), if !warned => {
+                tracing::warn!(read = what, waited_s = hang.as_secs(), "an NVML read does not answer; waited for, and nothing else waits on it");
+                warned = true;
+            }
+        }
+    };
+    if warned {
+        tracing::info!(read = what, "the NVML read answers again");
+    }
+    Some(outcome)
+}
+
 /// What the agent knows about a node's GPUs at one moment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Inventory {

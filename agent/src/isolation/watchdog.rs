@@ -725,25 +725,16 @@ impl Watchdog {
                 () = tokio::time::sleep(self.config.interval) => {}
             }
             let reading = inventory.clone();
-            let mut read = tokio::task::spawn_blocking(move || reading.processes());
-            // A read that hangs (NVML stuck on a lost GPU) pauses the watchdog alone: said
-            // once, waited for (no second read piles up behind it), and never in the way of a
-            // stop.
-            let mut warned = false;
+            // A read that hangs pauses the watchdog alone, and never holds up a stop.
             let hang = self.config.interval.max(Duration::from_secs(5));
-            let read = loop {
-                tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    read = &mut read => break read,
-                    () = tokio::time::sleep(hang), if !warned => {
-                        tracing::warn!(waited_s = hang.as_secs(), "the GPUs' process list does not answer (NVML hangs); the memory watchdog waits for it and judges nothing meanwhile");
-                        warned = true;
-                    }
-                }
+            let what = "the GPUs' process list (the memory watchdog judges nothing meanwhile)";
+            let Some(read) = crate::inventory::read_off_thread(what, hang, &shutdown, move || {
+                reading.processes()
+            })
+            .await
+            else {
+                return;
             };
-            if warned {
-                tracing::info!("the GPUs' process list answers again; the memory watchdog goes on");
-            }
             match read {
                 Ok(Ok(processes)) => {
                     failing = false;
