@@ -1299,7 +1299,7 @@ impl DeviceLedger {
     }
 
     /// Restores the allocations of a checkpoint written under `layout` (see [`Self::restore`]),
-    /// parking those that name a GPU this start could not read ([`Self::park`]); returns the
+    /// parking those that name a GPU this start could not read (kept held as they are); returns the
     /// ones refused, with why.
     pub fn restore_from(
         &mut self,
@@ -1317,7 +1317,7 @@ impl DeviceLedger {
 
     /// Re-records allocations (from a checkpoint or the kubelet); returns the ones refused,
     /// with why. While a GPU cannot be read, a record the kubelet lists that names it is parked
-    /// instead (see [`Self::park`]; no layout: an NVLink group's members are unknown then, and
+    /// instead (see [`Self::restore_from`]; no layout: an NVLink group's members are unknown then, and
     /// only its first GPU, named in its ID, is reserved).
     pub fn restore(&mut self, records: &[AllocationRecord]) -> Vec<(AllocationRecord, String)> {
         let mut refused = Vec::new();
