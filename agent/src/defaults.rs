@@ -1,12 +1,12 @@
 //! Every default of the agent, written once: the configuration, the `--help` text, the view
 //! configuration and the isolation module read them from here. `tests::no_default_is_written_twice`
 //! checks that no other source file of the workspace spells one of these values again (the
-//! domain lives in `baleen_scheduler_core::gpu_state`, shared with the extender).
+//! domain lives in `baleen_k8s::gpu_state`, shared with the extender).
 
 use std::time::Duration;
 
 /// Resource domain of every extended resource.
-pub const DOMAIN: &str = baleen_scheduler_core::gpu_state::DEFAULT_DOMAIN;
+pub const DOMAIN: &str = baleen_k8s::gpu_state::DEFAULT_DOMAIN;
 /// Size of one `gpu-memory` unit, as written in the configuration.
 pub const MEMORY_UNIT: &str = "1GiB";
 /// Size of one `gpu-memory` unit in bytes ([`MEMORY_UNIT`]).
@@ -71,7 +71,7 @@ pub const METRICS_INTERVAL: Duration = Duration::from_secs(10);
 /// The least time between two writes of the node-state annotation.
 pub const ANNOTATION_MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// The node-state annotation's name in the resource domain: `<domain>/gpu-state`.
-pub const ANNOTATION_NAME: &str = baleen_scheduler_core::gpu_state::ANNOTATION_NAME;
+pub const ANNOTATION_NAME: &str = baleen_k8s::gpu_state::ANNOTATION_NAME;
 /// The node-state annotation is written again after this long without a change.
 pub const ANNOTATION_REFRESH: Duration = Duration::from_secs(300);
 /// The first and the longest wait before calling the API server again after a failed call (the

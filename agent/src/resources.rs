@@ -578,7 +578,7 @@ impl NodeResources {
     }
 
     /// The node-state document now: the ledger, with the pods the kubelet's last list names.
-    pub fn node_state(&self) -> baleen_scheduler_core::gpu_state::NodeGpuState {
+    pub fn node_state(&self) -> baleen_k8s::gpu_state::NodeGpuState {
         let published = self.published();
         let holders = listed_by_key(&published.listed);
         let holder = |r: &AllocationRecord| {

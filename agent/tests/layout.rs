@@ -64,3 +64,31 @@ fn no_module_uses_one_that_uses_it_back() {
     }
     assert!(cycles.is_empty(), "modules that use each other: {cycles:?}\nall uses: {uses:#?}");
 }
+
+/// Issue 23, item 1: `baleen-scheduler-core` depends on no Kubernetes or JSON code (quantities,
+/// pod requests and the node-state document are `baleen-k8s`'s), and no crate but `baleen-k8s`
+/// writes the rule of what a pod requests (the sidecar test, `restartPolicy: Always`).
+#[test]
+fn scheduler_core_knows_no_kubernetes_and_only_k8s_writes_pod_request_rules() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let manifest = std::fs::read_to_string(root.join("scheduler-core/Cargo.toml")).expect("read");
+    for dependency in ["serde_json", "k8s-openapi", "kube", "baleen-k8s"] {
+        assert!(
+            !manifest.lines().any(|l| l.trim_start().starts_with(dependency)),
+            "scheduler-core depends on {dependency}"
+        );
+    }
+    let mut files = Vec::new();
+    for dir in ["scheduler-core/src", "agent/src", "extender/src", "scheduler-sim/src"] {
+        sources(&root.join(dir), &mut files);
+    }
+    assert!(files.len() > 20, "the scan found the sources");
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("readable source");
+        let rel = file.strip_prefix(&root).unwrap_or(&file).display().to_string();
+        if rel.starts_with("scheduler-core") {
+            assert!(!text.contains("serde_json"), "{rel} uses JSON");
+        }
+        assert!(!text.contains("Some(\"Always\")"), "{rel} writes the sidecar rule itself");
+    }
+}

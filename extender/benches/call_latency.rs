@@ -13,7 +13,7 @@ use baleen_extender::cluster::{NodeEntry, PodEntry};
 use baleen_extender::http::{Metrics, bind, router};
 use baleen_extender::protocol::{ExtenderArgs, Node, Pod};
 use baleen_extender::service::{Extender, Settings};
-use baleen_scheduler_core::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
+use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

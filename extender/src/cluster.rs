@@ -5,7 +5,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
-use baleen_scheduler_core::gpu_state::NodeGpuState;
+use baleen_k8s::gpu_state::NodeGpuState;
 
 use crate::demand::{Demand, quantity_milli};
 use crate::place::Host;

@@ -4,12 +4,20 @@
 
 use std::collections::BTreeMap;
 
+use baleen_k8s::requests::{ContainerRequests, PodRequests, Role, pod_requests};
 use serde_json::Value;
 
 use crate::protocol::{Container, Pod};
 
-/// Kubernetes quantities are read by the one parser in scheduler-core (the agent reads pods too).
-pub use baleen_scheduler_core::quantity::quantity_milli;
+/// A quantity as a pod's JSON carries it (a string, or a number) in thousandths, read by the one
+/// parser in `baleen-k8s` (the agent reads pods too).
+pub fn quantity_milli(value: &Value) -> Option<i128> {
+    match value {
+        Value::String(s) => baleen_k8s::quantity::quantity_milli(s),
+        Value::Number(n) => baleen_k8s::quantity::quantity_milli(&n.to_string()),
+        _ => None,
+    }
+}
 
 /// Why a pod's resources cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -89,7 +97,7 @@ impl Demand {
     pub fn of(pod: &Pod, domain: &str) -> Result<Self, DemandError> {
         let all_init = pod.spec.init_containers.as_deref().unwrap_or_default();
         // Sidecars (init containers that keep running) count as app containers.
-        let sidecar = |c: &&Container| c.restart_policy.as_deref() == Some("Always");
+        let sidecar = |c: &&Container| Role::of_init(c.restart_policy.as_deref()) == Role::Sidecar;
         let app: Vec<&Container> = pod
             .spec
             .containers
@@ -119,18 +127,29 @@ impl Demand {
                 }
             }
         }
-        let (mut cpu, mut memory) = (0u64, 0u64);
-        for c in &app {
-            let (c_cpu, c_mem) = host_requests(c)?;
-            cpu = cpu.saturating_add(c_cpu);
-            memory = memory.saturating_add(c_mem);
-        }
-        for c in &init {
-            let (c_cpu, c_mem) = host_requests(c)?;
-            cpu = cpu.max(c_cpu);
-            memory = memory.max(c_mem);
-        }
-        Ok(Self { asks, cpu_milli: cpu, memory_bytes: memory })
+        // What kube-scheduler counts the pod as requesting: the one rule, in baleen-k8s, with
+        // the pod's overhead.
+        let reads = |c: &Container, role| {
+            host_requests(c).map(|(cpu_milli, memory_bytes)| ContainerRequests {
+                role,
+                cpu_milli,
+                memory_bytes,
+            })
+        };
+        let containers = app
+            .iter()
+            .map(|c| reads(c, Role::App))
+            .chain(init.iter().map(|c| reads(c, Role::Init)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let overhead = match &pod.spec.overhead {
+            Some(o) => {
+                let (cpu_milli, memory_bytes) = quantities("(the pod's overhead)", o)?;
+                PodRequests { cpu_milli, memory_bytes }
+            }
+            None => PodRequests::default(),
+        };
+        let total = pod_requests(&containers, overhead);
+        Ok(Self { asks, cpu_milli: total.cpu_milli, memory_bytes: total.memory_bytes })
     }
 }
 
@@ -175,6 +194,20 @@ fn asks_of(c: &Container, domain: &str) -> Result<Vec<Ask>, DemandError> {
 
 /// A container's CPU (millicores) and memory (bytes) requests; a limit without a request counts
 /// as the request, as the API server defaults it.
+/// CPU (millicores) and memory (bytes) in `map` (a pod's overhead), `what` named in errors.
+fn quantities(what: &str, map: &BTreeMap<String, Value>) -> Result<(u64, u64), DemandError> {
+    let get = |resource: &str| -> Result<u64, DemandError> {
+        let Some(value) = map.get(resource) else { return Ok(0) };
+        let milli = quantity_milli(value).ok_or_else(|| DemandError::Quantity {
+            container: what.to_owned(),
+            resource: resource.to_owned(),
+            value: value.to_string(),
+        })?;
+        Ok(u64::try_from(milli).unwrap_or(0))
+    };
+    Ok((get("cpu")?, get("memory")?.div_ceil(1000)))
+}
+
 fn host_requests(c: &Container) -> Result<(u64, u64), DemandError> {
     let get = |resource: &str| -> Result<u64, DemandError> {
         let value = c
@@ -237,6 +270,36 @@ mod tests {
             pod(json!([{"name": "a", "resources": {"requests": {"cpu": "1"}}}]), json!(null));
         assert!(Demand::of(&none, "awesome-ai-company.com").expect("reads").is_empty());
         assert!(Demand::of(&Pod::default(), "awesome-ai-company.com").expect("reads").is_empty());
+    }
+
+    /// Issue 23, item 1: a RuntimeClass's overhead is counted, as kube-scheduler counts it
+    /// (this copy omitted it); the agent's reading of the same pod agrees
+    /// (`isolation::node_pods::tests::a_pod_reads_as_the_api_server_and_kubelet_see_it`).
+    #[test]
+    fn the_pods_overhead_is_counted_on_top_of_its_containers() {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "serve", "namespace": "ml"},
+            "spec": {
+                "initContainers": [{"name": "warm", "resources": {"requests": {"cpu": "4"}}}],
+                "overhead": {"cpu": "250m", "memory": "1Gi"},
+                "containers": [
+                    {"name": "a", "resources": {"requests": {"cpu": "1500m", "memory": "2Gi"},
+                        "limits": {"awesome-ai-company.com/gpu-memory": "8"}}},
+                    {"name": "b", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
+                ]
+            }
+        }))
+        .expect("pod");
+        let d = Demand::of(&p, "awesome-ai-company.com").expect("reads");
+        assert_eq!(d.cpu_milli, 4250, "the init container's 4 beats 1.5 + 1; overhead");
+        assert_eq!(d.memory_bytes, 4 << 30);
+        let bad: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p"},
+            "spec": {"overhead": {"cpu": "lots"}, "containers": [{"name": "a"}]}
+        }))
+        .expect("pod");
+        let err = Demand::of(&bad, "awesome-ai-company.com").expect_err("not a quantity");
+        assert!(err.to_string().contains("overhead"), "{err}");
     }
 
     #[test]

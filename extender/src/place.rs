@@ -1,5 +1,5 @@
 //! Which nodes can take a pod, and how well, from each node's gpu-state document
-//! (`baleen_scheduler_core::gpu_state`) and the pods assumed on it (bound there, not yet in its
+//! (`baleen_k8s::gpu_state`) and the pods assumed on it (bound there, not yet in its
 //! document):
 //! - [`verdict`]: the filter's answer for one node: fits, full (preemption might make room) or
 //!   never (no such GPU, profile or group at all, even on an empty node);
@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use baleen_scheduler_core::gpu_state::{GpuMode, NodeGpuState};
+use baleen_k8s::gpu_state::{GpuMode, NodeGpuState};
 use baleen_scheduler_core::ledger::{AllocationId, NodeLedger};
 use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSet, GpuSpec, NodeSpec, Request};
 use baleen_scheduler_core::policy::Policy;
@@ -408,7 +408,7 @@ pub fn extender_scores(raw: &[Option<i64>]) -> Vec<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use baleen_scheduler_core::gpu_state::{GpuEntry, MigEntry, NvlinkGroupEntry, VERSION};
+    use baleen_k8s::gpu_state::{GpuEntry, MigEntry, NvlinkGroupEntry, VERSION};
     use baleen_scheduler_core::policy::{Normalisers, PolicyKind};
 
     const D: &str = "awesome-ai-company.com";

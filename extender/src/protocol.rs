@@ -113,6 +113,8 @@ pub struct PodSpec {
     pub containers: Option<Vec<Container>>,
     /// Init containers.
     pub init_containers: Option<Vec<Container>>,
+    /// The pod's overhead (its RuntimeClass's), counted on top of its containers.
+    pub overhead: Option<BTreeMap<String, Value>>,
     /// The node it is bound to, once bound.
     pub node_name: Option<String>,
 }

@@ -79,7 +79,7 @@ pub struct Args {
     #[arg(long, default_value = "")]
     pub url_prefix: String,
     /// Resource domain.
-    #[arg(long, default_value = baleen_scheduler_core::gpu_state::DEFAULT_DOMAIN)]
+    #[arg(long, default_value = baleen_k8s::gpu_state::DEFAULT_DOMAIN)]
     pub domain: String,
     /// Placement policy: baleen, fgd, best-fit, gpu-packing, gpu-clustering, dotprod, random.
     #[arg(long, default_value = "baleen")]

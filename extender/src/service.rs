@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-use baleen_scheduler_core::gpu_state::NodeGpuState;
+use baleen_k8s::gpu_state::NodeGpuState;
 use baleen_scheduler_core::model::Request;
 use baleen_scheduler_core::policy::{Normalisers, Policy, PolicyKind};
 
@@ -30,7 +30,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            domain: baleen_scheduler_core::gpu_state::DEFAULT_DOMAIN.into(),
+            domain: baleen_k8s::gpu_state::DEFAULT_DOMAIN.into(),
             policy: PolicyKind::Baleen,
             target_window: 5000,
             rebuild_every: 100,
@@ -41,7 +41,7 @@ impl Default for Settings {
 impl Settings {
     /// The annotation the agents write, `<domain>/gpu-state`.
     pub fn annotation(&self) -> String {
-        format!("{}/{}", self.domain, baleen_scheduler_core::gpu_state::ANNOTATION_NAME)
+        format!("{}/{}", self.domain, baleen_k8s::gpu_state::ANNOTATION_NAME)
     }
 }
 

@@ -13,7 +13,7 @@ use baleen_extender::place::{Host, NodeModel, extender_scores};
 use baleen_extender::protocol::Node;
 use baleen_extender::protocol::Pod;
 use baleen_extender::service::{Extender, Settings};
-use baleen_scheduler_core::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
+use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -355,7 +355,7 @@ async fn a_grant_published_without_its_pod_is_not_counted_twice() {
         with_grant["metadata"]["annotations"][KEY].as_str().expect("annotation"),
     )
     .expect("state");
-    state.unnamed.push(baleen_scheduler_core::gpu_state::UnnamedGrant {
+    state.unnamed.push(baleen_k8s::gpu_state::UnnamedGrant {
         resource: "awesome-ai-company.com/gpu-memory".into(),
         devices: 100,
     });

@@ -1,16 +1,10 @@
 //! Kubernetes resource quantities (`2`, `500m`, `16Gi`, `1e3`), read as the API server writes
 //! them: shared by the extender and the node agent, which both read pods' requests.
 
-use serde_json::Value;
-
-/// A Kubernetes quantity (`2`, `500m`, `1.5`, `16Gi`, `1e3`, or a JSON number) in thousandths,
-/// rounded up; `None` if it is not one. Memory in bytes comes out times 1000.
-pub fn quantity_milli(value: &Value) -> Option<i128> {
-    let text = match value {
-        Value::String(s) => s.trim().to_owned(),
-        Value::Number(n) => n.to_string(),
-        _ => return None,
-    };
+/// A Kubernetes quantity (`2`, `500m`, `1.5`, `16Gi`, `1e3`) in thousandths, rounded up; `None`
+/// if it is not one. Memory in bytes comes out times 1000.
+pub fn quantity_milli(text: &str) -> Option<i128> {
+    let text = text.trim();
     const SUFFIXES: [(&str, i128, i128); 13] = [
         ("Ki", 1 << 10, 1),
         ("Mi", 1 << 20, 1),
@@ -34,7 +28,7 @@ pub fn quantity_milli(value: &Value) -> Option<i128> {
         // An exponent form (`1e3`), or a plain number.
         None => match text.find(['e', 'E']) {
             Some(i) => (&text[..i], 1, 1, text[i + 1..].parse::<i32>().ok()?),
-            None => (text.as_str(), 1, 1, 0),
+            None => (text, 1, 1, 0),
         },
     };
     let negative = number.starts_with('-');
@@ -62,27 +56,24 @@ pub fn quantity_milli(value: &Value) -> Option<i128> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     #[test]
     fn quantities_read_as_kubernetes_writes_them() {
-        let q = |v: Value| quantity_milli(&v);
-        assert_eq!(q(json!("2")), Some(2000));
-        assert_eq!(q(json!(8)), Some(8000));
-        assert_eq!(q(json!("500m")), Some(500));
-        assert_eq!(q(json!("1.5")), Some(1500));
-        assert_eq!(q(json!("0.1m")), Some(1), "rounded up, as the API server does");
-        assert_eq!(q(json!("16Gi")), Some(16 * (1 << 30) * 1000));
-        assert_eq!(q(json!("1e3")), Some(1_000_000));
-        assert_eq!(q(json!("1k")), Some(1_000_000));
-        assert_eq!(q(json!("128974848")), Some(128_974_848_000));
-        assert_eq!(q(json!("2E")), Some(2_000_000_000_000_000_000_000));
-        assert_eq!(q(json!("1Ei")), Some((1i128 << 60) * 1000));
-        assert_eq!(q(json!("-1")), Some(-1000));
-        for bad in
-            [json!("x"), json!("1Gb"), json!(""), json!("1.2.3"), json!(true), json!("1e3Gi")]
-        {
-            assert_eq!(q(bad.clone()), None, "{bad}");
+        let q = quantity_milli;
+        assert_eq!(q("2"), Some(2000));
+        assert_eq!(q(" 8 "), Some(8000));
+        assert_eq!(q("500m"), Some(500));
+        assert_eq!(q("1.5"), Some(1500));
+        assert_eq!(q("0.1m"), Some(1), "rounded up, as the API server does");
+        assert_eq!(q("16Gi"), Some(16 * (1 << 30) * 1000));
+        assert_eq!(q("1e3"), Some(1_000_000));
+        assert_eq!(q("1k"), Some(1_000_000));
+        assert_eq!(q("128974848"), Some(128_974_848_000));
+        assert_eq!(q("2E"), Some(2_000_000_000_000_000_000_000));
+        assert_eq!(q("1Ei"), Some((1i128 << 60) * 1000));
+        assert_eq!(q("-1"), Some(-1000));
+        for bad in ["x", "1Gb", "", "1.2.3", "true", "1e3Gi"] {
+            assert_eq!(q(bad), None, "{bad}");
         }
     }
 }

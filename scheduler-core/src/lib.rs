@@ -9,7 +9,9 @@
 //! - [`packing`]: prices of GPU shares from the bin-packing LP of the target workload;
 //! - [`policy`]: score a node for a request and choose its GPUs;
 //! - [`cluster`]: choose a node across a cluster with a fixed tie-break order.
-//! - [`quantity`]: Kubernetes resource quantities, as pods carry them.
+//!
+//! It knows nothing of Kubernetes or JSON: quantities, pod requests and the node-state document
+//! are `baleen-k8s`'s.
 //!
 //! The trace reader and the paper's replay protocol (`baleen-sim`) live in `baleen-scheduler-sim`.
 //!
@@ -49,11 +51,9 @@
 pub mod cluster;
 pub mod fit;
 pub mod frag;
-pub mod gpu_state;
 pub mod ledger;
 pub mod model;
 pub mod node_choice;
 pub mod packing;
 pub mod policy;
-pub mod quantity;
 pub mod units;

@@ -67,7 +67,7 @@ pub fn checkpoint(data: &[u8]) {
 /// The node-state annotation, as the extender reads it.
 pub fn gpu_state(data: &[u8]) {
     if let Some(t) = text(data) {
-        let _ = baleen_scheduler_core::gpu_state::NodeGpuState::parse(t);
+        let _ = baleen_k8s::gpu_state::NodeGpuState::parse(t);
     }
 }
 
@@ -82,7 +82,7 @@ pub fn extender_request(data: &[u8]) {
 /// Kubernetes quantities (the scheduler core's, the agent's sizes).
 pub fn quantity(data: &[u8]) {
     let Some(t) = text(data) else { return };
-    let _ = baleen_scheduler_core::quantity::quantity_milli(&serde_json::Value::String(t.into()));
+    let _ = baleen_k8s::quantity::quantity_milli(t);
     let _ = baleen_agent::quantity::parse_quantity(t);
     let _ = baleen_agent::config::parse_duration(t);
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use baleen_extender::run::{Config, Running, start};
 use baleen_extender::service::Settings;
-use baleen_scheduler_core::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
+use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
 use baleen_tests::fake_apiserver::FakeApiServer;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use baleen_k8s::requests::{ContainerRequests, PodRequests, Role, pod_requests};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
@@ -54,22 +55,27 @@ impl PodInfo {
             .and_then(|s| s.init_containers.as_ref())
             .map(|c| c.iter().collect())
             .unwrap_or_default();
-        let sidecar = |c: &&&Container| c.restart_policy.as_deref() == Some("Always");
-        let mut cpu = 0u64;
-        let mut memory = 0u64;
-        for c in apps.iter().chain(inits.iter().filter(sidecar)) {
-            cpu = cpu.saturating_add(request(c, "cpu"));
-            memory = memory.saturating_add(request(c, "memory") / 1000);
-        }
-        for c in inits.iter().filter(|c| !sidecar(c)) {
-            cpu = cpu.max(request(c, "cpu"));
-            memory = memory.max(request(c, "memory") / 1000);
-        }
+        // What kube-scheduler counts the pod as requesting: the one rule, in baleen-k8s.
+        let reads = |c: &Container, role| ContainerRequests {
+            role,
+            cpu_milli: request(c, "cpu"),
+            memory_bytes: request(c, "memory") / 1000,
+        };
+        let containers: Vec<ContainerRequests> = apps
+            .iter()
+            .map(|c| reads(c, Role::App))
+            .chain(inits.iter().map(|c| reads(c, Role::of_init(c.restart_policy.as_deref()))))
+            .collect();
         // The pod's overhead (its RuntimeClass's), counted by kube-scheduler and the kubelet.
-        if let Some(overhead) = spec.and_then(|s| s.overhead.as_ref()) {
-            cpu = cpu.saturating_add(overhead.get("cpu").map_or(0, milli));
-            memory = memory.saturating_add(overhead.get("memory").map_or(0, milli) / 1000);
-        }
+        let overhead =
+            spec.and_then(|s| s.overhead.as_ref()).map_or_else(PodRequests::default, |o| {
+                PodRequests {
+                    cpu_milli: o.get("cpu").map_or(0, milli),
+                    memory_bytes: o.get("memory").map_or(0, milli) / 1000,
+                }
+            });
+        let PodRequests { cpu_milli: cpu, memory_bytes: memory } =
+            pod_requests(&containers, overhead);
         let mut asks = Vec::new();
         for c in inits.iter().chain(apps.iter()) {
             let resources = c.resources.as_ref();
@@ -205,8 +211,7 @@ impl NodePods {
 
 /// A Kubernetes quantity in thousandths (`None`: not one, or negative).
 pub fn quantity_milli(q: &Quantity) -> Option<u64> {
-    baleen_scheduler_core::quantity::quantity_milli(&serde_json::Value::String(q.0.clone()))
-        .and_then(|m| u64::try_from(m).ok())
+    baleen_k8s::quantity::quantity_milli(&q.0).and_then(|m| u64::try_from(m).ok())
 }
 
 /// A pod's quantity in thousandths; 0 when unreadable (the API server validated it).

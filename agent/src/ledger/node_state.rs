@@ -1,10 +1,10 @@
 //! The ledger as the node-state document that the agent publishes for cluster-wide placement
-//! (`baleen_scheduler_core::gpu_state`, docs/gpu-state.md): per GPU what is free and who holds
+//! (`baleen_k8s::gpu_state`, docs/gpu-state.md): per GPU what is free and who holds
 //! it, per MIG instance and NVLink group whether it is free.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use baleen_scheduler_core::gpu_state::{
+use baleen_k8s::gpu_state::{
     self, GpuEntry, GpuMode as StateMode, MigEntry, NodeGpuState, NvlinkGroupEntry, UnnamedGrant,
 };
 

@@ -421,7 +421,7 @@ fn mig_gpus_have_no_free_compute_for_fragmentation() {
 
 #[test]
 fn the_node_state_document_says_what_is_free_and_who_holds_it() {
-    use baleen_scheduler_core::gpu_state::{GpuMode as M, NodeGpuState};
+    use baleen_k8s::gpu_state::{GpuMode as M, NodeGpuState};
     let mut state = example("h200-8x-nvswitch.yaml");
     state.allocate(&View::GpuMemory, &units(&state, 0, 0..98), 0).expect("0.7 of GPU 0");
     state.allocate(&View::Gpu, &[uuid(&state, 1)], 0).expect("GPU 1");

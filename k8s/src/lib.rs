@@ -1,0 +1,13 @@
+//! What baleen's front ends both know of Kubernetes, written once: the node agent and the
+//! kube-scheduler extender today, a DRA driver next. `baleen-scheduler-core` knows none of it
+//! (no Kubernetes, no JSON): it places GPUs.
+//!
+//! - [`quantity`]: resource quantities (`2`, `500m`, `16Gi`, `1e3`) as the API server writes them;
+//! - [`requests`]: what a pod requests of a node's CPU and memory, as kube-scheduler counts it
+//!   (app containers and sidecars summed, against the largest init container, plus the pod's
+//!   overhead);
+//! - [`gpu_state`]: the node-state document the agent publishes and the extender reads.
+
+pub mod gpu_state;
+pub mod quantity;
+pub mod requests;
