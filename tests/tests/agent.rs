@@ -1540,6 +1540,8 @@ async fn the_metrics_endpoint_follows_grants_releases_and_readiness() -> Result<
     };
     let why = tokio::time::timeout(WAIT, not_ready).await??;
     assert!(why.contains("MPS daemon not answering") && why.contains(&gpu), "{why}");
+    // (A scrape may share a render up to 100 ms old: asked past that.)
+    tokio::time::sleep(baleen_agent::metrics::MIN_RENDER_INTERVAL).await;
     let text = http_get(address, "/metrics").await?.1;
     assert_eq!(sample(&text, "baleen_gpu_mps_daemon_up", &[("gpu_uuid", &gpu)]), Some(0.0));
     stop(agent, token).await
