@@ -15,16 +15,7 @@
 //! rule to the agent's own node or its pods, so the rules cover every node and pod; the agent
 //! names only its own.
 
-/// One RBAC rule: verbs on a resource of an API group (`""` is the core group).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ApiRule {
-    /// The API group.
-    pub api_group: &'static str,
-    /// The resource (plural, lower case, e.g. `nodes`).
-    pub resource: &'static str,
-    /// The verbs, e.g. `get`, `list`, `watch`, `patch`.
-    pub verbs: &'static [&'static str],
-}
+pub use baleen_k8s::rbac::ApiRule;
 
 /// What the node agent (and `baleen-agent mps`) call on the Kubernetes API.
 pub const AGENT: &[ApiRule] = &[

@@ -4,11 +4,10 @@
 
 use std::sync::Arc;
 
-use futures::StreamExt as _;
+use baleen_k8s::watch::{Change, follow};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::WatchStreamExt as _;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -176,24 +175,20 @@ impl NodeApi for KubeNodeApi {
             let value = ns.metadata.labels.as_ref()?.get(CLASS_LABEL)?.clone();
             Some((name, value))
         };
-        let mut listing: Option<std::collections::BTreeMap<String, String>> = None;
-        follow_events(namespaces, config, "the namespaces' class labels", &shutdown, |event| {
-            match event {
-                Event::Init => listing = Some(std::collections::BTreeMap::new()),
-                Event::InitApply(ns) => {
-                    if let (Some(list), Some((name, value))) = (listing.as_mut(), class_of(&ns)) {
-                        list.insert(name, value);
-                    }
+        follow(
+            namespaces,
+            config,
+            "the namespaces' class labels",
+            &shutdown,
+            |change| match change {
+                Change::Listed(list) => {
+                    let classes = list.iter().filter_map(class_of).collect();
+                    view.send_modify(|v| {
+                        v.namespaces_synced = true;
+                        v.namespace_classes = classes;
+                    });
                 }
-                Event::InitDone => {
-                    if let Some(list) = listing.take() {
-                        view.send_modify(|v| {
-                            v.namespaces_synced = true;
-                            v.namespace_classes = list;
-                        });
-                    }
-                }
-                Event::Apply(ns) => match (class_of(&ns), ns.metadata.name) {
+                Change::Applied(ns) => match (class_of(&ns), ns.metadata.name) {
                     (Some((name, value)), _) => view.send_modify(|v| {
                         v.namespace_classes.insert(name, value);
                     }),
@@ -202,15 +197,15 @@ impl NodeApi for KubeNodeApi {
                     }),
                     (None, None) => {}
                 },
-                Event::Delete(ns) => {
+                Change::Deleted(ns) => {
                     if let Some(name) = ns.metadata.name {
                         view.send_modify(|v| {
                             v.namespace_classes.remove(&name);
                         });
                     }
                 }
-            }
-        })
+            },
+        )
         .await;
     }
 
@@ -222,31 +217,24 @@ impl NodeApi for KubeNodeApi {
     ) {
         let pods: Api<Pod> = Api::all(self.client.clone());
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let mut listing: Option<NodePods> = None;
-        follow_events(pods, config, "the node's pods", &shutdown, |event| match event {
-            Event::Init => listing = Some(NodePods::default()),
-            Event::InitApply(pod) => {
-                if let (Some(list), Some(p)) = (listing.as_mut(), PodInfo::of(&pod)) {
-                    list.pods.insert(p.uid.clone(), p);
-                }
+        follow(pods, config, "the node's pods", &shutdown, |change| match change {
+            Change::Listed(list) => {
+                let pods =
+                    list.iter().filter_map(PodInfo::of).map(|p| (p.uid.clone(), p)).collect();
+                // The namespaces' labels, followed by another watcher, stay.
+                view.send_modify(|v| {
+                    v.synced = true;
+                    v.pods = pods;
+                });
             }
-            Event::InitDone => {
-                if let Some(list) = listing.take() {
-                    // The namespaces' labels, followed by another watcher, stay.
-                    view.send_modify(|v| {
-                        v.synced = true;
-                        v.pods = list.pods;
-                    });
-                }
-            }
-            Event::Apply(pod) => {
+            Change::Applied(pod) => {
                 if let Some(p) = PodInfo::of(&pod) {
                     view.send_modify(|v| {
                         v.pods.insert(p.uid.clone(), p);
                     });
                 }
             }
-            Event::Delete(pod) => {
+            Change::Deleted(pod) => {
                 if let Some(uid) = pod.metadata.uid {
                     view.send_modify(|v| {
                         v.pods.remove(&uid);
@@ -255,46 +243,5 @@ impl NodeApi for KubeNodeApi {
             }
         })
         .await;
-    }
-}
-
-/// Follows `api` (filtered by `config`) until `shutdown` or the stream's end, giving each event
-/// to `apply`. A failing watch is retried with kube-rs's backoff and logged once per outage
-/// (`what` names it); its users keep their last view meanwhile.
-async fn follow_events<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    what: &str,
-    shutdown: &CancellationToken,
-    mut apply: impl FnMut(Event<K>),
-) where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
-{
-    let stream = watcher::watcher(api, config).default_backoff();
-    futures::pin_mut!(stream);
-    let mut failing = false;
-    loop {
-        let event = tokio::select! {
-            () = shutdown.cancelled() => return,
-            event = stream.next() => match event {
-                Some(e) => e,
-                None => return,
-            },
-        };
-        match event {
-            Ok(event) => {
-                if failing {
-                    tracing::info!("following {what} again");
-                    failing = false;
-                }
-                apply(event);
-            }
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(error = %e, "cannot follow {what}; retrying with backoff (co-location and the memory watchdog keep the last view meanwhile)");
-                }
-                failing = true;
-            }
-        }
     }
 }

@@ -2,16 +2,15 @@
 //! memory, for `nodeCacheCapable: true`) and Pods (where they are bound and what they ask, so
 //! that pods bound but not yet in their node's annotation count as placed, and CPU and memory
 //! in use are known). Each re-lists after the API server comes back, with backoff meanwhile;
-//! a relist replaces what the cache held.
+//! a relist replaces what the cache held (the loop is `baleen_k8s::watch::follow`).
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, PoisonError};
 
-use futures::StreamExt;
+use baleen_k8s::watch::Change;
 use k8s_openapi::api::core::v1::{Node as KubeNode, Pod as KubePod};
 use kube::Api;
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::{ClusterView, NodeEntry, PodEntry};
@@ -66,7 +65,8 @@ struct Kind<K, A> {
 }
 
 /// Follows the objects of `api` into the cluster view until `shutdown`: each applied as it
-/// comes, each deleted as it goes, and after a (re)list whatever the list did not hold dropped.
+/// comes, each deleted as it goes, and a (re)list replacing what the view held of the kind
+/// (`baleen_k8s::watch::follow` does the relist swap).
 async fn follow<K, A>(
     api: Api<K>,
     extender: Arc<Extender>,
@@ -76,48 +76,26 @@ async fn follow<K, A>(
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
     A: Fn(&mut ClusterView, &K) -> Option<String>,
 {
-    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
-    futures::pin_mut!(stream);
-    let mut listing: Option<BTreeSet<String>> = None;
-    loop {
-        let event = tokio::select! {
-            () = shutdown.cancelled() => return,
-            event = stream.next() => match event {
-                Some(e) => e,
-                None => return,
-            },
-        };
-        let event = match event {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!(watch = ?kind.what, error = %e, "watch failed; retrying with backoff");
-                continue;
-            }
-        };
+    let what = format!("{:?}", kind.what);
+    baleen_k8s::watch::follow(api, watcher::Config::default(), &what, &shutdown, |change| {
         let mut view = extender.cluster.write().unwrap_or_else(PoisonError::into_inner);
-        match event {
-            Event::Init => listing = Some(BTreeSet::new()),
-            Event::InitApply(object) => {
-                if let (Some(key), Some(seen)) =
-                    ((kind.apply)(&mut view, &object), listing.as_mut())
-                {
-                    seen.insert(key);
-                }
-            }
-            Event::InitDone => {
-                if let Some(seen) = listing.take() {
-                    (kind.retain)(&mut view, &seen);
-                }
+        match change {
+            Change::Listed(objects) => {
+                let seen: BTreeSet<String> =
+                    objects.iter().filter_map(|o| (kind.apply)(&mut view, o)).collect();
+                (kind.retain)(&mut view, &seen);
+                drop(view);
                 extender.listed(kind.what);
             }
-            Event::Apply(object) => {
+            Change::Applied(object) => {
                 (kind.apply)(&mut view, &object);
             }
-            Event::Delete(object) => {
+            Change::Deleted(object) => {
                 if let Some(key) = (kind.key)(&object) {
                     (kind.remove)(&mut view, &key);
                 }
             }
         }
-    }
+    })
+    .await;
 }

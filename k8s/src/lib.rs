@@ -6,8 +6,12 @@
 //! - [`requests`]: what a pod requests of a node's CPU and memory, as kube-scheduler counts it
 //!   (app containers and sidecars summed, against the largest init container, plus the pod's
 //!   overhead);
-//! - [`gpu_state`]: the node-state document the agent publishes and the extender reads.
+//! - [`gpu_state`]: the node-state document the agent publishes and the extender reads;
+//! - [`rbac`]: the rule each front end declares its API calls with (checked against the install);
+//! - [`watch`]: one watch loop (backoff, the relist swap, outage logging) for every follower.
 
 pub mod gpu_state;
 pub mod quantity;
+pub mod rbac;
 pub mod requests;
+pub mod watch;
