@@ -402,16 +402,6 @@ impl JournalWriter {
     pub fn wants_compaction(&self) -> bool {
         self.bytes > self.snapshot_bytes.max(MIN_JOURNAL_BYTES)
     }
-
-    /// Bytes in the journal.
-    pub fn len(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Whether it holds no change yet.
-    pub fn is_empty(&self) -> bool {
-        self.last == 0
-    }
 }
 
 /// One journal line: the entry with its checksum, and a newline.

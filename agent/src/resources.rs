@@ -615,19 +615,30 @@ impl NodeResources {
         }
     }
 
-    /// Changes what is not an allocation (health, enforcement) on the ledger and publishes it;
-    /// `change` says whether anything changed.
-    fn change_devices(&self, change: impl FnOnce(&mut DeviceLedger) -> bool) -> bool {
+    /// Changes what is not an allocation (health, enforcement) on the ledger, and the reasons
+    /// of unhealthy GPUs, and publishes both at once (a reader never sees a GPU unhealthy
+    /// without its reason); `change` says whether the ledger changed, which is returned.
+    fn change_devices(
+        &self,
+        change: impl FnOnce(&mut DeviceLedger, &mut BTreeMap<String, String>) -> bool,
+    ) -> bool {
         let mut inner = self.lock();
         let mut next = DeviceLedger::clone(&inner.state);
-        if !change(&mut next) {
-            return false;
+        let mut reasons = (*inner.unhealthy).clone();
+        let changed = change(&mut next, &mut reasons);
+        let noted = reasons != *inner.unhealthy;
+        if changed {
+            inner.state = Arc::new(next);
+            self.publish_devices(&mut inner);
+            self.state_changed();
         }
-        inner.state = Arc::new(next);
-        self.publish_devices(&mut inner);
-        self.publish(&inner);
-        self.state_changed();
-        true
+        if noted {
+            inner.unhealthy = Arc::new(reasons);
+        }
+        if changed || noted {
+            self.publish(&inner);
+        }
+        changed
     }
 
     /// Applies `change` (given the ledger and the generation it applies to) to a clone of the
@@ -847,7 +858,7 @@ impl NodeResources {
 
     /// Marks whether a GPU's shares are enforced (its MPS daemon answers) and republishes.
     pub fn set_shares_enforced(&self, uuid: &str, enforced: bool) -> bool {
-        self.change_devices(|state| state.set_shares_enforced(uuid, enforced))
+        self.change_devices(|state, _| state.set_shares_enforced(uuid, enforced))
     }
 
     /// The GPUs whose memory units are offered, by UUID.
@@ -857,16 +868,10 @@ impl NodeResources {
 
     /// Marks a GPU healthy or not (saying why when not) and republishes.
     pub fn set_health(&self, uuid: &str, healthy: bool, reason: &str) -> bool {
-        let changed = self.change_devices(|state| state.set_health(uuid, healthy));
-        let mut inner = self.lock();
-        let before = inner.unhealthy.get(uuid).cloned();
-        let mut reasons = (*inner.unhealthy).clone();
-        note_reason(&mut reasons, uuid, healthy, reason);
-        if reasons.get(uuid) != before.as_ref() {
-            inner.unhealthy = Arc::new(reasons);
-            self.publish(&inner);
-        }
-        changed
+        self.change_devices(|state, reasons| {
+            note_reason(reasons, uuid, healthy, reason);
+            state.set_health(uuid, healthy)
+        })
     }
 }
 

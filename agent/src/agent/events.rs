@@ -33,11 +33,6 @@ impl EventQueue {
             Err(_) => self.counts.dropped.fetch_add(1, Ordering::Relaxed),
         };
     }
-
-    /// What happened to the Events so far.
-    pub fn counts(&self) -> &Arc<NoticeCounts> {
-        &self.counts
-    }
 }
 
 /// Starts a task that records the Events queued on the returned queue for the agent on `node`

@@ -756,11 +756,6 @@ impl DeviceLedger {
         &self.parked
     }
 
-    /// The GPUs the inventory counts but could not read, by UUID, with why.
-    pub fn unreadable(&self) -> &BTreeMap<String, String> {
-        &self.unreadable
-    }
-
     /// Per allocation, per GPU it holds: the bytes of that GPU's memory it was granted (its
     /// units times the unit, or the whole memory; MIG instances their own memory).
     pub fn granted_bytes(&self) -> Vec<(AllocationRecord, String, u64)> {
