@@ -66,7 +66,7 @@ struct Node {
     kubelet: FakeKubelet,
     config: AgentConfig,
     inventory: Arc<dyn GpuInventory>,
-    _nvml: Option<FakeNvml>,
+    nvml: Option<FakeNvml>,
 }
 
 enum Backend {
@@ -133,7 +133,12 @@ impl Node {
             // Settled at once: tests of the settling kubelet set their own.
             reconcile_settle: Duration::from_millis(1),
         };
-        Ok(Self { _tmp: tmp, kubelet, config, inventory, _nvml: nvml })
+        Ok(Self { _tmp: tmp, kubelet, config, inventory, nvml })
+    }
+
+    /// The fake NVML library of a `Backend::FakeNvml` node.
+    fn nvml(&self) -> Result<&FakeNvml> {
+        self.nvml.as_ref().context("a node over the fake NVML (Backend::FakeNvml)")
     }
 
     async fn start(&self) -> Result<(Agent, CancellationToken)> {
@@ -589,7 +594,7 @@ async fn a_failing_health_watch_marks_every_gpu_unhealthy() -> Result<()> {
     let fake = FakeNvml::with_directives(&expected, &["fail nvmlEventSetWait_v2 * 15"])?;
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
-    node._nvml = Some(fake);
+    node.nvml = Some(fake);
     let (agent, token) = node.start().await?;
     node.registered(&agent, 1).await?;
     node.kubelet
@@ -973,7 +978,7 @@ async fn a_health_watch_that_cannot_start_leaves_no_gpu_healthy() -> Result<()> 
     let fake = FakeNvml::with_directives(&expected, &["fail nvmlEventSetCreate * 999"])?;
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
-    node._nvml = Some(fake);
+    node.nvml = Some(fake);
     let (agent, token) = node.start().await?;
     node.registered(&agent, 1).await?;
     node.kubelet
@@ -1226,9 +1231,8 @@ fn watchdog_events(
 async fn the_watchdog_holds_processes_to_the_grant_their_cgroup_names_and_kills_after_the_grace()
 -> Result<()> {
     let expected = example("l4-4x-pcie.yaml")?;
-    let fake = FakeNvml::new(&expected)?;
-    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
-    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::FakeNvml).await?;
+    let fake = node.nvml.take().context("the fake NVML")?;
     let proc_root = tempfile::tempdir()?;
     node.config.watchdog = baleen_agent::isolation::watchdog::WatchdogConfig {
         enabled: true,
@@ -2472,9 +2476,8 @@ async fn the_metrics_port_bounds_connections_and_half_open_ones() -> Result<()> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
     let expected = example("l4-4x-pcie.yaml")?;
-    let fake = FakeNvml::new(&expected)?;
-    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
-    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::FakeNvml).await?;
+    let fake = node.nvml.take().context("the fake NVML")?;
     node.config.health = baleen_agent::agent::health::HealthConfig {
         probe_interval: Duration::from_millis(150),
         recovery_probes: 3,
@@ -2783,7 +2786,7 @@ async fn an_unreadable_gpu_at_start_is_left_out_and_what_it_held_stays_held() ->
     raw(MEM, vec![format!("{}::0", uuid(3)), format!("{}::1", uuid(3))]).await?;
     stop(agent, token).await?;
     // GPU 1 falls off the bus before the next start: its memory cannot be read.
-    let fake = node._nvml.as_ref().context("fake NVML")?;
+    let fake = node.nvml()?;
     fake.set_faults(&["fail nvmlDeviceGetMemoryInfo_v2 1 15"])?;
     let (agent, token) = node.start().await?;
     node.registered(&agent, 2).await?;
@@ -2826,10 +2829,8 @@ async fn an_unreadable_gpu_at_start_is_left_out_and_what_it_held_stays_held() ->
 /// made them: Allocate and `/metrics` answer at once, and the agent stops within seconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hung_nvml_calls_stop_neither_allocate_nor_the_metrics_nor_a_stop() -> Result<()> {
-    let expected = example("l4-4x-pcie.yaml")?;
-    let fake = FakeNvml::new(&expected)?;
-    let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
-    node.inventory = Arc::new(NvmlInventory::new(fake.nvml_config())?);
+    let mut node = Node::new("l4-4x-pcie.yaml", Backend::FakeNvml).await?;
+    let fake = node.nvml.take().context("the fake NVML")?;
     node.config.watchdog = baleen_agent::isolation::watchdog::WatchdogConfig {
         enabled: true,
         interval: Duration::from_millis(100),
