@@ -16,9 +16,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use baleen_agent::agent::{Agent, Dependencies};
-use baleen_agent::inventory::GpuInventory;
-use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::ledger::ViewConfig;
 use baleen_tests::fake_kubelet::FakeKubelet;
 use tokio_util::sync::CancellationToken;
@@ -75,27 +72,14 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let tmp = tempfile::tempdir()?;
         let root = tmp.path();
-        let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
-        kubelet.serve_pod_resources(&root.join("pr.sock"))?;
-        std::fs::write(root.join("boot_id"), "b")?;
-        let example = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../packaging/examples/h200-8x-nvswitch.yaml");
-        let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::from_file(&example)?);
         // A 256 MiB unit: 4,480 units on the 8 GPUs, room for every phase.
-        let config = baleen_tests::bench::agent_config(
+        let (kubelet, agent, token) = baleen_tests::bench::start_h200(
             root,
             "load",
             ViewConfig { memory_unit_bytes: 256 << 20, ..ViewConfig::default() },
             Path::new(env!("CARGO_BIN_EXE_fake-mps-control")),
-        );
-        let token = CancellationToken::new();
-        let agent = Agent::start(
-            config,
-            Dependencies { inventory, registry: Default::default(), node_api: None },
-            token.clone(),
         )
         .await?;
-        kubelet.wait_registered(MEM, 1).await?;
         let view = kubelet
             .wait_for("units offered", Duration::from_secs(10), |v| v.healthy(MEM).len() > 4000)
             .await?;

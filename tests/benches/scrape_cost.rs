@@ -5,17 +5,11 @@
 //! `cargo bench -p baleen-tests --bench scrape_cost` (add `-- --quick` for a short run).
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use baleen_agent::agent::{Agent, Dependencies};
-use baleen_agent::inventory::GpuInventory;
-use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::ledger::ViewConfig;
-use baleen_tests::fake_kubelet::FakeKubelet;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio_util::sync::CancellationToken;
 
 const MEM: &str = "awesome-ai-company.com/gpu-memory";
 
@@ -39,25 +33,13 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let tmp = tempfile::tempdir()?;
         let root = tmp.path();
-        let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
-        kubelet.serve_pod_resources(&root.join("pr.sock"))?;
-        std::fs::write(root.join("boot_id"), "b")?;
-        let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples/h200-8x-nvswitch.yaml");
-        let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::from_file(&example)?);
-        let config = baleen_tests::bench::agent_config(
+        let (kubelet, agent, token) = baleen_tests::bench::start_h200(
             root,
             "bench",
             ViewConfig::default(),
             Path::new(env!("CARGO_BIN_EXE_fake-mps-control")),
-        );
-        let token = CancellationToken::new();
-        let agent = Agent::start(
-            config,
-            Dependencies { inventory, registry: Default::default(), node_api: None },
-            token.clone(),
         )
         .await?;
-        kubelet.wait_registered(MEM, 1).await?;
         kubelet
             .wait_for("units offered", Duration::from_secs(10), |v| v.healthy(MEM).len() == 8 * 140)
             .await?;

@@ -72,3 +72,40 @@ pub fn agent_process(
         .stderr(std::process::Stdio::null());
     command
 }
+
+/// The whole agent in-process on the simulated 8x H200 (`packaging/examples`), as node `node`
+/// under `root` ([`agent_config`] with `views`, the fake MPS daemons run by `mps_control`),
+/// beside a fake kubelet serving pod-resources; returned once its gpu-memory resource has
+/// registered. Stop it by cancelling the token.
+pub async fn start_h200(
+    root: &Path,
+    node: &str,
+    views: ViewConfig,
+    mps_control: &Path,
+) -> anyhow::Result<(
+    crate::fake_kubelet::FakeKubelet,
+    baleen_agent::agent::Agent,
+    tokio_util::sync::CancellationToken,
+)> {
+    let mut kubelet = crate::fake_kubelet::FakeKubelet::start(&root.join("dp")).await?;
+    kubelet.serve_pod_resources(&root.join("pr.sock"))?;
+    std::fs::write(root.join("boot_id"), "b")?;
+    let example =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples/h200-8x-nvswitch.yaml");
+    let inventory: std::sync::Arc<dyn baleen_agent::inventory::GpuInventory> = std::sync::Arc::new(
+        baleen_agent::inventory::simulated::SimulatedInventory::from_file(&example)?,
+    );
+    let token = tokio_util::sync::CancellationToken::new();
+    let agent = baleen_agent::agent::Agent::start(
+        agent_config(root, node, views, mps_control),
+        baleen_agent::agent::Dependencies {
+            inventory,
+            registry: Default::default(),
+            node_api: None,
+        },
+        token.clone(),
+    )
+    .await?;
+    kubelet.wait_registered(&format!("{}/gpu-memory", baleen_agent::defaults::DOMAIN), 1).await?;
+    Ok((kubelet, agent, token))
+}
