@@ -123,6 +123,9 @@ pub enum MetricsError {
         #[source]
         source: std::io::Error,
     },
+    /// The render thread cannot be started.
+    #[error("cannot start the metrics render thread")]
+    RenderThread(#[source] std::io::Error),
 }
 
 const GPU_LABELS: [&str; 4] = ["node", "gpu_uuid", "gpu_index", "model"];
@@ -647,6 +650,75 @@ pub struct Endpoint {
     pub last_render: tokio::sync::Mutex<Option<(Instant, axum::body::Bytes)>>,
     /// Paces the scrapes served (see [`Pacer`]).
     pub pacer: Pacer,
+    /// Where renders run (see [`Renderer`]).
+    pub renderer: Renderer,
+}
+
+/// The thread renders run on, at the kernel's idle scheduling class (`SCHED_IDLE`): a render
+/// takes a core for a few milliseconds, and on a node whose agent has one or two cores the
+/// Allocate it would delay matters more than the scrape. A thread of the normal class that wakes
+/// (a gRPC answer, a checkpoint write) preempts it at once; the kernel still gives it a small
+/// share of a busy core, so a scrape is delayed under load, never starved. Readers it uses
+/// (the published ledger, the watchdog's and telemetry's channels) take no lock a change needs.
+pub struct Renderer {
+    jobs: std::sync::Mutex<std::sync::mpsc::Sender<RenderJob>>,
+    /// What the thread's scheduling class is (`SCHED_IDLE`, or why not).
+    class: std::sync::Arc<std::sync::OnceLock<Result<(), String>>>,
+}
+
+type RenderJob = Box<dyn FnOnce() + Send>;
+
+impl Renderer {
+    /// Starts the thread; it ends when the renderer is dropped. The scheduling class is asked
+    /// for on the thread itself: where the kernel refuses it the renders run at the normal
+    /// class, and that is said (a warning here, and [`Renderer::idle`]).
+    pub fn start() -> std::io::Result<Self> {
+        let (jobs, queue) = std::sync::mpsc::channel::<RenderJob>();
+        let class = std::sync::Arc::new(std::sync::OnceLock::new());
+        let set = class.clone();
+        std::thread::Builder::new().name("baleen-render".to_owned()).spawn(move || {
+            use thread_priority::{
+                NormalThreadSchedulePolicy, ThreadPriority, ThreadSchedulePolicy,
+                set_thread_priority_and_policy, thread_native_id,
+            };
+            let idle = set_thread_priority_and_policy(
+                thread_native_id(),
+                ThreadPriority::Min,
+                ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle),
+            )
+            .map_err(|e| format!("{e:?}"));
+            if let Err(e) = &idle {
+                tracing::warn!(
+                    error = %e,
+                    "the kernel refused SCHED_IDLE for the metrics render thread: renders run \
+                     at the normal class and compete with Allocate for the CPU"
+                );
+            }
+            let _ = set.set(idle);
+            for job in queue {
+                job();
+            }
+        })?;
+        Ok(Self { jobs: std::sync::Mutex::new(jobs), class })
+    }
+
+    /// Runs `f` on the render thread; `None` if the thread is gone (it panicked).
+    pub async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<T> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let job: RenderJob = Box::new(move || {
+            let _ = answer.send(f());
+        });
+        self.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).send(job).ok()?;
+        answered.await.ok()
+    }
+
+    /// Whether the thread runs at `SCHED_IDLE` (`Err`: why not; `None`: not known yet).
+    pub fn idle(&self) -> Option<Result<(), String>> {
+        self.class.get().cloned()
+    }
 }
 
 /// Scrapes served per second at most, after a burst of [`SCRAPE_BURST`]: Prometheus scrapes a
@@ -816,12 +888,13 @@ async fn scrape(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
         Some((started, text)) if fresh(*started) => text.clone(),
         _ => {
             let started = Instant::now();
-            // Off the runtime's workers: a render never delays the gRPC answers they serve.
+            // Off the runtime's workers and below them: a render never delays the gRPC
+            // answers they serve (see Renderer).
             let rendering = endpoint.clone();
-            let text = match tokio::task::spawn_blocking(move || render_now(&rendering)).await {
-                Ok(text) => axum::body::Bytes::from(text),
-                Err(e) => {
-                    tracing::error!(error = %e, "the metrics render failed");
+            let text = match endpoint.renderer.run(move || render_now(&rendering)).await {
+                Some(text) => axum::body::Bytes::from(text),
+                None => {
+                    tracing::error!("the metrics render failed: its thread is gone");
                     return (
                         http::StatusCode::INTERNAL_SERVER_ERROR,
                         "the metrics render failed\n",
@@ -871,6 +944,33 @@ async fn readyz(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn renders_run_on_their_own_thread_at_the_idle_class() {
+        let renderer = Renderer::start().expect("the render thread starts");
+        let caller = std::thread::current().id();
+        // The kernel's word, not the crate's: field 41 of /proc/thread-self/stat is the policy
+        // (SCHED_IDLE is 5), read on the thread that renders.
+        let (thread, policy) = renderer
+            .run(|| {
+                let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("stat");
+                let after_name = stat.rsplit_once(')').expect("a comm field").1;
+                let policy: u32 = after_name
+                    .split_whitespace()
+                    .nth(41 - 3)
+                    .and_then(|p| p.parse().ok())
+                    .expect("a policy field");
+                (std::thread::current().id(), policy)
+            })
+            .await
+            .expect("the job ran");
+        assert_ne!(thread, caller);
+        assert_eq!(policy, 5, "SCHED_IDLE");
+        assert_eq!(renderer.idle(), Some(Ok(())));
+        // One thread for every job, in turn.
+        let again = renderer.run(|| std::thread::current().id()).await.expect("the job ran");
+        assert_eq!(again, thread);
+    }
 
     #[test]
     fn a_flood_of_scrapes_is_paced_after_its_burst() {

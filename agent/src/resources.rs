@@ -279,8 +279,10 @@ struct Store {
 /// The node's device ledger shared by every view, persisted on every change.
 pub struct NodeResources {
     inner: Mutex<Inner>,
-    /// The last state published (see [`Published`]): held only to clone or replace the `Arc`.
-    published: Mutex<Arc<Published>>,
+    /// The last state published (see [`Published`]): readers load it without a lock, so a
+    /// reader that is descheduled (the metrics render runs at idle priority) never holds up a
+    /// change.
+    published: arc_swap::ArcSwap<Published>,
     checkpoint: Checkpoint,
     node: String,
     boot_id: String,
@@ -348,7 +350,7 @@ impl NodeResources {
             compact: true,
             shown,
         };
-        let published = Mutex::new(Arc::new(published_of(&inner)));
+        let published = arc_swap::ArcSwap::from_pointee(published_of(&inner));
         Arc::new(Self {
             inner: Mutex::new(inner),
             published,
@@ -474,13 +476,13 @@ impl NodeResources {
 
     /// The state published last: what every reader reads.
     pub fn published(&self) -> Arc<Published> {
-        self.published.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.published.load_full()
     }
 
     /// Publishes `inner` as it is now (see [`Published`]).
     fn publish(&self, inner: &Inner) {
         let next = Arc::new(published_of(inner));
-        *self.published.lock().unwrap_or_else(PoisonError::into_inner) = next;
+        self.published.store(next);
     }
 
     /// One backend per view.

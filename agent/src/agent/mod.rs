@@ -366,6 +366,8 @@ impl Agent {
                 mps_enforced: config.responses.mps.enabled,
                 last_render: tokio::sync::Mutex::new(None),
                 pacer: Default::default(),
+                renderer: crate::metrics::Renderer::start()
+                    .map_err(crate::metrics::MetricsError::RenderThread)?,
             });
             let (bound, serve) =
                 crate::metrics::bind(config.metrics.address, endpoint, shutdown.clone()).await?;
