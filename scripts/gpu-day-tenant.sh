@@ -8,7 +8,11 @@
 #       send `get_server_list` / `quit` through the privileged socket? can it delete `control`?
 #   T3  a client that unsets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, and one that raises it, with the
 #       daemon's default limit set by set_default_device_pinned_mem_limit: what each can allocate.
-# Usage: OUT=dir scripts/gpu-day-tenant.sh
+#   T4  (issue 22, item 7) the agent's MPS client probe (`baleen-agent mps-client-probe`, as the
+#       agent runs it: env -i, the GPU, the pipe directory, a 64 MiB limit) against the daemon
+#       (expected: exit 0, about 62 MiB free), against an empty pipe directory (expected: exit 1,
+#       "not an MPS client": the driver runs the context without MPS), and its time.
+# Usage: OUT=dir AGENT=target/release/baleen-agent scripts/gpu-day-tenant.sh
 set -uo pipefail
 OUT=${OUT:-gpu-day-tenant-out}
 mkdir -p "$OUT"
@@ -54,6 +58,19 @@ echo "lowered to 4G:"; timeout 60 tenant 0 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40
 step "uid 65534 quit through the privileged socket (expected: refused)"
 echo quit | timeout 10 tenant 65534 "$MPS"; echo "rc=$?"
 echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$PIPE "$MPS"; echo "daemon answers: rc=$?"
+step "T4 the agent's MPS client probe"
+AGENT=${AGENT:-target/release/baleen-agent}
+if [ -x "$AGENT" ]; then
+  # Its peak RSS matters: the child counts against the agent container's memory limit.
+  TIMER=(); [ -x /usr/bin/time ] && TIMER=(/usr/bin/time -f "%M KiB peak RSS, %e s")
+  probe() { env -i CUDA_VISIBLE_DEVICES=$UUID CUDA_MPS_PIPE_DIRECTORY=$1 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=64M \
+    timeout 30 "${TIMER[@]}" "$AGENT" mps-client-probe --library libcuda.so.1; echo "rc=$?"; }
+  echo "through the daemon:"; time probe "$PIPE"
+  mkdir -p /tmp/baleen-tenant/empty-pipe
+  echo "no daemon there:"; time probe /tmp/baleen-tenant/empty-pipe
+else
+  echo "$AGENT absent: build it with cargo build --release -p baleen-agent"
+fi
 step "cleanup"
 echo quit | CUDA_MPS_PIPE_DIRECTORY=$PIPE "$MPS"
 nvidia-smi --query-gpu=compute_mode,mig.mode.current --format=csv

@@ -102,6 +102,8 @@ pub const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 pub const HOST_NAME_FILE: &str = "/proc/sys/kernel/hostname";
 /// The NVML library loaded when none is named.
 pub const NVML_LIBRARY: &str = "libnvidia-ml.so.1";
+/// The CUDA driver library the MPS client probe loads when none is named.
+pub const CUDA_LIBRARY: &str = "libcuda.so.1";
 /// Where sysfs is mounted (NVML GPUs' NUMA nodes are read there).
 pub const SYSFS_ROOT: &str = "/sys";
 
@@ -164,6 +166,7 @@ mod tests {
             format!("{BOOT_ID_FILE:?}"),
             format!("{HOST_NAME_FILE:?}"),
             format!("{NVML_LIBRARY:?}"),
+            format!("{CUDA_LIBRARY:?}"),
             format!("{MPS_CONTROL_BINARY:?}"),
             format!("{PROC_ROOT:?}"),
             format!("{SYSFS_ROOT:?}"),

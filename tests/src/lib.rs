@@ -10,6 +10,7 @@
 //! - [`fuzz`]: the bodies and seeds of the fuzz targets (`fuzz/`);
 //! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
 //!   which can go away and come back;
+//! - [`fake_cuda`]: a CUDA driver library for the agent's MPS client probe, without a GPU;
 //! - [`http`]: a plain HTTP/1.1 client for the tests;
 //! - [`memory_backend`]: an in-memory device-plugin backend for tests and benchmarks;
 //! - [`tools`]: outside programs the tests use (promtool), or how to install them;
@@ -21,6 +22,7 @@
 pub mod bench;
 pub mod cluster_loop;
 pub mod fake_apiserver;
+pub mod fake_cuda;
 pub mod fake_kubelet;
 pub mod fake_nvml;
 pub mod fuzz;

@@ -2471,16 +2471,24 @@ async fn the_metrics_port_bounds_connections_and_half_open_ones() -> Result<()> 
 
 /// Issue 22, item 7: health per GPU that recovers, on the real NVML backend over the fake
 /// library. A critical XID makes the GPU unhealthy; while its NVML reads fail (GPU_IS_LOST) or
-/// hang it stays so (and the metrics endpoint answers meanwhile); once they answer again,
-/// `recoveryProbes` good probes in a row give it back; every transition counted.
+/// hang it stays so (and the metrics endpoint answers meanwhile); while its MPS daemon hangs,
+/// or answers but a CUDA client through it is not bound by MPS (the fake CUDA library: the
+/// agent binary's `mps-client-probe`), it stays so; once all answer, `recoveryProbes` good
+/// probes in a row give it back; every transition counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
     let expected = example("l4-4x-pcie.yaml")?;
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::FakeNvml).await?;
     let fake = node.nvml.take().context("the fake NVML")?;
+    let cuda = baleen_tests::fake_cuda::FakeCuda::new()?;
     node.config.health = baleen_agent::agent::health::HealthConfig {
         probe_interval: Duration::from_millis(150),
         recovery_probes: 3,
+        mps_client: Some(baleen_agent::isolation::mps::client_probe::ClientProbe {
+            program: agent_binary()?,
+            library: cuda.library(),
+            timeout: Duration::from_secs(5),
+        }),
     };
     node.config.responses.mps.probe_timeout = Duration::from_millis(300);
     // With the API: each transition is an Event on the node.
@@ -2541,9 +2549,36 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
     let whole_healthy =
         |v: &KubeletView| v.devices_of(GPU).iter().any(|d| d.id == gpu && d.health == HEALTHY);
     assert!(!whole_healthy(&node.kubelet.view()), "given back while its MPS daemon hangs");
-    // Both answer: healthy after three good probes.
+    // The daemon answers, but a CUDA client through it runs without MPS (its free memory is the
+    // whole GPU's, not the probe's 64 MiB limit): still no good probe.
+    cuda.set_directive("nomps")?;
     directive(&node, &gpu, "")?;
+    tokio::time::timeout(WAIT, async {
+        while !enforced(&agent) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .context("the daemon seen answering")?;
+    let without_mps = |probes: &[String]| probes.iter().filter(|l| l.ends_with("mps=0")).count();
+    tokio::time::timeout(WAIT, async {
+        while without_mps(&cuda.probes()) < 4 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .with_context(|| format!("four client probes without MPS: {:?}", cuda.probes()))?;
+    assert!(!units_are(true)(&node.kubelet.view()), "given back while no MPS client works");
+    // A client works through the daemon: healthy after three good probes.
+    cuda.set_directive("")?;
     node.kubelet.wait_for("healthy again", WAIT, units_are(true)).await?;
+    let pipe = node.config.responses.mps.pipe_dir(&gpu);
+    let expected_probe = format!("probe visible={gpu} pipe={} limit=0=64M mps=1", pipe.display());
+    let probes = cuda.probes();
+    assert!(
+        probes.iter().filter(|l| **l == expected_probe).count() >= 3,
+        "three good client probes with the GPU, its pipe and the limit: {probes:?}"
+    );
     let text = http_get(address, "/metrics").await?.1;
     for (to, n) in [("unhealthy", 1.0), ("healthy", 1.0)] {
         let got = sample(

@@ -9,7 +9,8 @@
 //! the API is reachable, an Event on the node (`GpuUnhealthy`, a Warning, and `GpuHealthy`).
 //! MPS daemons that stop answering are the MPS supervisor's (their GPU's units withdrawn until
 //! the daemon answers); a GPU whose shares MPS enforces is probed good only while its daemon
-//! answers too.
+//! answers too and, with `health.mpsClientProbe`, a tiny CUDA client through the daemon is
+//! bound by its memory limit ([`client_probe`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,6 +22,8 @@ use tokio_util::sync::CancellationToken;
 use super::events::EventQueue;
 use crate::error_chain::Chain;
 use crate::inventory::{CallFailures, GpuInventory, GpuUuid, InventoryError};
+use crate::isolation::mps::MpsConfig;
+use crate::isolation::mps::client_probe::{self, ClientProbe};
 use crate::isolation::watchdog::{Notice, Regarding};
 use crate::resources::NodeResources;
 
@@ -28,12 +31,16 @@ use crate::resources::NodeResources;
 const START_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How GPUs marked unhealthy are given back (`health:` in the file).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthConfig {
     /// Time between two probes of an unhealthy GPU.
     pub probe_interval: Duration,
     /// Good probes in a row that make it healthy again.
     pub recovery_probes: u32,
+    /// The MPS client that ends a probe where MPS serves the GPU's shares (see
+    /// [`crate::isolation::mps::client_probe`]); `None`: the daemon's answer is enough (the
+    /// default here; the configuration turns it on with NVML).
+    pub mps_client: Option<ClientProbe>,
 }
 
 impl Default for HealthConfig {
@@ -41,6 +48,7 @@ impl Default for HealthConfig {
         Self {
             probe_interval: crate::defaults::HEALTH_PROBE_INTERVAL,
             recovery_probes: crate::defaults::HEALTH_RECOVERY_PROBES,
+            mps_client: None,
         }
     }
 }
@@ -55,13 +63,14 @@ pub fn spawn(
     resources: Arc<NodeResources>,
     report: (Arc<CallFailures>, Option<EventQueue>),
     config: HealthConfig,
+    mps: MpsConfig,
     stop: CancellationToken,
 ) -> Option<std::thread::JoinHandle<()>> {
     let on_thread = resources.clone();
     let (calls, events) = report;
     let spawned = std::thread::Builder::new()
         .name("baleen-health".into())
-        .spawn(move || watch(&inventory, &on_thread, (&calls, events), config, &stop));
+        .spawn(move || watch(&inventory, &on_thread, (&calls, events), (config, mps), &stop));
     match spawned {
         Ok(handle) => Some(handle),
         Err(e) => {
@@ -89,6 +98,8 @@ struct Recoveries<'a> {
     calls: &'a CallFailures,
     events: Option<EventQueue>,
     config: HealthConfig,
+    /// Where the GPUs' MPS daemons are (the client probe's pipe directories).
+    mps: MpsConfig,
     gpus: BTreeMap<String, Recovery>,
 }
 
@@ -186,11 +197,17 @@ impl Recoveries<'_> {
             } else if now >= r.next {
                 let (tx, rx) = mpsc::channel();
                 let (inventory, gpu) = (self.inventory.clone(), uuid.clone());
+                let client = client_for(&self.config, self.resources, &self.mps, uuid);
                 let spawned =
                     std::thread::Builder::new().name("baleen-probe".into()).spawn(move || {
                         let outcome = GpuUuid::new(&gpu)
                             .map_err(|e| InventoryError::Unavailable { reason: e.to_string() })
-                            .and_then(|g| inventory.probe(&g));
+                            .and_then(|g| inventory.probe(&g))
+                            .and_then(|()| match &client {
+                                Some((probe, pipe)) => client_probe::run(probe, &gpu, pipe)
+                                    .map_err(|reason| InventoryError::Unavailable { reason }),
+                                None => Ok(()),
+                            });
                         let _ = tx.send(outcome);
                     });
                 match spawned {
@@ -240,6 +257,26 @@ fn mps_answers(resources: &NodeResources, uuid: &str) -> Result<(), InventoryErr
     }
 }
 
+/// The MPS client probe of `uuid`'s next probe and its daemon's pipe directory: where the
+/// probe is on, MPS serves the GPU's shares, its daemon answers and runs no server (a
+/// server means clients are served; a probe as another user would wait behind them).
+fn client_for(
+    config: &HealthConfig,
+    resources: &NodeResources,
+    mps: &MpsConfig,
+    uuid: &str,
+) -> Option<(ClientProbe, std::path::PathBuf)> {
+    let probe = config.mps_client.clone()?;
+    if !resources.mps_enforced() {
+        return None;
+    }
+    let published = resources.published();
+    let (gpus, _) = resources.snapshot();
+    let gpu = gpus.iter().find(|g| g.uuid == uuid)?;
+    let serving = published.mps_servers.get(uuid).is_some_and(|s| !s.is_empty());
+    (gpu.units > 0 && gpu.shares_enforced && !serving).then(|| (probe, mps.pipe_dir(uuid)))
+}
+
 /// Counts a transition of `uuid` to `to`, where the metrics are on.
 fn count(resources: &NodeResources, uuid: &str, to: &str) {
     if let Some((node, i)) = resources.instruments() {
@@ -251,7 +288,7 @@ fn watch(
     inventory: &Arc<dyn GpuInventory>,
     resources: &NodeResources,
     (calls, events): (&CallFailures, Option<EventQueue>),
-    config: HealthConfig,
+    (config, mps): (HealthConfig, MpsConfig),
     stop: &CancellationToken,
 ) {
     let mut retry = Duration::from_secs(1);
@@ -279,7 +316,7 @@ fn watch(
         tracing::warn!(gpu.uuid = %gpu, "GPU cannot report health events");
     }
     let mut recoveries =
-        Recoveries { inventory, resources, calls, events, config, gpus: BTreeMap::new() };
+        Recoveries { inventory, resources, calls, events, config, mps, gpus: BTreeMap::new() };
     let mut failing = false;
     while !stop.is_cancelled() {
         let event = watcher.next_event(Duration::from_millis(500));
@@ -394,7 +431,13 @@ mod tests {
         let on_calls = calls.clone();
         let thread = std::thread::spawn(move || {
             let inventory: Arc<dyn GpuInventory> = inventory;
-            watch(&inventory, &on_thread, (&on_calls, None), HealthConfig::default(), &thread_stop);
+            watch(
+                &inventory,
+                &on_thread,
+                (&on_calls, None),
+                (HealthConfig::default(), MpsConfig::default()),
+                &thread_stop,
+            );
         });
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let mut saw_unhealthy = false;

@@ -393,7 +393,8 @@ impl Agent {
             deps.inventory.clone(),
             resources.clone(),
             (calls, health_events),
-            config.health,
+            config.health.clone(),
+            config.responses.mps.clone(),
             health_stop.clone(),
         );
         Ok(Self {

@@ -5,6 +5,9 @@
 //! Subcommands so far:
 //! - `inventory` ([`inventory`]): print the node's GPUs from NVML or from a simulated topology,
 //!   and the resources the agent would advertise, as a table or JSON.
+//! - `mps` runs only the MPS daemons; `mps-client-probe` (hidden) is the client the agent runs
+//!   as a child to probe an unhealthy GPU through its MPS daemon
+//!   (`crate::isolation::mps::client_probe`).
 //!
 //! New subcommands add a variant to [`Command`], an arm to [`run`] and a module here;
 //! `crate::config::InventorySource` is the set of flags that choose a GPU backend, to be
@@ -59,6 +62,15 @@ pub enum Command {
     /// exit), for a DaemonSet of their own that an agent upgrade does not restart; the agent then
     /// runs with `mps.daemons: external`. Takes the agent's flags and configuration file.
     Mps(crate::config::RunArgs),
+    /// The agent's MPS client probe (run by the agent itself as a child, with the environment
+    /// it sets: see docs/agent.md, "Health"): creates a CUDA context on the one visible GPU
+    /// through its MPS daemon and checks that the daemon's memory limit binds it.
+    #[command(name = "mps-client-probe", hide = true)]
+    MpsClientProbe {
+        /// The CUDA driver library to load.
+        #[arg(long, value_name = "PATH")]
+        library: std::path::PathBuf,
+    },
 }
 
 /// Why a command failed.
@@ -82,6 +94,9 @@ pub enum CliError {
     /// The agent could not start or failed.
     #[error(transparent)]
     Run(#[from] crate::bootstrap::RunError),
+    /// The MPS client probe found the GPU not served through MPS.
+    #[error("{0}")]
+    MpsClientProbe(String),
 }
 
 impl CliError {
@@ -105,6 +120,20 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     match cli.command {
         Some(Command::Inventory(args)) => inventory::run(&args, out),
         Some(Command::Mps(args)) => Ok(crate::bootstrap::run_mps(&args)?),
+        Some(Command::MpsClientProbe { library }) => {
+            match crate::isolation::mps::client_probe::client(&library) {
+                Ok(served) => {
+                    writeln!(
+                        out,
+                        "served through MPS: {} MiB free of {} MiB",
+                        served.free_bytes >> 20,
+                        served.total_bytes >> 20
+                    )?;
+                    Ok(())
+                }
+                Err(why) => Err(CliError::MpsClientProbe(why)),
+            }
+        }
         None => Ok(crate::bootstrap::run_agent(&cli.run)?),
     }
 }

@@ -191,6 +191,12 @@ pub struct HealthFile {
     pub probe_interval: Option<String>,
     /// Good probes in a row that make it healthy again, 1..100 (default 3).
     pub recovery_probes: Option<u32>,
+    /// Where MPS serves a GPU's shares, end each probe with a tiny MPS client (a CUDA context
+    /// through the GPU's daemon, under a memory limit). Default: true with NVML, false with a
+    /// simulated topology (no CUDA there).
+    pub mps_client_probe: Option<bool>,
+    /// The CUDA driver library the client loads (default `libcuda.so.1`).
+    pub cuda_library: Option<PathBuf>,
 }
 
 /// `watchdog:` in the file.

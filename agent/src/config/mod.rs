@@ -349,6 +349,30 @@ fn resolve_with(
             defaults::HEALTH_RECOVERY_PROBES
         }
     };
+    // The MPS client probe: the agent's own binary as the client, where MPS serves shares.
+    let mps_on = !args.no_mps && file.mps.enabled.unwrap_or(true);
+    let simulated_gpus = args.simulated.is_some() || file.inventory.simulated.is_some();
+    let mps_client = if mps_on && file.health.mps_client_probe.unwrap_or(!simulated_gpus) {
+        match std::env::current_exe() {
+            Ok(program) => Some(crate::isolation::mps::client_probe::ClientProbe {
+                program,
+                library: file
+                    .health
+                    .cuda_library
+                    .clone()
+                    .unwrap_or_else(|| defaults::CUDA_LIBRARY.into()),
+                timeout: crate::isolation::mps::client_probe::PROBE_TIMEOUT,
+            }),
+            Err(e) => {
+                problems.push(format!(
+                    "health mpsClientProbe: the agent's own binary (the probe's client) cannot be found: {e}"
+                ));
+                None
+            }
+        }
+    } else {
+        None
+    };
     if reconcile_settle > defaults::RECONCILE_SETTLE_MAX {
         problems.push(format!(
             "reconcile kubeletSettle {reconcile_settle:?} is above {:?}: after every kubelet restart, allocations of ended pods would be held this long where the API cannot confirm",
@@ -492,7 +516,7 @@ fn resolve_with(
         responses: ResponseConfig {
             devices,
             mps: MpsConfig {
-                enabled: !args.no_mps && file.mps.enabled.unwrap_or(true),
+                enabled: mps_on,
                 root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
                 control_binary: pick(
                     &args.mps_control_binary,
@@ -509,6 +533,7 @@ fn resolve_with(
         health: crate::agent::health::HealthConfig {
             probe_interval: health_probe_interval,
             recovery_probes,
+            mps_client,
         },
         watchdog: WatchdogConfig {
             enabled: watchdog_enabled,
@@ -795,6 +820,34 @@ mod tests {
         );
         let err = resolve(&args, &Environment::default()).expect_err("three problems");
         assert_eq!(err.problems.len(), 3, "{err}");
+    }
+
+    #[test]
+    fn the_mps_client_probe_is_on_with_nvml_and_mps_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        let write = |text: &str| std::fs::write(&file, text).expect("write");
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        write("nodeName: n\n");
+        let probe = resolve(&args, &Environment::default()).expect("valid").agent.health.mps_client;
+        let probe = probe.expect("on with NVML and MPS");
+        assert_eq!(probe.library, PathBuf::from(defaults::CUDA_LIBRARY));
+        assert_eq!(probe.program, std::env::current_exe().expect("this binary"));
+        let off = |args: &RunArgs| {
+            resolve(args, &Environment::default()).expect("valid").agent.health.mps_client
+        };
+        assert_eq!(off(&RunArgs { no_mps: true, ..args.clone() }), None, "no MPS, no client");
+        let topology = dir.path().join("topology.yaml");
+        std::fs::write(&topology, "gpus: []\n").expect("write");
+        let simulated = RunArgs { simulated: Some(topology), ..args.clone() };
+        assert_eq!(off(&simulated), None, "no CUDA on a simulated node");
+        write(
+            "nodeName: n\nhealth:\n  mpsClientProbe: true\n  cudaLibrary: /opt/cuda/libcuda.so.1\n",
+        );
+        let asked = off(&simulated).expect("asked for");
+        assert_eq!(asked.library, PathBuf::from("/opt/cuda/libcuda.so.1"));
+        write("nodeName: n\nhealth:\n  mpsClientProbe: false\n");
+        assert_eq!(off(&args), None, "turned off");
     }
 
     #[test]

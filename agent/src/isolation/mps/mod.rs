@@ -7,6 +7,7 @@
 //! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` proportional to the share. On the GPU days the pipe
 //! directory was all a client needed (docs/gpu-day.md, "MPS facts"): no shared `/dev/shm`.
 
+pub mod client_probe;
 pub mod control;
 pub mod supervisor;
 pub mod users;

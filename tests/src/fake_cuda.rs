@@ -1,0 +1,73 @@
+//! A fake CUDA driver library for the agent's MPS client probe
+//! (`baleen_agent::isolation::mps::client_probe`), compiled from `tests/fake-cuda/fake_cuda.c`
+//! into a temp dir of its own, so that a probe's client runs without a GPU. What it does is
+//! described at the top of the C source: an MPS client (its free memory bounded by the limit)
+//! where the pipe directory's fake daemon answers, the whole GPU free where none does, and
+//! directives to fail, hang or ignore MPS. Each probe's environment is logged beside it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, bail, ensure};
+
+/// The C source of the fake library.
+pub const SOURCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fake-cuda/fake_cuda.c");
+
+/// One compiled copy of the fake library.
+pub struct FakeCuda {
+    dir: tempfile::TempDir,
+}
+
+impl FakeCuda {
+    /// Compiles the library with `$CC` (default `cc`).
+    pub fn new() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let compiler = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+        let shown = compiler.to_string_lossy().into_owned();
+        let result = Command::new(&compiler)
+            .args(["-shared", "-fPIC", "-O1", "-Wall", "-o"])
+            .arg(dir.path().join("libcuda.so.1"))
+            .arg(SOURCE)
+            .arg("-ldl")
+            .output();
+        let out = match result {
+            Ok(out) => out,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => bail!(
+                "cannot run the C compiler `{shown}` to build the fake CUDA library from \
+                 {SOURCE}: install gcc (e.g. `apt-get install gcc`) or set CC to a C compiler"
+            ),
+            Err(err) => return Err(err).with_context(|| format!("cannot run `{shown}`")),
+        };
+        ensure!(
+            out.status.success(),
+            "`{shown}` failed on {SOURCE} ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(Self { dir })
+    }
+
+    /// The library's path (what `health.cudaLibrary` names).
+    pub fn library(&self) -> PathBuf {
+        self.dir.path().join("libcuda.so.1")
+    }
+
+    /// Sets the directive (`fail`, `hang`, `nomps`, or `""` for none).
+    pub fn set_directive(&self, word: &str) -> anyhow::Result<()> {
+        std::fs::write(self.dir.path().join("fake-cuda-directives"), word)?;
+        Ok(())
+    }
+
+    /// The probes so far, one line each (see the C source).
+    pub fn probes(&self) -> Vec<String> {
+        let log = self.dir.path().join("fake-cuda.log");
+        std::fs::read_to_string(log)
+            .map(|t| t.lines().map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    /// The directory the library is in.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
