@@ -88,7 +88,7 @@ pub fn event_of(node: &str, notice: &Notice) -> (String, k8s_openapi::api::event
             namespace: Some(namespace.clone()),
             ..ObjectMeta::default()
         },
-        event_time: Some(MicroTime(k8s_openapi::chrono::Utc::now())),
+        event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
         action: Some(notice.action.into()),
         reason: Some(notice.reason.into()),
         note: Some(notice.note.chars().take(1024).collect()),
