@@ -277,22 +277,14 @@ mod tests {
     /// (`isolation::node_pods::tests::a_pod_reads_as_the_api_server_and_kubelet_see_it`).
     #[test]
     fn the_pods_overhead_is_counted_on_top_of_its_containers() {
-        let p: Pod = serde_json::from_value(json!({
-            "metadata": {"name": "serve", "namespace": "ml"},
-            "spec": {
-                "initContainers": [{"name": "warm", "resources": {"requests": {"cpu": "4"}}}],
-                "overhead": {"cpu": "250m", "memory": "1Gi"},
-                "containers": [
-                    {"name": "a", "resources": {"requests": {"cpu": "1500m", "memory": "2Gi"},
-                        "limits": {"awesome-ai-company.com/gpu-memory": "8"}}},
-                    {"name": "b", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
-                ]
-            }
-        }))
-        .expect("pod");
+        use baleen_k8s::fixtures::{POD_WITH_OVERHEAD, pod_with_overhead};
+        let p: Pod = serde_json::from_value(pod_with_overhead()).expect("pod");
         let d = Demand::of(&p, "awesome-ai-company.com").expect("reads");
-        assert_eq!(d.cpu_milli, 4250, "the init container's 4 beats 1.5 + 1; overhead");
-        assert_eq!(d.memory_bytes, 4 << 30);
+        assert_eq!(
+            d.cpu_milli, POD_WITH_OVERHEAD.cpu_milli,
+            "the init container's 4 beats 1.5 + 1; overhead"
+        );
+        assert_eq!(d.memory_bytes, POD_WITH_OVERHEAD.memory_bytes);
         let bad: Pod = serde_json::from_value(json!({
             "metadata": {"name": "p"},
             "spec": {"overhead": {"cpu": "lots"}, "containers": [{"name": "a"}]}

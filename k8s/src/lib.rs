@@ -8,8 +8,11 @@
 //!   overhead);
 //! - [`gpu_state`]: the node-state document the agent publishes and the extender reads;
 //! - [`rbac`]: the rule each front end declares its API calls with (checked against the install);
-//! - [`watch`]: one watch loop (backoff, the relist swap, outage logging) for every follower.
+//! - [`watch`]: one watch loop (backoff, the relist swap, outage logging) for every follower;
+//! - `fixtures` (feature `test-util`): pods the front ends' tests share.
 
+#[cfg(feature = "test-util")]
+pub mod fixtures;
 pub mod gpu_state;
 pub mod quantity;
 pub mod rbac;

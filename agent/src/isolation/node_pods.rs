@@ -270,26 +270,20 @@ mod tests {
 
     #[test]
     fn a_pod_reads_as_the_api_server_and_kubelet_see_it() {
-        let p = PodInfo::of(&pod(json!({
-            "metadata": {"name": "serve", "namespace": "ml", "uid": "u1",
-                         "labels": {CLASS_LABEL: "inference"}},
-            "spec": {
-                "initContainers": [{"name": "warm", "resources": {"requests": {"cpu": "4"}}}],
-                "overhead": {"cpu": "250m", "memory": "1Gi"},
-                "containers": [
-                    {"name": "a", "resources": {"requests": {"cpu": "1500m", "memory": "2Gi"},
-                        "limits": {"awesome-ai-company.com/gpu-memory": "8"}}},
-                    {"name": "b", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
-                ]
-            },
-            "status": {"phase": "Pending", "qosClass": "Burstable"}
-        })))
-        .expect("uid");
+        use baleen_k8s::fixtures::{POD_WITH_OVERHEAD, pod_with_overhead};
+        let mut value = pod_with_overhead();
+        value["metadata"]["uid"] = json!("u1");
+        value["metadata"]["labels"] = json!({CLASS_LABEL: "inference"});
+        value["status"] = json!({"phase": "Pending", "qosClass": "Burstable"});
+        let p = PodInfo::of(&pod(value)).expect("uid");
         assert_eq!(p.key(), "ml/serve");
         assert_eq!(p.qos, Qos::Burstable);
         assert_eq!(p.class_label.as_deref(), Some("inference"));
-        assert_eq!(p.cpu_request_milli, 4250, "the init container's 4 beats 1.5 + 1; overhead");
-        assert_eq!(p.memory_request_bytes, 4 << 30);
+        assert_eq!(
+            p.cpu_request_milli, POD_WITH_OVERHEAD.cpu_milli,
+            "the init container's 4 beats 1.5 + 1; overhead"
+        );
+        assert_eq!(p.memory_request_bytes, POD_WITH_OVERHEAD.memory_bytes);
         assert_eq!(p.asks, [("a".into(), "awesome-ai-company.com/gpu-memory".into(), 8)]);
         assert!(p.admitting() && !p.running());
         assert_eq!(p.containers_asking("awesome-ai-company.com/gpu-memory", 8), 1);
