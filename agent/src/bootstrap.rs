@@ -98,7 +98,7 @@ const STOP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
 pub fn run_mps(args: &RunArgs) -> Result<(), RunError> {
     let settings = crate::config::resolve(args, &crate::config::Environment::of_process())?;
     init_logging(settings.log_format, &settings.log_level);
-    if !settings.agent.responses.mps.enabled {
+    if !settings.agent.mps.enabled {
         return Err(RunError::Config(ConfigError {
             problems: vec!["mps.enabled is false: there are no MPS daemons to run".into()],
         }));

@@ -41,3 +41,4 @@ pub mod metrics;
 pub mod quantity;
 pub mod reconcile;
 pub mod resources;
+pub(crate) mod yaml;

@@ -53,8 +53,9 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let tmp = tempfile::tempdir()?;
         let root = tmp.path();
-        let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
-        kubelet.serve_pod_resources(&root.join("pr.sock"))?;
+        let layout = baleen_agent::agent::AgentConfig::for_root(root);
+        let mut kubelet = FakeKubelet::start(&layout.device_plugin_dir).await?;
+        kubelet.serve_pod_resources(&layout.pod_resources_socket)?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let metrics: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let example = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -79,7 +80,7 @@ fn main() -> anyhow::Result<()> {
             }
             println!("{:>48}: {:.1} s", "1,120 grants took", started.elapsed().as_secs_f64());
             report(pid, "1,120 grants");
-            let socket = std::fs::read_dir(root.join("dp"))?
+            let socket = std::fs::read_dir(&layout.device_plugin_dir)?
                 .flatten()
                 .map(|e| e.path())
                 .find(|p| p.to_string_lossy().contains("gpu-memory"))

@@ -7,67 +7,50 @@ use std::time::Duration;
 use baleen_agent::agent::AgentConfig;
 use baleen_agent::isolation::devices::{DeviceListConfig, Strategy};
 use baleen_agent::isolation::mps::MpsConfig;
-use baleen_agent::isolation::watchdog::WatchdogConfig;
 use baleen_agent::ledger::ViewConfig;
 use baleen_agent::metrics::MetricsConfig;
-use baleen_agent::resources::ResponseConfig;
 
-/// The agent of node `node` under `root` (device plugins in `dp`, pod-resources at `pr.sock`,
-/// state in `state`, boot ID in `boot_id`), with `views`, GPUs handed out by the variable, the
-/// MPS daemons run by `mps_control` (the fake's binary), metrics on a free loopback port, no
-/// watchdog, and a reconciliation every second.
+/// The agent of node `node` under `root` (the layout of [`AgentConfig::for_root`]), with
+/// `views`, GPUs handed out by the variable, the MPS daemons run by `mps_control` (the fake's
+/// binary), metrics every second on a free loopback port, no watchdog, and a reconciliation
+/// every second.
 pub fn agent_config(root: &Path, node: &str, views: ViewConfig, mps_control: &Path) -> AgentConfig {
+    let defaults = AgentConfig::for_root(root);
     AgentConfig {
         node_name: node.into(),
-        device_plugin_dir: root.join("dp"),
-        pod_resources_socket: root.join("pr.sock"),
-        state_dir: root.join("state"),
-        boot_id_file: root.join("boot_id"),
         views,
-        responses: ResponseConfig {
-            devices: DeviceListConfig { strategy: Strategy::Envvar, ..Default::default() },
-            mps: MpsConfig {
-                root: root.join("mps"),
-                control_binary: mps_control.to_path_buf(),
-                ..MpsConfig::default()
-            },
-        },
-        health: Default::default(),
-        watchdog: WatchdogConfig { enabled: false, ..WatchdogConfig::default() },
-        metrics: MetricsConfig {
-            enabled: true,
-            address: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-            interval: Duration::from_secs(1),
-        },
-        annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
-        colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
+        devices: DeviceListConfig { strategy: Strategy::Envvar, ..defaults.devices.clone() },
+        mps: MpsConfig { control_binary: mps_control.to_path_buf(), ..defaults.mps.clone() },
+        metrics: MetricsConfig { interval: Duration::from_secs(1), ..defaults.metrics.clone() },
         reconcile_interval: Duration::from_secs(1),
         reconcile_grace: Duration::from_secs(600),
         reconcile_settle: Duration::from_secs(300),
+        ..defaults
     }
 }
 
 /// The agent binary `binary` as its own process for node `node` on the simulated `topology`,
-/// laid out under `root` as [`agent_config`] does (device plugins in `dp`, pod-resources at
-/// `pr.sock`, state in `state`), MPS off, its output dropped; the caller adds the rest
-/// (metrics address, memory unit, log level) and spawns it.
+/// laid out under `root` as [`AgentConfig::for_root`] lays it out (device plugins,
+/// pod-resources, state), MPS off, its output dropped; the caller adds the rest (metrics
+/// address, memory unit, log level) and spawns it.
 pub fn agent_process(
     binary: &Path,
     topology: &Path,
     root: &Path,
     node: &str,
 ) -> std::process::Command {
+    let layout = AgentConfig::for_root(root);
     let mut command = std::process::Command::new(binary);
     command
         .arg("--simulated")
         .arg(topology)
         .args(["--no-mps", "--node-name", node])
         .arg("--device-plugin-dir")
-        .arg(root.join("dp"))
+        .arg(&layout.device_plugin_dir)
         .arg("--pod-resources-socket")
-        .arg(root.join("pr.sock"))
+        .arg(&layout.pod_resources_socket)
         .arg("--state-dir")
-        .arg(root.join("state"))
+        .arg(&layout.state_dir)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     command
@@ -87,9 +70,10 @@ pub async fn start_h200(
     baleen_agent::agent::Agent,
     tokio_util::sync::CancellationToken,
 )> {
-    let mut kubelet = crate::fake_kubelet::FakeKubelet::start(&root.join("dp")).await?;
-    kubelet.serve_pod_resources(&root.join("pr.sock"))?;
-    std::fs::write(root.join("boot_id"), "b")?;
+    let config = agent_config(root, node, views, mps_control);
+    let mut kubelet = crate::fake_kubelet::FakeKubelet::start(&config.device_plugin_dir).await?;
+    kubelet.serve_pod_resources(&config.pod_resources_socket)?;
+    std::fs::write(&config.boot_id_file, "b")?;
     let example =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples/h200-8x-nvswitch.yaml");
     let inventory: std::sync::Arc<dyn baleen_agent::inventory::GpuInventory> = std::sync::Arc::new(
@@ -97,7 +81,7 @@ pub async fn start_h200(
     );
     let token = tokio_util::sync::CancellationToken::new();
     let agent = baleen_agent::agent::Agent::start(
-        agent_config(root, node, views, mps_control),
+        config,
         baleen_agent::agent::Dependencies {
             inventory,
             registry: Default::default(),

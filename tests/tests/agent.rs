@@ -14,10 +14,8 @@ use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
 use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
-use baleen_agent::isolation::devices::{DeviceListConfig, Strategy};
 use baleen_agent::isolation::mps::MpsConfig;
-use baleen_agent::ledger::{AllocationRecord, ViewConfig};
-use baleen_agent::resources::ResponseConfig;
+use baleen_agent::ledger::AllocationRecord;
 use baleen_k8s::gpu_state::NodeGpuState;
 use baleen_proto::deviceplugin::v1beta1::HEALTHY;
 use baleen_tests::fake_kubelet::{AdmitError, FakeKubelet, KubeletView};
@@ -77,14 +75,16 @@ enum Backend {
 impl Node {
     async fn new(example_name: &str, backend: Backend) -> Result<Self> {
         let tmp = tempfile::tempdir()?;
-        let root = tmp.path().to_path_buf();
-        let mut kubelet = FakeKubelet::start(&root.join("device-plugins")).await?;
-        kubelet.serve_pod_resources(&root.join("pod-resources/kubelet.sock"))?;
-        std::fs::write(root.join("boot_id"), "boot-1\n")?;
+        // Every host path in the temp dir (CDI names, the default, resolved in the node's spec
+        // written below).
+        let defaults = AgentConfig::for_root(tmp.path());
+        let mut kubelet = FakeKubelet::start(&defaults.device_plugin_dir).await?;
+        kubelet.serve_pod_resources(&defaults.pod_resources_socket)?;
+        std::fs::write(&defaults.boot_id_file, "boot-1\n")?;
         let expected = example(example_name)?;
         // The node's CDI spec, as `nvidia-ctk cdi generate --device-name-strategy=uuid`
         // names devices: every GPU and MIG instance by UUID.
-        write_cdi_spec(&root.join("run-cdi"), &expected, &[])?;
+        write_cdi_spec(&defaults.devices.cdi_spec_dirs[1], &expected, &[])?;
         let (inventory, nvml): (Arc<dyn GpuInventory>, _) = match backend {
             Backend::Simulated => (Arc::new(SimulatedInventory::new(expected)), None),
             Backend::FakeNvml => {
@@ -93,45 +93,21 @@ impl Node {
             }
         };
         let config = AgentConfig {
-            node_name: "node-a".into(),
-            device_plugin_dir: root.join("device-plugins"),
-            pod_resources_socket: root.join("pod-resources/kubelet.sock"),
-            state_dir: root.join("state"),
-            boot_id_file: root.join("boot_id"),
-            views: ViewConfig::default(),
-            responses: ResponseConfig {
-                // CDI names, the default, resolved in the node's spec (written below).
-                devices: DeviceListConfig {
-                    strategy: Strategy::Cdi,
-                    cdi_spec_dirs: vec![root.join("etc-cdi"), root.join("run-cdi")],
-                    toolkit_config: root.join("nvidia-container-runtime/config.toml"),
-                    ..DeviceListConfig::default()
-                },
-                mps: MpsConfig {
-                    root: root.join("mps"),
-                    control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
-                    probe_interval: Duration::from_millis(100),
-                    ..MpsConfig::default()
-                },
-            },
-            // Off unless a test turns it on (it needs the API's pods).
-            health: Default::default(),
-            watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
-                enabled: false,
-                ..Default::default()
+            mps: MpsConfig {
+                control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
+                probe_interval: Duration::from_millis(100),
+                ..defaults.mps.clone()
             },
             metrics: baleen_agent::metrics::MetricsConfig {
-                enabled: true,
-                address: "127.0.0.1:0".parse().expect("loopback"),
                 interval: Duration::from_millis(100),
+                ..defaults.metrics.clone()
             },
-            annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
-            colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
             reconcile_interval: Duration::from_millis(100),
             // Whole seconds: an allocation is at least 1 s old before it can be released.
             reconcile_grace: Duration::from_secs(2),
             // Settled at once: tests of the settling kubelet set their own.
             reconcile_settle: Duration::from_millis(1),
+            ..defaults
         };
         Ok(Self { _tmp: tmp, kubelet, config, inventory, nvml })
     }
@@ -459,9 +435,9 @@ async fn gpus_are_answered_as_cdi_names_the_spec_holds_else_by_volume_mounts() -
     let expected = example("l4-4x-pcie.yaml")?;
     let node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     let missing = expected.gpus[3].uuid.to_string();
-    let spec_dir = node.config.responses.devices.cdi_spec_dirs[1].clone();
+    let spec_dir = node.config.devices.cdi_spec_dirs[1].clone();
     write_cdi_spec(&spec_dir, &expected, std::slice::from_ref(&missing))?;
-    let toolkit = node.config.responses.devices.toolkit_config.clone();
+    let toolkit = node.config.devices.toolkit_config.clone();
     std::fs::create_dir_all(toolkit.parent().context("dir")?)?;
     std::fs::write(
         &toolkit,
@@ -994,7 +970,7 @@ async fn a_health_watch_that_cannot_start_leaves_no_gpu_healthy() -> Result<()> 
 /// The MPS directory of a GPU (`<mps root>/<UUID>`): `pipe/`, `log/control.log`, and the fake's
 /// `fake-directives`.
 fn mps_dir(node: &Node, gpu: &str) -> PathBuf {
-    node.config.responses.mps.root.join(gpu)
+    node.config.mps.root.join(gpu)
 }
 
 fn directive(node: &Node, gpu: &str, word: &str) -> Result<()> {
@@ -1036,7 +1012,7 @@ async fn units_wait_for_their_daemon_and_a_killed_daemon_withdraws_only_its_gpu(
     let refused = expected.gpus[1].uuid.to_string();
     // GPU 1's daemon will not start at first.
     directive(&node, &refused, "refuse")?;
-    node.config.responses.mps.probe_timeout = Duration::from_millis(500);
+    node.config.mps.probe_timeout = Duration::from_millis(500);
     let (agent, token) = node.start().await?;
     node.registered(&agent, 1).await?;
     units_are(&node, &refused, false, "GPU 1's units withheld while its daemon cannot start")
@@ -1086,7 +1062,7 @@ async fn a_restarted_agent_adopts_the_daemons_and_quits_them_only_when_told() ->
     assert_eq!(control_log(&node, &gpu).matches("started").count(), 1, "one daemon ever");
     stop(agent, token).await?;
     // With stopOnExit, the agent tells its daemons to quit.
-    node.config.responses.mps.stop_on_exit = true;
+    node.config.mps.stop_on_exit = true;
     let (agent, token) = node.start().await?;
     node.registered(&agent, 3).await?;
     stop(agent, token).await?;
@@ -1099,7 +1075,7 @@ async fn a_restarted_agent_adopts_the_daemons_and_quits_them_only_when_told() ->
 async fn without_the_control_binary_no_unit_is_offered_and_with_mps_off_they_are_accounting_only()
 -> Result<()> {
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
-    node.config.responses.mps.control_binary = "/nonexistent/nvidia-cuda-mps-control".into();
+    node.config.mps.control_binary = "/nonexistent/nvidia-cuda-mps-control".into();
     let (agent, token) = node.start().await?;
     node.registered(&agent, 1).await?;
     let view = node.kubelet.view();
@@ -1107,7 +1083,7 @@ async fn without_the_control_binary_no_unit_is_offered_and_with_mps_off_they_are
     assert_eq!(view.healthy(GPU).len(), 4, "whole GPUs need no MPS");
     stop(agent, token).await?;
     // MPS off: offered, and every answer says the limit is not enforced.
-    node.config.responses.mps.enabled = false;
+    node.config.mps.enabled = false;
     let (agent, token) = node.start().await?;
     node.registered(&agent, 2).await?;
     node.kubelet
@@ -1132,13 +1108,13 @@ async fn an_mps_process_of_its_own_keeps_the_daemons_across_agent_restarts() -> 
     let (mut config, inventory) = (node.config.clone(), node.inventory.discover()?);
     // The MPS process probes less often than the agent, so that the agent sees a killed daemon
     // before it is replaced.
-    config.responses.mps.probe_interval = Duration::from_secs(1);
+    config.mps.probe_interval = Duration::from_secs(1);
     let mps_token = mps_stop.clone();
     let mps = tokio::spawn(async move {
         baleen_agent::agent::mps::run_alone(&config, &inventory, mps_token).await
     });
-    node.config.responses.mps.daemons = baleen_agent::isolation::mps::DaemonPlacement::External;
-    node.config.responses.mps.stop_on_exit = true;
+    node.config.mps.daemons = baleen_agent::isolation::mps::DaemonPlacement::External;
+    node.config.mps.stop_on_exit = true;
     let (agent, token) = node.start().await?;
     node.registered(&agent, 1).await?;
     let gpu = gpus(&node)[0].clone();
@@ -2490,7 +2466,7 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
             timeout: Duration::from_secs(5),
         }),
     };
-    node.config.responses.mps.probe_timeout = Duration::from_millis(300);
+    node.config.mps.probe_timeout = Duration::from_millis(300);
     // With the API: each transition is an Event on the node.
     let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a"]).await?;
     let (agent, token) =
@@ -2572,7 +2548,7 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
     // A client works through the daemon: healthy after three good probes.
     cuda.set_directive("")?;
     node.kubelet.wait_for("healthy again", WAIT, units_are(true)).await?;
-    let pipe = node.config.responses.mps.pipe_dir(&gpu);
+    let pipe = node.config.mps.pipe_dir(&gpu);
     let expected_probe = format!("probe visible={gpu} pipe={} limit=0=64M mps=1", pipe.display());
     let probes = cuda.probes();
     assert!(
@@ -2710,8 +2686,9 @@ async fn sigkill_during_bursts_of_grants_loses_no_answered_grant() -> Result<()>
     let binary = agent_binary()?;
     let tmp = tempfile::tempdir()?;
     let root = tmp.path();
-    let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
-    kubelet.serve_pod_resources(&root.join("pr.sock"))?;
+    let layout = AgentConfig::for_root(root);
+    let mut kubelet = FakeKubelet::start(&layout.device_plugin_dir).await?;
+    kubelet.serve_pod_resources(&layout.pod_resources_socket)?;
     std::fs::write(root.join("boot_id"), "boot-1\n")?;
     let topology =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/examples/h200-8x-nvswitch.yaml");
@@ -2771,7 +2748,7 @@ async fn sigkill_during_bursts_of_grants_loses_no_answered_grant() -> Result<()>
             "round {round}: no grant answered before the kill"
         );
         // What the next agent will read.
-        let held = baleen_agent::checkpoint::Checkpoint::in_dir(&root.join("state"))
+        let held = baleen_agent::checkpoint::Checkpoint::in_dir(&layout.state_dir)
             .load("node-a", "boot-1")?
             .context("a checkpoint")?;
         let mut ids: Vec<&String> = held.allocations.iter().flat_map(|r| &r.device_ids).collect();
@@ -2786,7 +2763,7 @@ async fn sigkill_during_bursts_of_grants_loses_no_answered_grant() -> Result<()>
     // The last agent starts from it all and rewrites its checkpoint from its ledger.
     let mut child = spawn()?;
     kubelet.wait_registered(MEM, ROUNDS + 1).await?;
-    let held = baleen_agent::checkpoint::Checkpoint::in_dir(&root.join("state"))
+    let held = baleen_agent::checkpoint::Checkpoint::in_dir(&layout.state_dir)
         .load("node-a", "boot-1")?
         .context("a checkpoint")?;
     child.kill()?;

@@ -12,8 +12,6 @@ use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
 use baleen_agent::isolation::mps::MpsConfig;
-use baleen_agent::ledger::ViewConfig;
-use baleen_agent::resources::ResponseConfig;
 use baleen_tests::fake_kubelet::FakeKubelet;
 use baleen_tests::fake_nvml::FakeNvml;
 use serde_json::Value;
@@ -70,46 +68,32 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
     let real = recorded("kubelet.json")?;
     let tmp = tempfile::tempdir()?;
     let root = tmp.path();
-    let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
-    kubelet.serve_pod_resources(&root.join("pr.sock"))?;
-    std::fs::write(root.join("boot_id"), "b")?;
+    let defaults = AgentConfig::for_root(root);
+    let mut kubelet = FakeKubelet::start(&defaults.device_plugin_dir).await?;
+    kubelet.serve_pod_resources(&defaults.pod_resources_socket)?;
+    std::fs::write(&defaults.boot_id_file, "b")?;
+    // The defaults the agent ran with there, but the paths in the temp dir (the MPS root
+    // served by the fake control daemon: the answers are compared with the root put back), and
+    // no watchdog (no API server on the GPU machine; it needs the node's pods).
     let config = AgentConfig {
         node_name: "rss-node".into(),
-        device_plugin_dir: root.join("dp"),
-        pod_resources_socket: root.join("pr.sock"),
-        state_dir: root.join("state"),
-        boot_id_file: root.join("boot_id"),
-        // The defaults the agent ran with there, but the MPS root in the temp dir, served by
-        // the fake control daemon (the answers are compared with the root put back).
-        views: ViewConfig::default(),
-        responses: ResponseConfig {
-            // The device-list strategy the agent answered with on that day (the variable).
-            devices: baleen_agent::isolation::devices::DeviceListConfig {
-                strategy: baleen_agent::isolation::devices::Strategy::Envvar,
-                ..Default::default()
-            },
-            mps: MpsConfig {
-                root: root.join("mps"),
-                control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
-                ..MpsConfig::default()
-            },
+        // The device-list strategy the agent answered with on that day (the variable).
+        devices: baleen_agent::isolation::devices::DeviceListConfig {
+            strategy: baleen_agent::isolation::devices::Strategy::Envvar,
+            ..defaults.devices.clone()
         },
-        // Off: no API server on the GPU machine (the watchdog needs the node's pods).
-        health: Default::default(),
-        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
-            enabled: false,
-            ..Default::default()
+        mps: MpsConfig {
+            control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
+            ..defaults.mps.clone()
         },
         metrics: baleen_agent::metrics::MetricsConfig {
-            enabled: true,
-            address: "127.0.0.1:0".parse().expect("loopback"),
             interval: Duration::from_millis(100),
+            ..defaults.metrics.clone()
         },
-        annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
-        colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
         reconcile_settle: Duration::from_secs(300),
+        ..defaults
     };
     let inventory: Arc<dyn GpuInventory> =
         Arc::new(SimulatedInventory::from_file(Path::new(EXAMPLE))?);
@@ -177,44 +161,32 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
         serde_json::from_str(&serde_json::to_string(&simulated()?)?.replace(&first_uuid, uuid))?;
     let tmp = tempfile::tempdir()?;
     let root = tmp.path();
-    let mut kubelet = FakeKubelet::start(&root.join("dp")).await?;
-    kubelet.serve_pod_resources(&root.join("pr.sock"))?;
-    std::fs::write(root.join("boot_id"), "b")?;
+    let defaults = AgentConfig::for_root(root);
+    let mut kubelet = FakeKubelet::start(&defaults.device_plugin_dir).await?;
+    kubelet.serve_pod_resources(&defaults.pod_resources_socket)?;
+    std::fs::write(&defaults.boot_id_file, "b")?;
+    // The defaults the agent ran with there, but the paths in the temp dir (the MPS root
+    // served by the fake control daemon: the answers are compared with the root put back), and
+    // no watchdog (no API server on the GPU machine; it needs the node's pods).
     let config = AgentConfig {
         node_name: "gpu-node".into(),
-        device_plugin_dir: root.join("dp"),
-        pod_resources_socket: root.join("pr.sock"),
-        state_dir: root.join("state"),
-        boot_id_file: root.join("boot_id"),
-        views: ViewConfig::default(),
-        responses: ResponseConfig {
-            // The device-list strategy the agent answered with on that day (the variable).
-            devices: baleen_agent::isolation::devices::DeviceListConfig {
-                strategy: baleen_agent::isolation::devices::Strategy::Envvar,
-                ..Default::default()
-            },
-            mps: MpsConfig {
-                root: root.join("mps"),
-                control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
-                ..MpsConfig::default()
-            },
+        // The device-list strategy the agent answered with on that day (the variable).
+        devices: baleen_agent::isolation::devices::DeviceListConfig {
+            strategy: baleen_agent::isolation::devices::Strategy::Envvar,
+            ..defaults.devices.clone()
         },
-        // Off: no API server on the GPU machine (the watchdog needs the node's pods).
-        health: Default::default(),
-        watchdog: baleen_agent::isolation::watchdog::WatchdogConfig {
-            enabled: false,
-            ..Default::default()
+        mps: MpsConfig {
+            control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
+            ..defaults.mps.clone()
         },
         metrics: baleen_agent::metrics::MetricsConfig {
-            enabled: true,
-            address: "127.0.0.1:0".parse().expect("loopback"),
             interval: Duration::from_millis(100),
+            ..defaults.metrics.clone()
         },
-        annotation: baleen_agent::agent::node_state::AnnotationConfig::default(),
-        colocation: baleen_agent::agent::colocation::ColocationConfig::default(),
         reconcile_interval: Duration::from_secs(30),
         reconcile_grace: Duration::from_secs(60),
         reconcile_settle: Duration::from_secs(300),
+        ..defaults
     };
     let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::new(twin));
     let token = CancellationToken::new();

@@ -366,17 +366,17 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
         a.pod_resources_socket.parent().context("socket dir")?.to_path_buf(),
         a.state_dir.clone(),
     ];
-    if a.responses.mps.enabled {
-        used.push(a.responses.mps.root.clone());
+    if a.mps.enabled {
+        used.push(a.mps.root.clone());
     }
     if a.colocation.enabled {
         used.push(a.colocation.cgroup_root.clone());
     }
     // What the device-isolation checks read at start.
-    used.extend(a.responses.devices.cdi_spec_dirs.iter().cloned());
-    used.push(a.responses.devices.toolkit_config.parent().context("toolkit dir")?.to_path_buf());
+    used.extend(a.devices.cdi_spec_dirs.iter().cloned());
+    used.push(a.devices.toolkit_config.parent().context("toolkit dir")?.to_path_buf());
     ensure!(
-        a.responses.devices.strategy != baleen_agent::isolation::devices::Strategy::Envvar,
+        a.devices.strategy != baleen_agent::isolation::devices::Strategy::Envvar,
         "{overlay}: the envvar strategy lets any pod name any GPU"
     );
     // The watchdog reads the host's /proc: the host's PID namespace or a mount.
@@ -437,8 +437,8 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
 
     // The MPS daemons: with MPS on, exactly when the agent leaves them to another process.
     let mps = install.daemon_set(MPS);
-    let external = a.responses.mps.enabled
-        && a.responses.mps.daemons == baleen_agent::isolation::mps::DaemonPlacement::External;
+    let external =
+        a.mps.enabled && a.mps.daemons == baleen_agent::isolation::mps::DaemonPlacement::External;
     ensure!(mps.is_some() == external, "{overlay}: MPS DaemonSet present: {}", mps.is_some());
     if let Some(mps) = mps {
         let spec = pod_spec(mps)?;
@@ -449,16 +449,12 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
             "baleen-mps runs `baleen-agent mps`"
         );
         ensure!(
-            settings.agent.responses.mps.root == a.responses.mps.root,
+            settings.agent.mps.root == a.mps.root,
             "the daemons and the agent must share the MPS root"
         );
         ensure!(c.image == only_container(pod_spec(agent)?)?.image, "one image for both");
         let (host, _) = mounts(spec, c)?;
-        check_host_paths(
-            "baleen-mps",
-            &host,
-            std::slice::from_ref(&settings.agent.responses.mps.root),
-        )?;
+        check_host_paths("baleen-mps", &host, std::slice::from_ref(&settings.agent.mps.root))?;
         let strategy =
             mps.spec.as_ref().and_then(|s| s.update_strategy.as_ref()).context("strategy")?;
         ensure!(
@@ -478,7 +474,7 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
             "an OOM kill of the MPS servers kills their clients"
         );
     }
-    if !a.responses.mps.enabled {
+    if !a.mps.enabled {
         let labels = agent
             .spec
             .as_ref()

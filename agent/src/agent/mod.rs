@@ -46,11 +46,13 @@ use crate::checkpoint::CheckpointError;
 use crate::error_chain::Chain;
 use crate::instruments::Instruments;
 use crate::inventory::{GpuInventory, InventoryError};
+use crate::isolation::devices::{DeviceListConfig, Strategy};
+use crate::isolation::mps::MpsConfig;
 use crate::isolation::node_pods::NodePods;
 use crate::isolation::watchdog::{Over, Stray, WatchdogConfig};
 use crate::ledger::{BuildError, ViewConfig};
 use crate::metrics::{Endpoint, Metrics, MetricsConfig, MetricsError, TelemetryRead};
-use crate::resources::{NodeResources, ResponseConfig};
+use crate::resources::NodeResources;
 
 /// How the agent runs on this node (see `crate::config` for where the values come from).
 #[derive(Debug, Clone)]
@@ -67,8 +69,11 @@ pub struct AgentConfig {
     pub boot_id_file: PathBuf,
     /// Resource names, unit size and views.
     pub views: ViewConfig,
-    /// How Allocate answers are written (CDI names, MPS directories).
-    pub responses: ResponseConfig,
+    /// How a container is given its GPUs in an Allocate answer (CDI names, volume-mounts or
+    /// the variable).
+    pub devices: DeviceListConfig,
+    /// MPS: the daemons of the shared GPUs and what a gpu-memory container gets to reach them.
+    pub mps: MpsConfig,
     /// The per-container GPU memory watchdog.
     pub watchdog: WatchdogConfig,
     /// How GPUs marked unhealthy are probed back to health.
@@ -90,6 +95,48 @@ pub struct AgentConfig {
     /// ordinary init container's, or one the kubelet has not recorded yet); allocations it
     /// listed are released as soon as they leave the list.
     pub reconcile_grace: Duration,
+}
+
+impl AgentConfig {
+    /// An agent whose host paths all lie under `dir`, for tests, benches and tools that run one
+    /// in a directory of its own: device plugins in `device-plugins/`, pod-resources at
+    /// `pod-resources/kubelet.sock`, the checkpoint in `state/`, the boot ID in `boot_id`, MPS
+    /// daemons under `mps/`, CDI specs in `etc-cdi/` and `run-cdi/`, the toolkit's settings in
+    /// `nvidia-container-runtime/config.toml`, cgroups under `cgroup/`; metrics on a free
+    /// loopback port; node `node-a`; what needs the Kubernetes API off (the watchdog, the
+    /// annotation, co-location); everything else the defaults. (`/proc` stays the host's: the
+    /// watchdog kills only PIDs of the agent's own namespace.)
+    pub fn for_root(dir: &std::path::Path) -> Self {
+        Self {
+            node_name: "node-a".into(),
+            device_plugin_dir: dir.join("device-plugins"),
+            pod_resources_socket: dir.join("pod-resources/kubelet.sock"),
+            state_dir: dir.join("state"),
+            boot_id_file: dir.join("boot_id"),
+            views: ViewConfig::default(),
+            devices: DeviceListConfig {
+                strategy: Strategy::Cdi,
+                cdi_spec_dirs: vec![dir.join("etc-cdi"), dir.join("run-cdi")],
+                toolkit_config: dir.join("nvidia-container-runtime/config.toml"),
+                ..DeviceListConfig::default()
+            },
+            mps: MpsConfig { root: dir.join("mps"), ..MpsConfig::default() },
+            watchdog: WatchdogConfig { enabled: false, ..WatchdogConfig::default() },
+            health: health::HealthConfig::default(),
+            metrics: MetricsConfig {
+                address: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                ..MetricsConfig::default()
+            },
+            annotation: node_state::AnnotationConfig::default(),
+            colocation: colocation::ColocationConfig {
+                cgroup_root: dir.join("cgroup"),
+                ..colocation::ColocationConfig::default()
+            },
+            reconcile_interval: crate::defaults::RECONCILE_INTERVAL,
+            reconcile_settle: crate::defaults::RECONCILE_SETTLE,
+            reconcile_grace: crate::defaults::RECONCILE_GRACE,
+        }
+    }
 }
 
 /// What the agent runs against: the real adapters from `main`, fakes in tests.
@@ -363,7 +410,7 @@ impl Agent {
                 calls: calls.clone(),
                 telemetry,
                 instruments,
-                mps_enforced: config.responses.mps.enabled,
+                mps_enforced: config.mps.enabled,
                 last_render: tokio::sync::Mutex::new(None),
                 pacer: Default::default(),
                 renderer: crate::metrics::Renderer::start()
@@ -394,7 +441,7 @@ impl Agent {
             resources.clone(),
             (calls, health_events),
             config.health.clone(),
-            config.responses.mps.clone(),
+            config.mps.clone(),
             health_stop.clone(),
         );
         Ok(Self {

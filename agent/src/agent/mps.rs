@@ -29,7 +29,7 @@ pub async fn run_alone(
     impl Enforcement for Nobody {
         fn set_enforced(&self, _gpu_uuid: &str, _enforced: bool) {}
     }
-    let mut mps = config.responses.mps.clone();
+    let mut mps = config.mps.clone();
     mps.daemons = DaemonPlacement::Agent;
     let gpus = DeviceLedger::new(&config.node_name, inventory, config.views.clone())?.shared_gpus();
     let Some(_lock) = super::lock::acquire(&mps.root, &shutdown).await? else {
@@ -50,7 +50,7 @@ pub async fn start(
     resources: &Arc<NodeResources>,
     shutdown: &CancellationToken,
 ) {
-    let mps = &config.responses.mps;
+    let mps = &config.mps;
     if !mps.enabled {
         return;
     }

@@ -76,7 +76,7 @@ pub async fn restore(
     }
     let mut ledger = DeviceLedger::new(&config.node_name, &discovered, config.views.clone())?;
     check_socket_paths(config, &ledger)?;
-    if config.responses.mps.enabled {
+    if config.mps.enabled {
         // Units are offered once their GPU's MPS daemon answers (the MPS subsystem).
         ledger.require_enforced_shares();
     } else {
@@ -139,7 +139,10 @@ pub async fn restore(
         config.node_name.clone(),
         boot_id,
         Some(config.pod_resources_socket.clone()),
-        config.responses.clone(),
+        crate::resources::ResponseConfig {
+            devices: config.devices.clone(),
+            mps: config.mps.clone(),
+        },
         restored,
     );
     let grace = config.reconcile_grace.as_secs();

@@ -16,16 +16,13 @@ use crate::defaults;
 use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
 use crate::inventory::simulated::SimulatedInventory;
 use crate::inventory::{GpuInventory, InventoryError};
-use crate::isolation::devices::{DeviceListConfig, Strategy};
-use crate::isolation::mps::{DaemonPlacement, MpsConfig, ThreadPercentage};
-use crate::isolation::watchdog::{WatchdogAction, WatchdogConfig};
-use crate::ledger::ViewConfig;
-use crate::metrics::MetricsConfig;
 use crate::quantity::parse_quantity;
-use crate::resources::ResponseConfig;
+use crate::yaml::{Problems, Seg};
+use sections::Sources;
 
 mod file;
 mod flags;
+mod sections;
 
 pub use file::*;
 pub use flags::RunArgs;
@@ -150,13 +147,6 @@ impl Environment {
     }
 }
 
-fn host_name() -> Option<String> {
-    std::fs::read_to_string(defaults::HOST_NAME_FILE)
-        .ok()
-        .map(|s| s.trim().to_owned())
-        .filter(|s| !s.is_empty())
-}
-
 /// The GPU memory unit of the `gpu-memory` resource from its text (`1GiB`, `512MiB`, ...): at
 /// least 1 MiB, or the problem in words. The one parser of the unit for the agent and for
 /// `baleen-agent inventory --memory-unit`.
@@ -170,518 +160,113 @@ pub fn parse_memory_unit(text: &str) -> Result<u64, String> {
 
 /// Resolves defaults < file < environment (`env`) < flags.
 pub fn resolve(args: &RunArgs, env: &Environment) -> Result<Settings, ConfigError> {
-    let file = match &args.config {
-        None => FileConfig::default(),
+    match &args.config {
+        None => resolve_with(None, args, env),
         Some(path) => match read_file(path) {
-            Ok(file) => file,
-            Err(problem) => return Err(ConfigError { problems: vec![problem] }),
+            Ok(text) => resolve_with(Some((&text, path)), args, env),
+            Err(problem) => Err(ConfigError { problems: vec![problem] }),
         },
-    };
-    resolve_with(file, args, env)
+    }
 }
 
+/// Resolves the file `text` read from `path` (none: no file), every section in turn (see
+/// `sections`), every problem of them all reported at once with its line.
 fn resolve_with(
-    file: FileConfig,
+    text: Option<(&str, &Path)>,
     args: &RunArgs,
     env: &Environment,
 ) -> Result<Settings, ConfigError> {
-    let mut problems = Vec::new();
-
-    let node_name = args.node_name.clone().or(env.node_name.clone()).or(file.node_name.clone());
-    // Inside a pod the host name is the pod's: every new pod would distrust the checkpoint.
-    let node_name = if env.in_pod { node_name } else { node_name.or_else(host_name) };
-    let node_name = match node_name {
-        Some(name) if !name.trim().is_empty() => name,
-        Some(_) => {
-            problems.push("the node name is empty: set --node-name, NODE_NAME or nodeName".into());
-            String::new()
-        }
-        None if env.in_pod => {
-            problems.push(
-                "no node name: in a pod, set NODE_NAME from the downward API (spec.nodeName)"
-                    .into(),
-            );
-            String::new()
-        }
-        None => {
-            problems.push("no node name: set --node-name, NODE_NAME or nodeName".into());
-            String::new()
-        }
+    let mut problems = Problems::default();
+    let file = match text {
+        None => FileConfig::default(),
+        Some((text, path)) => match crate::yaml::parse_reporting_unknown(text, &mut problems) {
+            Ok(file) => file,
+            Err(e) => {
+                let problem = match e.location() {
+                    Some(l) => format!("{}:{}:{}: {e}", path.display(), l.line(), l.column()),
+                    None => format!("{}: {e}", path.display()),
+                };
+                return Err(ConfigError { problems: vec![problem] });
+            }
+        },
     };
-
-    let domain =
-        args.domain.clone().or(file.domain.clone()).unwrap_or_else(|| defaults::DOMAIN.into());
-    if let Err(e) = baleen_device_plugin::resource_name::validate(&format!("{domain}/gpu")) {
-        problems.push(format!("domain {domain:?} does not make valid resource names: {e}"));
-    }
-
-    let unit_text = args
-        .memory_unit
-        .clone()
-        .or(file.memory_unit.clone())
-        .unwrap_or_else(|| defaults::MEMORY_UNIT.into());
-    let memory_unit_bytes = parse_memory_unit(&unit_text).unwrap_or_else(|problem| {
-        problems.push(problem);
-        defaults::MEMORY_UNIT_BYTES
-    });
-
-    let sizes = file
-        .resources
-        .nvlink_group_sizes
-        .clone()
-        .unwrap_or_else(|| defaults::NVLINK_GROUP_SIZES.to_vec());
-    for &n in &sizes {
-        if !(2..=64).contains(&n) {
-            problems.push(format!("NVLink group size {n} is not between 2 and 64"));
-        }
-    }
-    if file.cdi.enabled.is_some() {
-        problems.push(
-            "cdi.enabled is replaced by deviceListStrategy: cdi (the default), volume-mounts or envvar; remove it".into(),
+    if let Some(version) = file.version.filter(|v| *v != FILE_VERSION) {
+        problems.add(
+            &[Seg::Key("version")],
+            format!(
+                "version {version} is not one this agent reads: it reads version {FILE_VERSION}"
+            ),
         );
     }
-    let strategy_name = args
-        .device_list_strategy
-        .clone()
-        .or(file.device_list_strategy.clone())
-        .unwrap_or_else(|| defaults::DEVICE_LIST_STRATEGY.into());
-    let strategy = Strategy::parse(&strategy_name).unwrap_or_else(|| {
-        problems.push(format!(
-            "deviceListStrategy {strategy_name:?} is none of cdi, volume-mounts, envvar"
-        ));
-        Strategy::Cdi
-    });
-    let cdi_kind = file.cdi.kind.clone().unwrap_or_else(|| defaults::CDI_KIND.into());
-    let (vendor, class) = cdi_kind.split_once('/').unwrap_or(("", ""));
-    if vendor.is_empty() || class.is_empty() || class.contains('/') || cdi_kind.contains('=') {
-        problems.push(format!("CDI kind {cdi_kind:?} must look like vendor.com/class"));
-    }
-    let devices = DeviceListConfig {
-        strategy,
-        cdi_kind,
-        cdi_spec_dirs: file
-            .cdi
-            .spec_dirs
-            .clone()
-            .unwrap_or_else(|| defaults::CDI_SPEC_DIRS.iter().map(PathBuf::from).collect()),
-        toolkit_config: file
-            .paths
-            .toolkit_config
-            .clone()
-            .unwrap_or_else(|| PathBuf::from(defaults::TOOLKIT_CONFIG)),
-    };
-
-    let mut duration = |what: &str, text: Option<&String>, default: Duration| match text {
-        None => default,
-        Some(t) => match parse_duration(t) {
-            Ok(d) if !d.is_zero() => d,
-            Ok(_) => {
-                problems.push(format!("{what} must be above zero"));
-                default
-            }
-            Err(e) => {
-                problems.push(format!("{what}: {e}"));
-                default
-            }
-        },
-    };
-    let reconcile_interval = duration(
-        "reconcile interval",
-        file.reconcile.interval.as_ref(),
-        defaults::RECONCILE_INTERVAL,
-    );
-    let reconcile_grace =
-        duration("reconcile grace", file.reconcile.grace.as_ref(), defaults::RECONCILE_GRACE);
-    let reconcile_settle = duration(
-        "reconcile kubeletSettle",
-        file.reconcile.kubelet_settle.as_ref(),
-        defaults::RECONCILE_SETTLE,
-    );
-    let mps_probe_interval = duration(
-        "mps probeInterval",
-        file.mps.probe_interval.as_ref(),
-        defaults::MPS_PROBE_INTERVAL,
-    );
-    let mps_probe_timeout =
-        duration("mps probeTimeout", file.mps.probe_timeout.as_ref(), defaults::MPS_PROBE_TIMEOUT);
-    let metrics_interval =
-        duration("metrics interval", file.metrics.interval.as_ref(), defaults::METRICS_INTERVAL);
-    let annotation_interval = duration(
-        "annotation minInterval",
-        file.annotation.min_interval.as_ref(),
-        defaults::ANNOTATION_MIN_INTERVAL,
-    );
-    let watchdog_interval =
-        duration("watchdog interval", file.watchdog.interval.as_ref(), defaults::WATCHDOG_INTERVAL);
-    let watchdog_grace =
-        duration("watchdog grace", file.watchdog.grace.as_ref(), defaults::WATCHDOG_GRACE);
-    let health_probe_interval = duration(
-        "health probeInterval",
-        file.health.probe_interval.as_ref(),
-        defaults::HEALTH_PROBE_INTERVAL,
-    );
-
-    // As the annotation: inside a pod the API server (the node's pods) is there; outside one,
-    // only when asked.
-    let watchdog_enabled = file.watchdog.enabled.unwrap_or(env.in_pod);
-    let colocation_resync =
-        duration("colocation resync", file.colocation.resync.as_ref(), defaults::COLOCATION_RESYNC);
-    let identify_wait = match file.colocation.identify_wait.as_ref().map(|t| parse_duration(t)) {
-        None => defaults::IDENTIFY_WAIT,
-        Some(Ok(d)) if d > defaults::IDENTIFY_WAIT_MAX => {
-            problems.push(format!(
-                "colocation identifyWait {d:?} is above {:?}: each Allocate of a gpu-memory share may wait this long",
-                defaults::IDENTIFY_WAIT_MAX
-            ));
-            defaults::IDENTIFY_WAIT
-        }
-        Some(Ok(d)) => d,
-        Some(Err(e)) => {
-            problems.push(format!("colocation identifyWait: {e}"));
-            defaults::IDENTIFY_WAIT
-        }
-    };
-    let recovery_probes = match file.health.recovery_probes {
-        None => defaults::HEALTH_RECOVERY_PROBES,
-        Some(n @ 1..=100) => n,
-        Some(n) => {
-            problems.push(format!("health recoveryProbes {n} is not between 1 and 100"));
-            defaults::HEALTH_RECOVERY_PROBES
-        }
-    };
-    // The MPS client probe: the agent's own binary as the client, where MPS serves shares.
-    let mps_on = !args.no_mps && file.mps.enabled.unwrap_or(true);
-    let simulated_gpus = args.simulated.is_some() || file.inventory.simulated.is_some();
-    let mps_client = if mps_on && file.health.mps_client_probe.unwrap_or(!simulated_gpus) {
-        match std::env::current_exe() {
-            Ok(program) => Some(crate::isolation::mps::client_probe::ClientProbe {
-                program,
-                library: file
-                    .health
-                    .cuda_library
-                    .clone()
-                    .unwrap_or_else(|| defaults::CUDA_LIBRARY.into()),
-                timeout: crate::isolation::mps::client_probe::PROBE_TIMEOUT,
-            }),
-            Err(e) => {
-                problems.push(format!(
-                    "health mpsClientProbe: the agent's own binary (the probe's client) cannot be found: {e}"
-                ));
-                None
-            }
-        }
-    } else {
-        None
-    };
-    if reconcile_settle > defaults::RECONCILE_SETTLE_MAX {
-        problems.push(format!(
-            "reconcile kubeletSettle {reconcile_settle:?} is above {:?}: after every kubelet restart, allocations of ended pods would be held this long where the API cannot confirm",
-            defaults::RECONCILE_SETTLE_MAX
-        ));
-    }
-    if reconcile_grace < defaults::RECONCILE_GRACE_MIN {
-        problems.push(format!(
-            "reconcile grace {reconcile_grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
-            defaults::RECONCILE_GRACE_MIN
-        ));
-    }
-
-    let watchdog_action = match file.watchdog.action.as_deref().unwrap_or("kill") {
-        "log" => WatchdogAction::Log,
-        "kill" => WatchdogAction::Kill,
-        other => {
-            problems.push(format!("watchdog action {other:?} is not log or kill"));
-            WatchdogAction::Log
-        }
-    };
-    let metrics_address = match args.metrics_address.as_deref().or(file.metrics.address.as_deref())
-    {
-        None => defaults::METRICS_ADDRESS,
-        Some(text) => text.parse().unwrap_or_else(|e| {
-            problems.push(format!("metrics address {text:?} is not an IP address and port: {e}"));
-            defaults::METRICS_ADDRESS
-        }),
-    };
-    let thread_percentage = match &file.mps.thread_percentage {
-        None => ThreadPercentage::Proportional,
-        Some(serde_yaml_ng::Value::String(s)) if s == "proportional" => {
-            ThreadPercentage::Proportional
-        }
-        Some(serde_yaml_ng::Value::String(s)) if s == "none" => ThreadPercentage::None,
-        Some(serde_yaml_ng::Value::Number(n)) => {
-            match n.as_u64().and_then(|n| u8::try_from(n).ok()) {
-                Some(p @ 1..=100) => ThreadPercentage::Fixed(p),
-                _ => {
-                    problems.push(format!("mps threadPercentage {n} is not between 1 and 100"));
-                    ThreadPercentage::Proportional
-                }
-            }
-        }
-        Some(other) => {
-            problems.push(format!(
-                "mps threadPercentage {other:?} is not proportional, none or a percentage"
-            ));
-            ThreadPercentage::Proportional
-        }
-    };
-    let daemons = match file.mps.daemons.as_deref().unwrap_or("agent") {
-        "agent" => DaemonPlacement::Agent,
-        "external" => DaemonPlacement::External,
-        other => {
-            problems.push(format!("mps daemons {other:?} is not agent or external"));
-            DaemonPlacement::Agent
-        }
-    };
-
-    let colocation = colocation_config(
-        &file.colocation,
-        env.in_pod,
-        &mut problems,
-        identify_wait,
-        colocation_resync,
-    );
-
-    let log_format = match args
-        .log_format
-        .as_deref()
-        .or(file.log.format.as_deref())
-        .unwrap_or(defaults::LOG_FORMAT)
-    {
-        "text" => LogFormat::Text,
-        "json" => LogFormat::Json,
-        other => {
-            problems.push(format!("log format {other:?} is not text or json"));
-            LogFormat::Text
-        }
-    };
-    let log_level = args
-        .log_level
-        .clone()
-        .or(file.log.level.clone())
-        .unwrap_or_else(|| defaults::LOG_LEVEL.into());
-    if let Err(e) = log_level.parse::<tracing_subscriber::EnvFilter>() {
-        problems.push(format!("log level {log_level:?}: {e}"));
-    }
-
-    let simulated = args.simulated.clone().or(file.inventory.simulated.clone());
-    let nvml_lib = args.nvml_lib.clone().or(file.inventory.nvml_library.clone());
-    if simulated.is_some() && nvml_lib.is_some() {
-        problems.push("choose either a simulated topology or an NVML library, not both".into());
-    }
-    if let Some(path) = &simulated
-        && !path.is_file()
-    {
-        problems.push(format!("simulated topology {} does not exist", path.display()));
-    }
-
-    let pick = |flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str| {
-        flag.clone().or(file.clone()).unwrap_or_else(|| PathBuf::from(default))
-    };
-    let proc_root = pick(&None, &file.paths.proc_root, defaults::PROC_ROOT);
-    if watchdog_enabled
-        && watchdog_action == WatchdogAction::Kill
-        && proc_root != Path::new(defaults::PROC_ROOT)
-    {
-        // PIDs read under another /proc may name other processes in the agent's own namespace.
-        problems.push(format!(
-            "watchdog action kill (the default) needs the host's /proc at {} (paths.procRoot is {}): the PIDs it kills must be the agent's own namespace's; or set watchdog.action: log",
-            defaults::PROC_ROOT,
-            proc_root.display()
-        ));
-    }
-    let paths = &file.paths;
-    let views_domain = domain.clone();
-    let agent = AgentConfig {
-        node_name: node_name.clone(),
-        device_plugin_dir: pick(
-            &args.device_plugin_dir,
-            &paths.device_plugin_dir,
-            defaults::DEVICE_PLUGIN_DIR,
-        ),
-        pod_resources_socket: pick(
-            &args.pod_resources_socket,
-            &paths.pod_resources_socket,
-            defaults::POD_RESOURCES_SOCKET,
-        ),
-        state_dir: pick(&args.state_dir, &paths.state_dir, defaults::STATE_DIR),
-        boot_id_file: pick(&args.boot_id_file, &paths.boot_id_file, defaults::BOOT_ID_FILE),
-        views: ViewConfig {
-            domain,
-            memory_unit_bytes,
-            whole_gpus: file.resources.gpu.unwrap_or(true),
-            gpu_memory: file.resources.gpu_memory.unwrap_or(true),
-            mig: file.resources.mig.unwrap_or(true),
-            nvlink_group_sizes: sizes,
-        },
-        responses: ResponseConfig {
-            devices,
-            mps: MpsConfig {
-                enabled: mps_on,
-                root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
-                control_binary: pick(
-                    &args.mps_control_binary,
-                    &file.mps.control_binary,
-                    defaults::MPS_CONTROL_BINARY,
-                ),
-                probe_interval: mps_probe_interval,
-                probe_timeout: mps_probe_timeout,
-                stop_on_exit: file.mps.stop_on_exit.unwrap_or(false),
-                thread_percentage,
-                daemons,
-            },
-        },
-        health: crate::agent::health::HealthConfig {
-            probe_interval: health_probe_interval,
-            recovery_probes,
-            mps_client,
-        },
-        watchdog: WatchdogConfig {
-            enabled: watchdog_enabled,
-            interval: watchdog_interval,
-            action: watchdog_action,
-            grace: watchdog_grace,
-            proc_root: proc_root.clone(),
-        },
-        metrics: MetricsConfig {
-            enabled: file.metrics.enabled.unwrap_or(true),
-            address: metrics_address,
-            interval: metrics_interval,
-        },
-        annotation: crate::agent::node_state::AnnotationConfig {
-            // Inside a pod the API server is there to write to; outside one, only when asked.
-            enabled: file.annotation.enabled.unwrap_or(env.in_pod),
-            key: format!("{}/{}", views_domain, defaults::ANNOTATION_NAME),
-            min_interval: annotation_interval,
-        },
-        colocation,
-        reconcile_interval,
-        reconcile_grace,
-        reconcile_settle,
-    };
+    let src = Sources { file: &file, args, env };
+    let node_name = sections::node::name(&src, &mut problems);
+    let domain = sections::node::domain(&src, &mut problems);
+    let views = sections::resources::resolve(&src, domain.clone(), &mut problems);
+    let devices = sections::devices::resolve(&src, &mut problems);
+    let paths = sections::paths::resolve(&src);
+    let reconcile = sections::reconcile::resolve(&src, &mut problems);
+    let mps = sections::mps::resolve(&src, paths.mps_root, &mut problems);
+    let health = sections::health::resolve(&src, mps.enabled, &mut problems);
+    let watchdog = sections::watchdog::resolve(&src, paths.proc_root, &mut problems);
+    let metrics = sections::metrics::resolve(&src, &mut problems);
+    let annotation = sections::annotation::resolve(&src, &domain, &mut problems);
+    let colocation = sections::colocation::resolve(&src, &mut problems);
+    let (log_format, log_level) = sections::log::resolve(&src, &mut problems);
+    let inventory = sections::inventory::resolve(&src, node_name.clone(), &mut problems);
     if !problems.is_empty() {
-        return Err(ConfigError { problems });
+        let located = problems.located(text.map(|(t, _)| t));
+        let shown = |line: Option<usize>| match (text, line) {
+            (Some((_, path)), Some(line)) => format!("{}:{line}: ", path.display()),
+            _ => String::new(),
+        };
+        let problems = located.into_iter().map(|p| format!("{}{}", shown(p.line), p.message));
+        return Err(ConfigError { problems: problems.collect() });
     }
-    let inventory = InventorySource {
-        simulated,
-        nvml_lib,
-        sysfs_root: file
-            .inventory
-            .sysfs_root
-            .clone()
-            .unwrap_or_else(|| PathBuf::from(defaults::SYSFS_ROOT)),
-        node_name: Some(node_name),
+    let agent = AgentConfig {
+        node_name,
+        device_plugin_dir: paths.device_plugin_dir,
+        pod_resources_socket: paths.pod_resources_socket,
+        state_dir: paths.state_dir,
+        boot_id_file: paths.boot_id_file,
+        views,
+        devices,
+        mps,
+        health,
+        watchdog,
+        metrics,
+        annotation,
+        colocation,
+        reconcile_interval: reconcile.interval,
+        reconcile_grace: reconcile.grace,
+        reconcile_settle: reconcile.settle,
     };
     Ok(Settings { agent, inventory, log_format, log_level })
-}
-
-/// `colocation:` of the file, its problems added to `problems`.
-fn colocation_config(
-    file: &file::ColocationFile,
-    in_pod: bool,
-    problems: &mut Vec<String>,
-    identify_wait: Duration,
-    resync: Duration,
-) -> crate::agent::colocation::ColocationConfig {
-    use crate::isolation::cgroups::Driver;
-    use crate::isolation::colocation::{Class, ClassPolicy, ClassSource};
-    let driver = match file.cgroup_driver.as_deref().unwrap_or(defaults::CGROUP_DRIVER) {
-        "systemd" => Driver::Systemd,
-        "cgroupfs" => Driver::Cgroupfs,
-        other => {
-            problems.push(format!("colocation cgroupDriver {other:?} is not systemd or cgroupfs"));
-            Driver::Systemd
-        }
-    };
-    let default_class =
-        match file.default_class.as_deref().unwrap_or(defaults::COLOCATION_DEFAULT_CLASS) {
-            "training" => Class::Training,
-            "inference" => Class::Inference,
-            other => {
-                problems.push(format!(
-                    "colocation defaultClass {other:?} is not training or inference"
-                ));
-                Class::Training
-            }
-        };
-    if file.training_cpu_weight.is_some() {
-        problems.push(
-            "colocation trainingCpuWeight is removed: training pods keep the kubelet's weight (their requests), so that no pod is pushed below the CPU it requested; delete the key".to_owned(),
-        );
-    }
-    let class_from = match file.class_from.as_deref().unwrap_or("namespace") {
-        "namespace" => ClassSource::Namespace,
-        "pod" => ClassSource::Pod,
-        other => {
-            problems.push(format!("colocation classFrom {other:?} is not namespace or pod"));
-            ClassSource::Namespace
-        }
-    };
-    let mut weight = |what: &str, value: Option<u64>, default: u64| match value {
-        None => default,
-        Some(w @ 1..=10_000) => w,
-        Some(w) => {
-            problems.push(format!("colocation {what} {w} is not between 1 and 10000"));
-            default
-        }
-    };
-    let policy = ClassPolicy {
-        class_from,
-        default_class,
-        inference_weight: weight(
-            "inferenceCpuWeight",
-            file.inference_cpu_weight,
-            defaults::INFERENCE_CPU_WEIGHT,
-        ),
-        protect_memory: file.protect_inference_memory.unwrap_or(true),
-        cap_training: file.cap_training.unwrap_or(true),
-        idle_training: file.idle_training.unwrap_or(false),
-    };
-    crate::agent::colocation::ColocationConfig {
-        // As the annotation: inside a pod the API server is there; outside one, only when asked.
-        enabled: file.enabled.unwrap_or(in_pod),
-        cgroup_root: file
-            .cgroup_root
-            .clone()
-            .unwrap_or_else(|| PathBuf::from(defaults::CGROUP_ROOT)),
-        cgroup_driver: driver,
-        policy,
-        mps_priority: file.mps_priority.unwrap_or(true),
-        identify_wait,
-        resync,
-    }
 }
 
 /// The most bytes a configuration file may hold.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
-fn read_file(path: &Path) -> Result<FileConfig, String> {
+fn read_file(path: &Path) -> Result<String, String> {
     use crate::files::{Links, read_bounded};
     let cannot = |e: String| format!("cannot read {}: {e}", path.display());
     let bytes = read_bounded(path, MAX_CONFIG_BYTES, Links::Follow)
         .map_err(|e| cannot(e.to_string()))?
         .ok_or_else(|| cannot("no such file".into()))?;
-    let text = String::from_utf8(bytes).map_err(|e| cannot(e.to_string()))?;
-    parse_file(&text, path)
-}
-
-fn parse_file(text: &str, path: &Path) -> Result<FileConfig, String> {
-    serde_yaml_ng::from_str(text).map_err(|e| match e.location() {
-        Some(l) => format!("{}:{}:{}: {e}", path.display(), l.line(), l.column()),
-        None => format!("{}: {e}", path.display()),
-    })
+    String::from_utf8(bytes).map_err(|e| cannot(e.to_string()))
 }
 
 /// Resolves a configuration file's `text` as [`resolve`] would read it from `origin`, with no
 /// flags and `env` (for fuzzing and tools: every problem an error, never a panic).
 pub fn resolve_text(text: &str, origin: &Path, env: &Environment) -> Result<Settings, ConfigError> {
-    let file =
-        parse_file(text, origin).map_err(|problem| ConfigError { problems: vec![problem] })?;
-    resolve_with(file, &RunArgs::default(), env)
+    resolve_with(Some((text, origin)), &RunArgs::default(), env)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::isolation::devices::{DeviceListConfig, Strategy};
+    use crate::isolation::mps::{DaemonPlacement, ThreadPercentage};
+    use crate::isolation::watchdog::WatchdogAction;
 
     #[test]
     fn defaults_then_file_then_env_then_flags() {
@@ -698,9 +283,9 @@ mod tests {
         assert_eq!(s.agent.views.memory_unit_bytes, 512 << 20);
         assert_eq!(s.agent.views.domain, "example.com");
         assert_eq!(s.agent.views.nvlink_group_sizes, [2]);
-        assert_eq!(s.agent.responses.devices.strategy, Strategy::VolumeMounts);
-        assert_eq!(s.agent.responses.devices.cdi_kind, "example.com/gpu");
-        assert_eq!(s.agent.responses.devices.cdi_spec_dirs, [PathBuf::from("/host/cdi")]);
+        assert_eq!(s.agent.devices.strategy, Strategy::VolumeMounts);
+        assert_eq!(s.agent.devices.cdi_kind, "example.com/gpu");
+        assert_eq!(s.agent.devices.cdi_spec_dirs, [PathBuf::from("/host/cdi")]);
         assert_eq!(s.agent.reconcile_interval, Duration::from_secs(5));
         assert_eq!(s.agent.reconcile_grace, Duration::from_secs(600));
         assert_eq!(s.agent.reconcile_settle, Duration::from_secs(300), "the default");
@@ -749,11 +334,11 @@ mod tests {
         let file = dir.path().join("agent.yaml");
         let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
         std::fs::write(&file, "nodeName: n\n").expect("write");
-        let d = resolve(&args, &Environment::default()).expect("valid").agent.responses.devices;
+        let d = resolve(&args, &Environment::default()).expect("valid").agent.devices;
         assert_eq!(d, DeviceListConfig::default());
         assert_eq!(d.strategy, Strategy::Cdi, "secure by default");
         let flag = RunArgs { device_list_strategy: Some("envvar".into()), ..args.clone() };
-        let d = resolve(&flag, &Environment::default()).expect("valid").agent.responses.devices;
+        let d = resolve(&flag, &Environment::default()).expect("valid").agent.devices;
         assert_eq!(d.strategy, Strategy::Envvar, "an explicit opt-in");
         std::fs::write(
             &file,
@@ -780,6 +365,47 @@ mod tests {
         assert!(text.contains("agent.yaml:3") && text.contains("devicePluginDirectory"), "{text}");
     }
 
+    /// Issue 23, step 2: every problem of the file at once, each with its line, in line order;
+    /// every unknown key among them; a flag's problem without a line; `version: 1` read.
+    #[test]
+    fn every_problem_comes_with_its_line_and_every_unknown_key_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        std::fs::write(
+            &file,
+            "version: 1\nnodeName: n\nmps:\n  probeTimout: 2s\n  threadPercentage: 150\nwatchdgo:\n  action: log\nmetrics:\n  interval: soon\ncolocation:\n  cgroupDriver: yes-please\n",
+        )
+        .expect("write");
+        let args = RunArgs {
+            config: Some(file.clone()),
+            log_format: Some("xml".into()),
+            ..RunArgs::default()
+        };
+        let err = resolve(&args, &Environment::default()).expect_err("five problems");
+        let shown = file.display().to_string();
+        let expected = [
+            format!("{shown}:4: unknown key mps.probeTimout"),
+            format!("{shown}:5: mps threadPercentage 150 is not between 1 and 100"),
+            format!("{shown}:6: unknown key watchdgo"),
+            format!("{shown}:9: metrics interval: \"soon\" is not a duration like 30s, 500ms, 5m"),
+            format!(
+                "{shown}:11: colocation cgroupDriver \"yes-please\" is not systemd or cgroupfs"
+            ),
+            "log format \"xml\" is not text or json".to_owned(),
+        ];
+        assert_eq!(err.problems, expected, "{err}");
+        // The same file fixed parses, with its version.
+        std::fs::write(&file, "version: 1\nnodeName: n\n").expect("write");
+        let fine = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        assert_eq!(resolve(&fine, &Environment::default()).expect("valid").agent.node_name, "n");
+        std::fs::write(&file, "nodeName: n\nversion: 2\n").expect("write");
+        let err = resolve(&fine, &Environment::default()).expect_err("a later version");
+        assert_eq!(
+            err.problems,
+            [format!("{shown}:2: version 2 is not one this agent reads: it reads version 1")]
+        );
+    }
+
     #[test]
     fn mps_and_watchdog_settings() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -792,7 +418,7 @@ mod tests {
         let s = resolve(&args, &Environment::default()).expect("valid");
         assert_eq!(s.agent.watchdog.grace, Duration::from_secs(60));
         assert!(!s.agent.watchdog.enabled, "off outside a pod unless asked");
-        let mps = &s.agent.responses.mps;
+        let mps = &s.agent.mps;
         assert!(mps.enabled && mps.stop_on_exit);
         assert_eq!(mps.probe_interval, Duration::from_secs(1));
         assert_eq!(mps.thread_percentage, ThreadPercentage::Fixed(40));
@@ -802,7 +428,7 @@ mod tests {
         assert_eq!(s.agent.watchdog.proc_root, PathBuf::from("/host/proc"));
         let s = resolve(&RunArgs { no_mps: true, ..args.clone() }, &Environment::default())
             .expect("valid");
-        assert!(!s.agent.responses.mps.enabled, "--no-mps wins over the file");
+        assert!(!s.agent.mps.enabled, "--no-mps wins over the file");
         // Killing by PID (the default action) needs the host's own /proc.
         write("nodeName: n\nwatchdog:\n  enabled: true\npaths:\n  procRoot: /host/proc\n");
         let err = resolve(&args, &Environment::default()).expect_err("kill needs the host /proc");

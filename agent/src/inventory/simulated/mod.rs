@@ -33,7 +33,6 @@
 //! is the backend itself: its constructors, [`GpuInventory`] and the injected health events.
 
 mod error;
-mod locate;
 mod schema;
 mod uuid;
 mod validate;

@@ -7,33 +7,18 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
-use super::locate::{Seg, locate};
 use super::schema::{GpuSpec, MigMode, TopologyFile};
 use super::uuid::{generated_gpu_uuid, generated_mig_uuid};
 use super::{DEFAULT_NODE_NAME, TopologyError, TopologyProblem};
 use crate::inventory::{
     Gpu, GpuUuid, Inventory, MIB, MigInstance, MigProfile, MigState, MigUuid, normalize_pci_bus_id,
 };
+use crate::yaml::{Problems, Seg};
 
 /// The most memory a simulated GPU may have (16 TiB; the largest GPUs have under 300 GiB).
 const MAX_GPU_MEMORY: u64 = 16 << 40;
 /// GPU-instance slices of a MIG-capable GPU.
 const MIG_GPU_SLICES: u32 = 7;
-
-/// A problem before its line is known.
-struct Pending {
-    at: Vec<Seg>,
-    message: String,
-}
-
-/// Every problem found so far.
-struct Problems(Vec<Pending>);
-
-impl Problems {
-    fn add(&mut self, at: &[Seg], message: impl Into<String>) {
-        self.0.push(Pending { at: at.to_vec(), message: message.into() });
-    }
-}
 
 fn gpu_field(position: usize, key: &'static str) -> Vec<Seg> {
     vec![Seg::Key("gpus"), Seg::Index(position), Seg::Key(key)]
@@ -77,17 +62,16 @@ pub(super) fn parse_topology(
     })?;
 
     let node = node_override.or(file.node.as_deref()).unwrap_or(DEFAULT_NODE_NAME);
-    let mut problems = Problems(Vec::new());
+    let mut problems = Problems::default();
     let inventory = build(&file, node, &mut problems);
-    if problems.0.is_empty() {
+    if problems.is_empty() {
         return Ok(inventory);
     }
-    let mut located: Vec<TopologyProblem> = problems
-        .0
+    let located = problems
+        .located(Some(text))
         .into_iter()
-        .map(|p| TopologyProblem { line: locate(text, &p.at), message: p.message })
+        .map(|p| TopologyProblem { line: p.line, message: p.message })
         .collect();
-    located.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
     Err(TopologyError::Invalid { path: path.to_owned(), problems: located })
 }
 

@@ -1,5 +1,5 @@
-//! Finds the line of a node of a topology file's YAML document, given its path (`gpus`, 3,
-//! `uuid`), so that each problem the loader (`validate`) finds is reported with its line.
+//! Finds the line of a node of a YAML document, given its path (`gpus`, 3, `uuid`), so that each
+//! problem a reader (the topology loader, the configuration) finds is reported with its line.
 //!
 //! serde_yaml_ng keeps no positions in deserialised values, but it stamps the position of the
 //! node being read on any error a visitor returns. So to find where `gpus[3].uuid` is, walk the
@@ -11,17 +11,21 @@ use serde::Deserializer;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 /// A step of a path into the YAML document, to find a problem's line.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Seg {
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Seg {
+    /// A mapping key the reader knows.
     Key(&'static str),
+    /// A mapping key read from the document (an unknown one).
+    Name(String),
+    /// A sequence element.
     Index(usize),
 }
 
-const PROBE_MARKER: &str = "baleen-topology-probe";
+const PROBE_MARKER: &str = "baleen-yaml-probe";
 
 /// The line (1-based) of the node at `path` in the YAML `text`, or `None` when the path does not
 /// lead to a node (the problem is then reported without a line).
-pub(super) fn locate(text: &str, path: &[Seg]) -> Option<usize> {
+pub(crate) fn locate(text: &str, path: &[Seg]) -> Option<usize> {
     let deserializer = serde_yaml_ng::Deserializer::from_str(text);
     match (Probe { path }).deserialize(deserializer) {
         Err(err) if err.to_string().contains(PROBE_MARKER) => err.location().map(|l| l.line()),
@@ -40,6 +44,9 @@ impl<'de> DeserializeSeed<'de> for Probe<'_> {
         match self.path.split_first() {
             None => deserializer.deserialize_any(Found),
             Some((Seg::Key(key), rest)) => deserializer.deserialize_map(KeyWalker { key, rest }),
+            Some((Seg::Name(key), rest)) => {
+                deserializer.deserialize_map(KeyWalker { key: key.as_str(), rest })
+            }
             Some((Seg::Index(index), rest)) => {
                 deserializer.deserialize_seq(IndexWalker { index: *index, rest })
             }

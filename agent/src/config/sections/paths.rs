@@ -1,0 +1,62 @@
+//! The host paths (`paths:`): each from its flag, else the file, else the default.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::Sources;
+use crate::defaults;
+
+/// `paths:` in the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PathsFile {
+    /// The kubelet's device-plugin directory.
+    pub device_plugin_dir: Option<PathBuf>,
+    /// The kubelet's pod-resources socket.
+    pub pod_resources_socket: Option<PathBuf>,
+    /// Where the checkpoint lives.
+    pub state_dir: Option<PathBuf>,
+    /// Where the MPS daemons' directories live.
+    pub mps_root: Option<PathBuf>,
+    /// The kernel boot ID file.
+    pub boot_id_file: Option<PathBuf>,
+    /// Where the host's `/proc` is (the memory watchdog reads processes there).
+    pub proc_root: Option<PathBuf>,
+    /// The NVIDIA container toolkit's settings.
+    pub toolkit_config: Option<PathBuf>,
+}
+
+/// The host paths, resolved.
+pub(in crate::config) struct Paths {
+    pub(in crate::config) device_plugin_dir: PathBuf,
+    pub(in crate::config) pod_resources_socket: PathBuf,
+    pub(in crate::config) state_dir: PathBuf,
+    pub(in crate::config) boot_id_file: PathBuf,
+    pub(in crate::config) mps_root: PathBuf,
+    pub(in crate::config) proc_root: PathBuf,
+}
+
+/// Flag < file < default, per path.
+pub(in crate::config) fn resolve(src: &Sources<'_>) -> Paths {
+    let (args, paths) = (src.args, &src.file.paths);
+    let pick = |flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str| {
+        flag.clone().or(file.clone()).unwrap_or_else(|| PathBuf::from(default))
+    };
+    Paths {
+        device_plugin_dir: pick(
+            &args.device_plugin_dir,
+            &paths.device_plugin_dir,
+            defaults::DEVICE_PLUGIN_DIR,
+        ),
+        pod_resources_socket: pick(
+            &args.pod_resources_socket,
+            &paths.pod_resources_socket,
+            defaults::POD_RESOURCES_SOCKET,
+        ),
+        state_dir: pick(&args.state_dir, &paths.state_dir, defaults::STATE_DIR),
+        boot_id_file: pick(&args.boot_id_file, &paths.boot_id_file, defaults::BOOT_ID_FILE),
+        mps_root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
+        proc_root: pick(&None, &paths.proc_root, defaults::PROC_ROOT),
+    }
+}
