@@ -9,10 +9,14 @@
 //!   driver (`kubepods/burstable/pod<uid>`); Guaranteed pods sit directly under the top
 //!   (`kubepods.slice/kubepods-pod<uid>.slice`, `kubepods/pod<uid>`).
 //!
-//! The files are written directly rather than through cgroups-rs: cgroups-rs finds its
-//! hierarchies in the process's mount table (`/proc/self/mountinfo`), so it cannot address a
-//! tree under a configured root (the host's cgroupfs mounted elsewhere in the agent's
-//! container, or a temp dir in tests).
+//! Values are written through cgroups-rs's controllers, each made for the pod's directory
+//! itself (`CpuController::new(dir, v2)`), not through its stock hierarchies, which find the
+//! trees in the process's mount table and so cannot address a configured root (the host's
+//! cgroupfs mounted elsewhere in the agent's container, or a temp dir in tests): `cpu.shares`
+//! and `cpu.weight`, the v1 CFS quota and period, v2's `cpu.max` and `memory.low`. Written by
+//! hand, because cgroups-rs has no such call: `cpu.idle` (SCHED_IDLE groups, Linux 5.15). Read
+//! by hand: each file's text as the kernel shows it, kept to be put back verbatim (cgroups-rs
+//! parses values and cannot give back, say, `max 100000`).
 
 use std::path::{Path, PathBuf};
 
@@ -176,10 +180,53 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     if crash::fails(path) {
         return Err(io(std::io::Error::other("simulated crash")));
     }
-    std::fs::write(path, value).map_err(io)?;
+    through_controller(path, value).map_err(io)?;
     #[cfg(test)]
     crash::kernel_after(path, value);
     Ok(())
+}
+
+/// Writes `value` into the cgroup file `path` with the cgroups-rs controller call for it (see
+/// the module documentation); `cpu.idle` by hand.
+fn through_controller(path: &Path, value: &str) -> std::io::Result<()> {
+    use cgroups_rs::cpu::CpuController;
+    use cgroups_rs::memory::MemController;
+    use std::io::{Error, ErrorKind};
+    let bad = |what: &str| Error::new(ErrorKind::InvalidInput, format!("{value:?} is not {what}"));
+    let number = |text: &str| text.trim().parse::<i64>().map_err(|_| bad("a number"));
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let done = match name {
+        "cpu.idle" => return std::fs::write(path, value),
+        "cpu.shares" | "cpu.weight" => {
+            let shares = u64::try_from(number(value)?).map_err(|_| bad("a weight"))?;
+            CpuController::new(dir, name == "cpu.weight").set_shares(shares)
+        }
+        "cpu.cfs_quota_us" => CpuController::new(dir, false).set_cfs_quota(number(value)?),
+        "cpu.cfs_period_us" => {
+            let period = u64::try_from(number(value)?).map_err(|_| bad("a period"))?;
+            CpuController::new(dir, false).set_cfs_period(period)
+        }
+        "cpu.max" => {
+            let (quota, period) = value.trim().split_once(' ').ok_or_else(|| bad("cpu.max"))?;
+            // cgroups-rs writes `max` for a quota of 0 or less.
+            let quota = if quota == "max" { -1 } else { number(quota)? };
+            let period = u64::try_from(number(period)?).map_err(|_| bad("a period"))?;
+            CpuController::new(dir, true).set_cfs_quota_and_period(Some(quota), Some(period))
+        }
+        "memory.low" => {
+            // `max` as the largest number: the kernel reads it back as `max`.
+            let low = if value.trim() == "max" { i64::MAX } else { number(value)? };
+            MemController::new(dir, true).set_soft_limit(low)
+        }
+        other => {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("co-location writes no {other} (a bug)"),
+            ));
+        }
+    };
+    done.map_err(Error::other)
 }
 
 /// Tests only: a crash at a chosen cgroup write (that write and every later one fail, as in a
