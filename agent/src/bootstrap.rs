@@ -1,16 +1,16 @@
 //! The process around the agent's run mode: resolve the configuration (every problem at once),
 //! start logging, open the GPU inventory, build the async runtime, turn SIGTERM and SIGINT into
-//! the shutdown token, and call [`crate::agent::run`]. Called by `crate::cli`; tests call
-//! `crate::agent` directly with their own dependencies.
+//! the shutdown token, and call [`crate::run::run`]. Called by `crate::cli`; tests call
+//! `crate::run` directly with their own dependencies.
 
 use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::{AgentError, Dependencies};
 use crate::config::{ConfigError, LogFormat, RunArgs};
 use crate::error_chain::Chain;
 use crate::inventory::{GpuInventory, InventoryError};
+use crate::run::{AgentError, Dependencies};
 
 /// Why the run mode could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +79,7 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
             None
         };
         let deps = Dependencies { inventory, registry, node_api };
-        Ok::<_, RunError>(crate::agent::run(settings.agent, deps, shutdown).await?)
+        Ok::<_, RunError>(crate::run::run(settings.agent, deps, shutdown).await?)
     });
     // A step still blocked in a thread (an NVML call that hangs) must not keep the process.
     runtime.shutdown_timeout(SHUTDOWN_WAIT);
@@ -94,7 +94,7 @@ const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 const STOP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Runs only the MPS supervisor of the node's shared GPUs until SIGTERM or SIGINT (see
-/// `baleen-agent mps` and [`crate::agent::mps::run_alone`]).
+/// `baleen-agent mps` and [`crate::run::mps::run_alone`]).
 pub fn run_mps(args: &RunArgs) -> Result<(), RunError> {
     let settings = crate::config::resolve(args, &crate::config::Environment::of_process())?;
     init_logging(settings.log_format, &settings.log_level);
@@ -112,7 +112,7 @@ pub fn run_mps(args: &RunArgs) -> Result<(), RunError> {
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(cancel_on_signal(shutdown.clone()));
-        crate::agent::mps::run_alone(&settings.agent, &inventory, shutdown).await
+        crate::run::mps::run_alone(&settings.agent, &inventory, shutdown).await
     })?;
     Ok(())
 }

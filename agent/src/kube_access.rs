@@ -5,7 +5,7 @@
 //!
 //! The agent learns which pod holds which device from the kubelet's pod-resources socket on the
 //! node, not from the API server. It writes one thing: the node-state annotation on its own Node
-//! (`agent::node_state`, a JSON merge patch). Co-location (`agent::colocation`) reads its Node's
+//! (`run::annotation`, a JSON merge patch). Co-location (`run::colocation`) reads its Node's
 //! allocatable CPU (get) and follows the pods bound to its node (list and watch with the field
 //! selector `spec.nodeName`; kube-rs's watcher never gets a single pod) and the class labels of
 //! namespaces (list and watch, label selector `awesome-ai-company.com/workload-class`: a

@@ -6,7 +6,7 @@
 //! - [`cli`]: the command line (`baleen-agent`, `baleen-agent inventory`) and exit codes;
 //! - [`bootstrap`]: the run mode's process: configuration, logging, runtime, signals;
 //! - [`config`] and [`defaults`]: settings from defaults, file, environment and flags;
-//! - [`agent`]: the running agent, one task per subsystem;
+//! - [`run`]: the running agent, how each subsystem is started and stopped (one task each);
 //! - [`resources`]: the device-plugin adapter (views as resources, Allocate answers);
 //! - [`metrics`] and [`instruments`]: the Prometheus endpoint (`/metrics`, `/healthz`,
 //!   `/readyz`) and the agent's own measurements;
@@ -23,7 +23,6 @@
 //!
 //! Placement decisions live in `baleen-scheduler-core`.
 
-pub mod agent;
 pub mod bootstrap;
 pub mod checkpoint;
 pub mod cli;
@@ -41,4 +40,6 @@ pub mod metrics;
 pub mod quantity;
 pub mod reconcile;
 pub mod resources;
+pub mod retry;
+pub mod run;
 pub(crate) mod yaml;

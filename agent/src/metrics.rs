@@ -101,9 +101,8 @@ pub async fn read_telemetry(
                 tracing::error!(error = %Chain(&e), "telemetry read failed");
             }
         }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(interval) => {}
+        if !crate::retry::sleep_or_stop(interval, &shutdown).await {
+            return;
         }
     }
 }

@@ -53,7 +53,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let tmp = tempfile::tempdir()?;
         let root = tmp.path();
-        let layout = baleen_agent::agent::AgentConfig::for_root(root);
+        let layout = baleen_agent::run::AgentConfig::for_root(root);
         let mut kubelet = FakeKubelet::start(&layout.device_plugin_dir).await?;
         kubelet.serve_pod_resources(&layout.pod_resources_socket)?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();

@@ -4,11 +4,11 @@
 use std::path::Path;
 use std::time::Duration;
 
-use baleen_agent::agent::AgentConfig;
 use baleen_agent::isolation::devices::{DeviceListConfig, Strategy};
 use baleen_agent::isolation::mps::MpsConfig;
 use baleen_agent::ledger::ViewConfig;
 use baleen_agent::metrics::MetricsConfig;
+use baleen_agent::run::AgentConfig;
 
 /// The agent of node `node` under `root` (the layout of [`AgentConfig::for_root`]), with
 /// `views`, GPUs handed out by the variable, the MPS daemons run by `mps_control` (the fake's
@@ -67,7 +67,7 @@ pub async fn start_h200(
     mps_control: &Path,
 ) -> anyhow::Result<(
     crate::fake_kubelet::FakeKubelet,
-    baleen_agent::agent::Agent,
+    baleen_agent::run::Agent,
     tokio_util::sync::CancellationToken,
 )> {
     let config = agent_config(root, node, views, mps_control);
@@ -80,13 +80,9 @@ pub async fn start_h200(
         baleen_agent::inventory::simulated::SimulatedInventory::from_file(&example)?,
     );
     let token = tokio_util::sync::CancellationToken::new();
-    let agent = baleen_agent::agent::Agent::start(
+    let agent = baleen_agent::run::Agent::start(
         config,
-        baleen_agent::agent::Dependencies {
-            inventory,
-            registry: Default::default(),
-            node_api: None,
-        },
+        baleen_agent::run::Dependencies { inventory, registry: Default::default(), node_api: None },
         token.clone(),
     )
     .await?;

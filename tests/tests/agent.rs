@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
 use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
 use baleen_agent::isolation::mps::MpsConfig;
 use baleen_agent::ledger::AllocationRecord;
+use baleen_agent::run::{Agent, AgentConfig, Dependencies};
 use baleen_k8s::gpu_state::NodeGpuState;
 use baleen_proto::deviceplugin::v1beta1::HEALTHY;
 use baleen_tests::fake_kubelet::{AdmitError, FakeKubelet, KubeletView};
@@ -620,7 +620,7 @@ async fn stopped_while_waiting_for_pod_resources_writes_no_checkpoint() -> Resul
     )
     .await?;
     assert!(
-        matches!(stopped, Err(baleen_agent::agent::AgentError::StoppedBeforeStart)),
+        matches!(stopped, Err(baleen_agent::run::AgentError::StoppedBeforeStart)),
         "stopped before serving anything"
     );
     assert_eq!(std::fs::read_to_string(node.checkpoint())?, "torn", "nothing written");
@@ -852,7 +852,7 @@ async fn a_configuration_that_changes_held_device_ids_is_refused() -> Result<()>
         .await?;
         anyhow::Ok((started, token))
     };
-    let refused = |started: std::result::Result<Agent, baleen_agent::agent::AgentError>| {
+    let refused = |started: std::result::Result<Agent, baleen_agent::run::AgentError>| {
         let err = started.err().context("refused")?;
         assert!(err.is_configuration(), "exit 64: {err}");
         anyhow::Ok(err.to_string())
@@ -1111,7 +1111,7 @@ async fn an_mps_process_of_its_own_keeps_the_daemons_across_agent_restarts() -> 
     config.mps.probe_interval = Duration::from_secs(1);
     let mps_token = mps_stop.clone();
     let mps = tokio::spawn(async move {
-        baleen_agent::agent::mps::run_alone(&config, &inventory, mps_token).await
+        baleen_agent::run::mps::run_alone(&config, &inventory, mps_token).await
     });
     node.config.mps.daemons = baleen_agent::isolation::mps::DaemonPlacement::External;
     node.config.mps.stop_on_exit = true;
@@ -1775,7 +1775,7 @@ async fn the_node_state_is_published_coalesced_and_survives_the_api_server_going
 {
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     let interval = Duration::from_millis(300);
-    node.config.annotation = baleen_agent::agent::node_state::AnnotationConfig {
+    node.config.annotation = baleen_agent::run::annotation::AnnotationConfig {
         enabled: true,
         min_interval: interval,
         ..Default::default()
@@ -1963,7 +1963,7 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
             ("uid-other", Qos::Guaranteed),
         ],
     )?;
-    node.config.colocation = baleen_agent::agent::colocation::ColocationConfig {
+    node.config.colocation = baleen_agent::run::colocation::ColocationConfig {
         enabled: true,
         cgroup_root: cgroups.clone(),
         identify_wait: Duration::from_millis(500),
@@ -2231,7 +2231,7 @@ async fn a_colocation_state_that_cannot_be_read_stops_colocation_not_the_agent()
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     let cgroups = node.config.state_dir.parent().context("root")?.join("cgroup");
     cgroup_tree(&cgroups, &[])?;
-    node.config.colocation = baleen_agent::agent::colocation::ColocationConfig {
+    node.config.colocation = baleen_agent::run::colocation::ColocationConfig {
         enabled: true,
         cgroup_root: cgroups,
         ..Default::default()
@@ -2402,7 +2402,7 @@ async fn a_stop_during_a_hanging_discovery_stops_the_start() -> Result<()> {
         .await
         .context("start did not stop")??;
     assert!(
-        matches!(outcome, Err(baleen_agent::agent::AgentError::StoppedBeforeStart)),
+        matches!(outcome, Err(baleen_agent::run::AgentError::StoppedBeforeStart)),
         "{:?}",
         outcome.err()
     );
@@ -2457,7 +2457,7 @@ async fn a_gpu_marked_unhealthy_is_probed_back_to_health() -> Result<()> {
     let mut node = Node::new("l4-4x-pcie.yaml", Backend::FakeNvml).await?;
     let fake = node.nvml.take().context("the fake NVML")?;
     let cuda = baleen_tests::fake_cuda::FakeCuda::new()?;
-    node.config.health = baleen_agent::agent::health::HealthConfig {
+    node.config.health = baleen_agent::run::health::HealthConfig {
         probe_interval: Duration::from_millis(150),
         recovery_probes: 3,
         mps_client: Some(baleen_agent::isolation::mps::client_probe::ClientProbe {

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use baleen_agent::agent::{Agent, AgentConfig, Dependencies};
 use baleen_agent::inventory::nvml::NvmlInventory;
 use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::inventory::{GpuInventory, Inventory};
 use baleen_agent::isolation::mps::MpsConfig;
+use baleen_agent::run::{Agent, AgentConfig, Dependencies};
 use baleen_tests::fake_kubelet::FakeKubelet;
 use baleen_tests::fake_nvml::FakeNvml;
 use serde_json::Value;

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::agent::AgentConfig;
 use crate::defaults;
 use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
 use crate::inventory::simulated::SimulatedInventory;
 use crate::inventory::{GpuInventory, InventoryError};
 use crate::quantity::parse_quantity;
+use crate::run::AgentConfig;
 use crate::yaml::{Problems, Seg};
 use sections::Sources;
 

@@ -1,5 +1,5 @@
 //! Co-location classes on the CPU side: the policy and its reconciliation on a cgroup tree
-//! (run by `crate::agent::colocation` over the node's pods).
+//! (run by `crate::run::colocation` over the node's pods).
 //!
 //! A pod is `inference` or `training`. By default its class is what its *namespace's* label
 //! `awesome-ai-company.com/workload-class` says (set by the cluster admin, as Pod Security's

@@ -720,9 +720,8 @@ impl Watchdog {
     ) {
         let mut failing = false;
         loop {
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(self.config.interval) => {}
+            if !crate::retry::sleep_or_stop(self.config.interval, &shutdown).await {
+                return;
             }
             let reading = inventory.clone();
             // A read that hangs pauses the watchdog alone, and never holds up a stop.

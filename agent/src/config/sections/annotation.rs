@@ -3,8 +3,8 @@
 use serde::Deserialize;
 
 use super::{Sources, duration};
-use crate::agent::node_state::AnnotationConfig;
 use crate::defaults;
+use crate::run::annotation::AnnotationConfig;
 use crate::yaml::{Problems, Seg};
 
 /// `annotation:` in the file.

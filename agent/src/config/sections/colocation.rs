@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::{Sources, duration};
-use crate::agent::colocation::ColocationConfig;
 use crate::defaults;
 use crate::isolation::cgroups::Driver;
 use crate::isolation::colocation::{Class, ClassPolicy, ClassSource};
+use crate::run::colocation::ColocationConfig;
 use crate::yaml::{Problems, Seg};
 
 /// `colocation:` in the file.

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::{Sources, duration};
-use crate::agent::health::HealthConfig;
 use crate::defaults;
 use crate::isolation::mps::client_probe::{ClientProbe, PROBE_TIMEOUT};
+use crate::run::health::HealthConfig;
 use crate::yaml::{Problems, Seg};
 
 /// `health:` in the file.

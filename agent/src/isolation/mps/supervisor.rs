@@ -216,9 +216,8 @@ impl Supervisor {
     /// with `stop_on_exit` (and daemons of its own) tells them to quit.
     pub async fn run(mut self, shutdown: CancellationToken) {
         loop {
-            tokio::select! {
-                () = shutdown.cancelled() => break,
-                () = tokio::time::sleep(self.config.probe_interval) => {}
+            if !crate::retry::sleep_or_stop(self.config.probe_interval, &shutdown).await {
+                break;
             }
             // A round of hung daemons takes their probe timeouts: do not hold up a shutdown.
             tokio::select! {

@@ -26,6 +26,7 @@ use crate::isolation::mps::MpsConfig;
 use crate::isolation::mps::client_probe::{self, ClientProbe};
 use crate::isolation::watchdog::{Notice, Regarding};
 use crate::resources::NodeResources;
+use crate::retry::{Backoff, sleep_or_stop_on_thread};
 
 /// The longest wait between two tries to start the health watch.
 const START_RETRY_MAX: Duration = Duration::from_secs(30);
@@ -291,24 +292,23 @@ fn watch(
     (config, mps): (HealthConfig, MpsConfig),
     stop: &CancellationToken,
 ) {
-    let mut retry = Duration::from_secs(1);
+    let mut retry = Backoff::new((Duration::from_secs(1), START_RETRY_MAX));
     let mut watcher = loop {
         match inventory.health_watcher() {
             Ok(w) => break w,
             Err(e) => {
                 calls.record(&e);
-                if retry == Duration::from_secs(1) {
+                if retry.is_fresh() {
                     tracing::error!(error = %Chain(&e), "cannot watch GPU health; every GPU marked unhealthy until the watch starts");
                     resources.set_all_health(false, "health watch cannot start");
                 }
-                if !sleep_unless_stopped(retry, stop) {
+                if !sleep_or_stop_on_thread(retry.next_wait(), stop) {
                     return;
                 }
-                retry = (retry * 2).min(START_RETRY_MAX);
             }
         }
     };
-    if retry > Duration::from_secs(1) {
+    if !retry.is_fresh() {
         tracing::warn!("GPU health watch started; GPUs healthy again");
         resources.set_all_health(true, "");
     }
@@ -351,21 +351,6 @@ fn watch(
         }
         recoveries.step();
     }
-}
-
-/// Sleeps `total` in short slices; false as soon as `stop` is cancelled.
-fn sleep_unless_stopped(total: Duration, stop: &CancellationToken) -> bool {
-    let slice = Duration::from_millis(200);
-    let mut left = total;
-    while !left.is_zero() {
-        if stop.is_cancelled() {
-            return false;
-        }
-        let step = left.min(slice);
-        std::thread::sleep(step);
-        left -= step;
-    }
-    !stop.is_cancelled()
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use crate::defaults;
 use crate::error_chain::Chain;
 use crate::kube_api::NodeApi;
 use crate::resources::NodeResources;
+use crate::retry::{Backoff, sleep_or_stop};
 
 /// The annotation's settings (`annotation:` in the file).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,8 +48,7 @@ pub async fn run(
 ) {
     let mut changes = resources.watch_state();
     let mut written: Option<String> = None;
-    let (first_retry, longest_retry) = defaults::API_RETRY;
-    let mut retry = first_retry;
+    let mut retry = Backoff::new(defaults::API_RETRY);
     let mut failing = false;
     loop {
         changes.borrow_and_update();
@@ -60,7 +60,7 @@ pub async fn run(
                         tracing::info!(node, annotation = config.key, "node state written again");
                     }
                     failing = false;
-                    retry = first_retry;
+                    retry.reset();
                     written = Some(text);
                 }
                 Err(e) => {
@@ -76,11 +76,9 @@ pub async fn run(
                         );
                     }
                     failing = true;
-                    tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(retry) => {}
+                    if !sleep_or_stop(retry.next_wait(), &shutdown).await {
+                        return;
                     }
-                    retry = (retry * 2).min(longest_retry);
                     continue;
                 }
             }

@@ -1,18 +1,22 @@
 //! The running agent: discovers the GPUs, restores the device ledger (checkpoint, then the
 //! kubelet's pod-resources lists), then runs one task per subsystem until shut down:
 //!
-//! | subsystem | module | task |
-//! |---|---|---|
-//! | one agent per node: the state directory's lock | [`lock`] | before everything |
-//! | start-up: boot ID, discovery, checkpoint, first reconciliation | [`startup`] | before the others |
-//! | MPS: one supervised daemon per shared GPU, units offered while it answers | [`mps`] | one |
-//! | one device plugin per resource view | [`plugins`] | one each |
-//! | reconciliation with pod-resources | [`reconciler`] | one |
-//! | GPU health (NVML XID events) | [`health`] | a thread (NVML's wait blocks) |
-//! | the node's pods as the API says (co-location, the watchdog, confirming the kubelet's misses), namespaces' class labels | `crate::kube_api` | one or two (watchers) |
-//! | per-container GPU memory against the grant, processes of no grant | [`watchdog`] | two (watchdog, Events) |
-//! | co-location: the pods' cgroup classes, MPS client priorities | [`colocation`] | one (policy) |
-//! | the node-state annotation for the extender | [`node_state`] | one |
+//! | subsystem | started here | its logic | task |
+//! |---|---|---|---|
+//! | one agent per node: the state directory's lock | [`lock`] | (here) | before everything |
+//! | start-up: boot ID, discovery, checkpoint, first reconciliation | [`startup`] | `inventory/`, `checkpoint.rs`, `resources.rs` | before the others |
+//! | MPS: one supervised daemon per shared GPU, units offered while it answers | [`mps`] | `isolation/mps/` | one |
+//! | one device plugin per resource view | [`plugins`] | the `baleen-device-plugin` crate, `resources.rs` | one each |
+//! | reconciliation with pod-resources | [`reconciler`] | `reconcile.rs` | one |
+//! | GPU health (NVML XID events), probes back to health | [`health`] | `inventory/`, `isolation/mps/client_probe.rs` | a thread (NVML's wait blocks) |
+//! | the node's pods as the API says (co-location, the watchdog, confirming the kubelet's misses), namespaces' class labels | (in [`Agent::start`]) | `kube_api.rs`, `isolation/node_pods.rs` | one or two (watchers) |
+//! | per-container GPU memory against the grant, processes of no grant | [`watchdog`] | `isolation/watchdog.rs` | two (watchdog, Events: [`events`]) |
+//! | co-location: the pods' cgroup classes, MPS client priorities | [`colocation`] | `isolation/colocation.rs`, `isolation/cgroups.rs` | one (policy) |
+//! | the node-state annotation for the extender | [`annotation`] | `ledger/node_state.rs` (the document) | one |
+//! | the metrics endpoint and telemetry | (in [`Agent::start`]) | `metrics.rs`, `instruments.rs` | two |
+//!
+//! Every subsystem's settings are one section of the file (`config/sections/`); every wait
+//! between tries and every sleep that a stop ends is `crate::retry`'s.
 //!
 //! A new subsystem is a module here and one line in [`Agent::start`].
 //!
@@ -21,12 +25,12 @@
 //! either [`Agent::wait`] after cancelling the token (a clean stop) or drop the agent (a crash:
 //! tasks aborted, nothing flushed beyond what every change already wrote).
 
+pub mod annotation;
 pub mod colocation;
 pub mod events;
 pub mod health;
 pub mod lock;
 pub mod mps;
-pub mod node_state;
 pub mod plugins;
 pub mod reconciler;
 pub mod startup;
@@ -81,7 +85,7 @@ pub struct AgentConfig {
     /// The Prometheus endpoint.
     pub metrics: MetricsConfig,
     /// The node-state annotation for the scheduler extender.
-    pub annotation: node_state::AnnotationConfig,
+    pub annotation: annotation::AnnotationConfig,
     /// Co-location classes (cgroups, MPS client priority).
     pub colocation: colocation::ColocationConfig,
     /// Time between reconciliations with pod-resources.
@@ -127,7 +131,7 @@ impl AgentConfig {
                 address: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 ..MetricsConfig::default()
             },
-            annotation: node_state::AnnotationConfig::default(),
+            annotation: annotation::AnnotationConfig::default(),
             colocation: colocation::ColocationConfig {
                 cgroup_root: dir.join("cgroup"),
                 ..colocation::ColocationConfig::default()
@@ -356,7 +360,7 @@ impl Agent {
                 .node_api
                 .clone()
                 .ok_or(AgentError::NoNodeApi { what: "annotation.enabled" })?;
-            let publish = node_state::run(
+            let publish = annotation::run(
                 api,
                 resources.clone(),
                 config.node_name.clone(),

@@ -27,6 +27,7 @@ use crate::isolation::node_pods::NodePods;
 use crate::isolation::pod_identity::PodIdentifier;
 use crate::kube_api::NodeApi;
 use crate::resources::NodeResources;
+use crate::retry::{Backoff, sleep_or_stop};
 
 /// The co-location settings (`colocation:` in the file).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -226,8 +227,7 @@ impl Reconciler {
     ) -> Result<(), AgentError> {
         let mut allocatable: Option<u64> = None;
         let mut last_read = tokio::time::Instant::now();
-        let (first_retry, longest_retry) = defaults::API_RETRY;
-        let mut retry = first_retry;
+        let mut retry = Backoff::new(defaults::API_RETRY);
         loop {
             // The node's allocatable CPU: read first, then again at each resync.
             if allocatable.is_none() || last_read.elapsed() >= self.resync {
@@ -235,15 +235,13 @@ impl Reconciler {
                     Ok(cpu) => {
                         allocatable = Some(cpu);
                         last_read = tokio::time::Instant::now();
-                        retry = first_retry;
+                        retry.reset();
                     }
                     Err(e) if allocatable.is_none() => {
                         tracing::warn!(node = self.node, error = %Chain(&e), "cannot read the node's allocatable CPU; co-location waits for it");
-                        tokio::select! {
-                            () = shutdown.cancelled() => return Ok(()),
-                            () = tokio::time::sleep(retry) => {}
+                        if !sleep_or_stop(retry.next_wait(), &shutdown).await {
+                            return Ok(());
                         }
-                        retry = (retry * 2).min(longest_retry);
                         continue;
                     }
                     Err(e) => {

@@ -176,9 +176,8 @@ pub async fn restore(
                     );
                     waiting_logged = true;
                 }
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    () = tokio::time::sleep(RETRY) => {}
+                if !crate::retry::sleep_or_stop(RETRY, shutdown).await {
+                    break;
                 }
             }
         }

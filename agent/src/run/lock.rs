@@ -67,9 +67,8 @@ pub async fn acquire(
             }
             Err(TryLockError::Error(source)) => return Err(io(source)),
         }
-        tokio::select! {
-            () = shutdown.cancelled() => return Ok(None),
-            () = tokio::time::sleep(RETRY) => {}
+        if !crate::retry::sleep_or_stop(RETRY, shutdown).await {
+            return Ok(None);
         }
     }
 }

@@ -124,9 +124,8 @@ pub async fn run(
     let mut registered = registrations(&witnesses.plugins);
     let mut held: BTreeSet<(String, Vec<String>)> = BTreeSet::new();
     loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            () = tokio::time::sleep(settings.interval) => {}
+        if !crate::retry::sleep_or_stop(settings.interval, &shutdown).await {
+            return Ok(());
         }
         let now = registrations(&witnesses.plugins);
         if now > registered {
