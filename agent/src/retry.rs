@@ -1,6 +1,7 @@
-//! Waiting as every subsystem waits: a doubling [`Backoff`] between failed tries, and sleeps
-//! that end at once when the agent stops ([`sleep_or_stop`] for tasks, [`sleep_or_stop_on_thread`]
-//! for the threads NVML's blocking calls need).
+//! Waiting as every subsystem waits: a doubling [`Backoff`] between failed tries, sleeps that
+//! end at once when the agent stops ([`sleep_or_stop`] for tasks, [`sleep_or_stop_on_thread`]
+//! for the threads NVML's blocking calls need), and an [`Outage`] said once when it starts and
+//! once when it ends, not at every failed try.
 
 use std::time::Duration;
 
@@ -36,6 +37,31 @@ impl Backoff {
     /// Whether no failure has been waited for since the last success.
     pub fn is_fresh(&self) -> bool {
         self.next == self.first
+    }
+}
+
+/// A run of failed tries of one thing: the caller says when it starts ([`Outage::failed`] is
+/// true at the first failure only) and when it ends ([`Outage::succeeded`] is true at the first
+/// success after failures only).
+#[derive(Debug, Default)]
+pub struct Outage {
+    on: bool,
+}
+
+impl Outage {
+    /// A try failed: whether this starts the outage.
+    pub fn failed(&mut self) -> bool {
+        !std::mem::replace(&mut self.on, true)
+    }
+
+    /// A try succeeded: whether this ends an outage.
+    pub fn succeeded(&mut self) -> bool {
+        std::mem::replace(&mut self.on, false)
+    }
+
+    /// Whether the last try failed.
+    pub fn is_on(&self) -> bool {
+        self.on
     }
 }
 
@@ -75,6 +101,17 @@ mod tests {
         b.reset();
         assert!(b.is_fresh());
         assert_eq!(b.next_wait(), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn an_outage_is_said_once_when_it_starts_and_once_when_it_ends() {
+        let mut o = Outage::default();
+        assert!(!o.succeeded(), "no outage to end");
+        assert!(o.failed() && o.is_on());
+        assert!(!o.failed(), "said once");
+        assert!(o.succeeded() && !o.is_on());
+        assert!(!o.succeeded());
+        assert!(o.failed(), "a new outage");
     }
 
     #[tokio::test]

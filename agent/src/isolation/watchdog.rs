@@ -718,7 +718,7 @@ impl Watchdog {
         calls: Arc<CallFailures>,
         shutdown: CancellationToken,
     ) {
-        let mut failing = false;
+        let mut outage = crate::retry::Outage::default();
         loop {
             if !crate::retry::sleep_or_stop(self.config.interval, &shutdown).await {
                 return;
@@ -736,15 +736,14 @@ impl Watchdog {
             };
             match read {
                 Ok(Ok(processes)) => {
-                    failing = false;
+                    outage.succeeded();
                     let holders = holders();
                     self.check(&processes, &holders, Instant::now());
                 }
                 Ok(Err(e)) => {
                     calls.record(&e);
-                    if !failing {
+                    if outage.failed() {
                         tracing::warn!(error = %Chain(&e), "cannot read the GPUs' processes; the memory watchdog skips this round");
-                        failing = true;
                     }
                 }
                 Err(e) => tracing::error!(error = %Chain(&e), "memory watchdog read failed"),

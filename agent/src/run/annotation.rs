@@ -15,7 +15,7 @@ use crate::defaults;
 use crate::error_chain::Chain;
 use crate::kube_api::NodeApi;
 use crate::resources::NodeResources;
-use crate::retry::{Backoff, sleep_or_stop};
+use crate::retry::{Backoff, Outage, sleep_or_stop};
 
 /// The annotation's settings (`annotation:` in the file).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,17 +49,16 @@ pub async fn run(
     let mut changes = resources.watch_state();
     let mut written: Option<String> = None;
     let mut retry = Backoff::new(defaults::API_RETRY);
-    let mut failing = false;
+    let mut outage = Outage::default();
     loop {
         changes.borrow_and_update();
         let text = resources.node_state().to_json();
         if written.as_deref() != Some(text.as_str()) {
             match api.annotate(&node, &config.key, &text).await {
                 Ok(()) => {
-                    if failing {
+                    if outage.succeeded() {
                         tracing::info!(node, annotation = config.key, "node state written again");
                     }
-                    failing = false;
                     retry.reset();
                     written = Some(text);
                 }
@@ -67,7 +66,7 @@ pub async fn run(
                     // A write that failed on our side may still have reached the API server:
                     // whatever it holds now, the next state is written.
                     written = None;
-                    if !failing {
+                    if outage.failed() {
                         tracing::warn!(
                             node,
                             annotation = config.key,
@@ -75,7 +74,6 @@ pub async fn run(
                             "cannot write the node state; retrying with backoff (the scheduler extender sees an older state meanwhile)"
                         );
                     }
-                    failing = true;
                     if !sleep_or_stop(retry.next_wait(), &shutdown).await {
                         return;
                     }

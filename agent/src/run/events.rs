@@ -64,7 +64,7 @@ pub async fn send_all(
     counts: Arc<NoticeCounts>,
     shutdown: CancellationToken,
 ) {
-    let mut failing = false;
+    let mut outage = crate::retry::Outage::default();
     loop {
         let notice = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -77,21 +77,20 @@ pub async fn send_all(
             Err(_) => Some(format!("no answer within {} s", EVENT_TIMEOUT.as_secs())),
         };
         match problem {
-            None if failing => {
-                tracing::info!(events = what, "Events are recorded again");
-                failing = false;
+            None => {
+                if outage.succeeded() {
+                    tracing::info!(events = what, "Events are recorded again");
+                }
             }
-            None => {}
             Some(problem) => {
                 counts.failed.fetch_add(1, Ordering::Relaxed);
-                if !failing {
+                if outage.failed() {
                     tracing::warn!(
                         events = what,
                         error = problem,
                         reason = notice.reason,
                         "cannot record an Event; later failures are counted"
                     );
-                    failing = true;
                 }
             }
         }

@@ -26,7 +26,7 @@ use crate::isolation::mps::MpsConfig;
 use crate::isolation::mps::client_probe::{self, ClientProbe};
 use crate::isolation::watchdog::{Notice, Regarding};
 use crate::resources::NodeResources;
-use crate::retry::{Backoff, sleep_or_stop_on_thread};
+use crate::retry::{Backoff, Outage, sleep_or_stop_on_thread};
 
 /// The longest wait between two tries to start the health watch.
 const START_RETRY_MAX: Duration = Duration::from_secs(30);
@@ -317,12 +317,11 @@ fn watch(
     }
     let mut recoveries =
         Recoveries { inventory, resources, calls, events, config, mps, gpus: BTreeMap::new() };
-    let mut failing = false;
+    let mut outage = Outage::default();
     while !stop.is_cancelled() {
         let event = watcher.next_event(Duration::from_millis(500));
-        if failing && event.is_ok() {
+        if event.is_ok() && outage.succeeded() {
             tracing::warn!("GPU health watch answers again; every GPU is probed back to health");
-            failing = false;
         }
         match event {
             Ok(Some(event)) if event.critical => {
@@ -338,9 +337,8 @@ fn watch(
                 // A failed wait usually means a GPU fell off the bus, and the event cannot even
                 // say which: like NVIDIA's device plugin, mark every GPU unhealthy and keep
                 // watching (once per second while the errors last); each is probed back.
-                if !failing {
+                if outage.failed() {
                     tracing::error!(error = %Chain(&e), "GPU health watch failed; every GPU marked unhealthy");
-                    failing = true;
                 }
                 let (gpus, _) = resources.snapshot();
                 for g in gpus {

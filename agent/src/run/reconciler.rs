@@ -118,7 +118,7 @@ pub async fn run(
     witnesses: Witnesses,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
-    let mut failing = false;
+    let mut outage = crate::retry::Outage::default();
     // The agent has just started: the kubelet may have too.
     let mut appeared = Instant::now();
     let mut registered = registrations(&witnesses.plugins);
@@ -153,9 +153,8 @@ pub async fn run(
         .await;
         match outcome {
             Ok(report) => {
-                if failing {
+                if outage.succeeded() {
                     tracing::info!(socket = %settings.socket.display(), "pod-resources reachable again: allocations it no longer lists are kept until the miss is confirmed");
-                    failing = false;
                     appeared = Instant::now();
                 }
                 if let Some(report) = report {
@@ -165,9 +164,8 @@ pub async fn run(
             Err(ReconcileFailure::NotSaved(e)) => {
                 tracing::error!(error = %Chain(&e), "reconciliation failed")
             }
-            Err(ReconcileFailure::Unreachable(e)) if !failing => {
+            Err(ReconcileFailure::Unreachable(e)) if outage.failed() => {
                 tracing::warn!(error = %Chain(&e), "cannot reconcile with the kubelet; allocations of ended pods stay held until it answers");
-                failing = true;
             }
             Err(ReconcileFailure::Unreachable(e)) => {
                 tracing::debug!(error = %Chain(&e), "pod-resources still unreachable");
