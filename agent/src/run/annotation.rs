@@ -38,6 +38,32 @@ impl Default for AnnotationConfig {
     }
 }
 
+/// Starts the publisher where `annotation.enabled` (it needs the API: an error without one).
+pub fn start(
+    tasks: &mut super::Tasks,
+    config: &super::AgentConfig,
+    api: Option<&Arc<dyn NodeApi>>,
+    resources: &Arc<NodeResources>,
+    shutdown: &CancellationToken,
+) -> Result<(), super::AgentError> {
+    if !config.annotation.enabled {
+        return Ok(());
+    }
+    let api = api.cloned().ok_or(super::AgentError::NoNodeApi { what: "annotation.enabled" })?;
+    let publish = run(
+        api,
+        resources.clone(),
+        config.node_name.clone(),
+        config.annotation.clone(),
+        shutdown.clone(),
+    );
+    tasks.spawn("node-state publisher", async move {
+        publish.await;
+        Ok(())
+    });
+    Ok(())
+}
+
 /// Publishes until `shutdown`.
 pub async fn run(
     api: Arc<dyn NodeApi>,

@@ -54,6 +54,37 @@ impl Default for HealthConfig {
     }
 }
 
+/// Starts the health thread, with its transitions as Events on the node where the API is
+/// reachable (their sender stops at `shutdown`); the thread stops at `stop`, a token of its own
+/// (see `Agent::wait`).
+pub fn start(
+    tasks: &mut super::Tasks,
+    config: &super::AgentConfig,
+    deps: &super::Dependencies,
+    resources: &Arc<NodeResources>,
+    calls: Arc<CallFailures>,
+    (shutdown, stop): (&CancellationToken, &CancellationToken),
+) -> Option<std::thread::JoinHandle<()>> {
+    let events = deps.node_api.clone().map(|api| {
+        super::events::start(
+            tasks,
+            "GPU health events",
+            config.node_name.clone(),
+            api,
+            crate::defaults::WATCHDOG_EVENT_QUEUE,
+            shutdown,
+        )
+    });
+    spawn(
+        deps.inventory.clone(),
+        resources.clone(),
+        (calls, events),
+        config.health.clone(),
+        config.mps.clone(),
+        stop.clone(),
+    )
+}
+
 /// Follows XID events and re-probes unhealthy GPUs on a thread of its own (NVML's wait blocks).
 /// While the watch cannot be started, every GPU is advertised Unhealthy (nothing would tell the
 /// agent that one failed) and the start is retried with backoff; once it starts, the GPUs are

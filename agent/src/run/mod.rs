@@ -13,7 +13,7 @@
 //! | per-container GPU memory against the grant, processes of no grant | [`watchdog`] | `isolation/watchdog.rs` | two (watchdog, Events: [`events`]) |
 //! | co-location: the pods' cgroup classes, MPS client priorities | [`colocation`] | `isolation/colocation.rs`, `isolation/cgroups.rs` | one (policy) |
 //! | the node-state annotation for the extender | [`annotation`] | `ledger/node_state.rs` (the document) | one |
-//! | the metrics endpoint and telemetry | (in [`Agent::start`]) | `metrics.rs`, `instruments.rs` | two |
+//! | the metrics endpoint and telemetry | [`endpoint`] | `metrics.rs`, `instruments.rs` | two |
 //!
 //! Every subsystem's settings are one section of the file (`config/sections/`); every wait
 //! between tries and every sleep that a stop ends is `crate::retry`'s.
@@ -27,6 +27,7 @@
 
 pub mod annotation;
 pub mod colocation;
+pub mod endpoint;
 pub mod events;
 pub mod health;
 pub mod lock;
@@ -55,7 +56,7 @@ use crate::isolation::mps::MpsConfig;
 use crate::isolation::node_pods::NodePods;
 use crate::isolation::watchdog::{Over, Stray, WatchdogConfig};
 use crate::ledger::{BuildError, ViewConfig};
-use crate::metrics::{Endpoint, Metrics, MetricsConfig, MetricsError, TelemetryRead};
+use crate::metrics::{MetricsConfig, MetricsError};
 use crate::resources::NodeResources;
 
 /// How the agent runs on this node (see `crate::config` for where the values come from).
@@ -261,6 +262,9 @@ impl AgentError {
     }
 }
 
+/// A resource's name and its plugin's state.
+pub type PluginWatch = (String, watch::Receiver<PluginState>);
+
 /// The subsystems' tasks, each with a name for its errors.
 #[derive(Default)]
 pub struct Tasks {
@@ -354,32 +358,8 @@ impl Agent {
         )?;
         let pods = follow_node_pods(&mut tasks, &config, colocating, api, view, pods, &shutdown);
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
-        let reconcile = reconciler::Settings::of(&config);
-        if config.annotation.enabled {
-            let api = deps
-                .node_api
-                .clone()
-                .ok_or(AgentError::NoNodeApi { what: "annotation.enabled" })?;
-            let publish = annotation::run(
-                api,
-                resources.clone(),
-                config.node_name.clone(),
-                config.annotation.clone(),
-                shutdown.clone(),
-            );
-            tasks.spawn("node-state publisher", async move {
-                publish.await;
-                Ok(())
-            });
-        }
-        let witnesses = reconciler::Witnesses {
-            plugins: plugins.iter().map(|(_, state)| state.clone()).collect(),
-            pods: pods.clone(),
-        };
-        tasks.spawn(
-            "reconciliation",
-            reconciler::run(resources.clone(), reconcile, witnesses, shutdown.clone()),
-        );
+        annotation::start(&mut tasks, &config, deps.node_api.as_ref(), &resources, &shutdown)?;
+        reconciler::start(&mut tasks, &config, &resources, (&plugins, &pods), &shutdown);
         let calls = Arc::new(crate::inventory::CallFailures::default());
         let watchdog = watchdog::start(
             &mut tasks,
@@ -390,64 +370,23 @@ impl Agent {
             pods,
             &shutdown,
         )?;
-        let metrics_address = if let Some(instruments) = instruments {
-            let metrics = Metrics::new(deps.registry.clone())?;
-            let (publish, telemetry) = tokio::sync::watch::channel(TelemetryRead::default());
-            let reader = crate::metrics::read_telemetry(
-                deps.inventory.clone(),
-                config.metrics.interval,
-                publish,
-                metrics.telemetry_failures.clone(),
-                calls.clone(),
-                shutdown.clone(),
-            );
-            tasks.spawn("telemetry reader", async move {
-                reader.await;
-                Ok(())
-            });
-            let endpoint = Arc::new(Endpoint {
-                metrics,
-                node: config.node_name.clone(),
-                resources: resources.clone(),
-                plugins: plugins.clone(),
-                watchdog: watchdog.clone(),
-                calls: calls.clone(),
-                telemetry,
-                instruments,
-                mps_enforced: config.mps.enabled,
-                last_render: tokio::sync::Mutex::new(None),
-                pacer: Default::default(),
-                renderer: crate::metrics::Renderer::start()
-                    .map_err(crate::metrics::MetricsError::RenderThread)?,
-            });
-            let (bound, serve) =
-                crate::metrics::bind(config.metrics.address, endpoint, shutdown.clone()).await?;
-            tracing::info!(address = %bound, "serving /metrics, /healthz and /readyz");
-            tasks.spawn("metrics endpoint", async move { Ok(serve.await?) });
-            Some(bound)
-        } else {
-            None
-        };
+        let metrics_address = endpoint::start(
+            &mut tasks,
+            &config,
+            &deps,
+            instruments,
+            endpoint::Readers {
+                resources: &resources,
+                plugins: &plugins,
+                watchdog: &watchdog,
+                calls: &calls,
+            },
+            &shutdown,
+        )
+        .await?;
         let health_stop = shutdown.child_token();
-        // GPU health transitions as Events on the node, where the API is reachable.
-        let health_events = deps.node_api.clone().map(|api| {
-            events::start(
-                &mut tasks,
-                "GPU health events",
-                config.node_name.clone(),
-                api,
-                crate::defaults::WATCHDOG_EVENT_QUEUE,
-                &shutdown,
-            )
-        });
-        let health = health::spawn(
-            deps.inventory.clone(),
-            resources.clone(),
-            (calls, health_events),
-            config.health.clone(),
-            config.mps.clone(),
-            health_stop.clone(),
-        );
+        let health =
+            health::start(&mut tasks, &config, &deps, &resources, calls, (&shutdown, &health_stop));
         Ok(Self {
             shutdown,
             resources,

@@ -110,6 +110,24 @@ fn registrations(plugins: &[watch::Receiver<PluginState>]) -> u64 {
         .sum()
 }
 
+/// Starts the reconciliation, its witnesses the plugins' states and the node's pods.
+pub fn start(
+    tasks: &mut super::Tasks,
+    config: &AgentConfig,
+    resources: &Arc<NodeResources>,
+    (plugins, pods): (&[super::PluginWatch], &Option<watch::Receiver<NodePods>>),
+    shutdown: &CancellationToken,
+) {
+    let witnesses = Witnesses {
+        plugins: plugins.iter().map(|(_, state)| state.clone()).collect(),
+        pods: pods.clone(),
+    };
+    tasks.spawn(
+        "reconciliation",
+        run(resources.clone(), Settings::of(config), witnesses, shutdown.clone()),
+    );
+}
+
 /// Reconciles every `settings.interval` until `shutdown`; logs an unreachable kubelet once per
 /// outage, and each allocation held for an unconfirmed miss once per episode.
 pub async fn run(
