@@ -1359,9 +1359,39 @@ fn inventory_says_whether_each_mps_daemon_answers() -> Result<()> {
 
 // ---- Issue 13 (first part): the metrics endpoint ----
 
-/// A plain HTTP/1.1 GET on loopback: the status code and the body.
+/// A plain HTTP/1.1 GET on loopback: the status code and the body. A scrape of `/metrics` is
+/// also checked against docs/metrics.md ([`documented`]), so every test that scrapes holds the
+/// page to the families it sees.
 async fn http_get(address: std::net::SocketAddr, path: &str) -> Result<(u16, String)> {
-    Ok(tokio::time::timeout(WAIT, baleen_tests::http::request(address, "GET", path, "")).await??)
+    let (code, body) =
+        tokio::time::timeout(WAIT, baleen_tests::http::request(address, "GET", path, "")).await??;
+    if path == "/metrics" && code == 200 {
+        documented(&body)?;
+    }
+    Ok((code, body))
+}
+
+/// Issue 23, step 5: every family of a scrape (its `# TYPE` line) has a row in docs/metrics.md.
+fn documented(scrape: &str) -> Result<()> {
+    let page = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md");
+    let page = std::fs::read_to_string(&page).with_context(|| format!("{}", page.display()))?;
+    let missing: Vec<&str> = scrape
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|family| !page.contains(&format!("`{family}`")))
+        .collect();
+    anyhow::ensure!(missing.is_empty(), "families without a row in docs/metrics.md: {missing:?}");
+    Ok(())
+}
+
+#[test]
+fn a_family_missing_from_docs_metrics_md_is_caught() {
+    let scrape = "# HELP baleen_gpu_info x\n# TYPE baleen_gpu_info gauge\nbaleen_gpu_info 1\n";
+    assert!(documented(scrape).is_ok());
+    let scrape = "# TYPE baleen_no_such_family gauge\nbaleen_no_such_family 1\n";
+    let err = documented(scrape).expect_err("undocumented");
+    assert!(err.to_string().contains("baleen_no_such_family"), "{err}");
 }
 
 /// The value of the series whose line starts with `prefix` (`name{labels}`), if any.
