@@ -48,7 +48,7 @@ const LATENCY_BUCKETS: [f64; 12] =
 
 impl Instruments {
     /// Registers the families in `registry`.
-    pub fn new(registry: &Registry) -> Result<Arc<Self>, prometheus::Error> {
+    pub fn new(registry: &Registry, node: &str) -> Result<Arc<Self>, prometheus::Error> {
         use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec};
         let hist_vec = |name: &str, help: &str, labels: &[&str]| {
             let h = HistogramVec::new(
@@ -73,6 +73,7 @@ impl Instruments {
                 "baleen_checkpoint_write_seconds",
                 "Time one checkpoint write took (write, fsync, rename, directory fsync).",
             )
+            .const_label("node", node)
             .buckets(LATENCY_BUCKETS.to_vec()),
         )?;
         registry.register(Box::new(checkpoint_write_seconds.clone()))?;

@@ -210,7 +210,7 @@ fn counter(
 
 impl Metrics {
     /// Registers the families in `registry`.
-    pub fn new(registry: Registry) -> Result<Self, MetricsError> {
+    pub fn new(registry: Registry, node: &str) -> Result<Self, MetricsError> {
         let r = &registry;
         let with = |extra: &'static str| {
             let mut labels = GPU_LABELS.to_vec();
@@ -365,9 +365,12 @@ impl Metrics {
                 &["node"],
             )?,
             telemetry_failures: {
-                let c = IntCounter::new(
-                    "baleen_telemetry_read_failures_total",
-                    "Telemetry reads that failed.",
+                let c = IntCounter::with_opts(
+                    Opts::new(
+                        "baleen_telemetry_read_failures_total",
+                        "Telemetry reads that failed.",
+                    )
+                    .const_label("node", node),
                 )
                 .map_err(MetricsError::Register)?;
                 r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
@@ -416,9 +419,12 @@ impl Metrics {
                 &["node", "call"],
             )?,
             connections_refused: {
-                let c = prometheus::IntCounter::new(
-                    "baleen_metrics_connections_refused_total",
-                    "Connections the metrics server closed at once because it held its maximum already (a client holding connections open, or too many scrapers).",
+                let c = prometheus::IntCounter::with_opts(
+                    Opts::new(
+                        "baleen_metrics_connections_refused_total",
+                        "Connections the metrics server closed at once because it held its maximum already (a client holding connections open, or too many scrapers).",
+                    )
+                    .const_label("node", node),
                 )
                 .map_err(MetricsError::Register)?;
                 r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;

@@ -1382,13 +1382,20 @@ fn documented(scrape: &str) -> Result<()> {
         .filter(|family| !page.contains(&format!("`{family}`")))
         .collect();
     anyhow::ensure!(missing.is_empty(), "families without a row in docs/metrics.md: {missing:?}");
+    // Every series carries `node`, as the page says.
+    let nodeless: Vec<&str> =
+        scrape.lines().filter(|l| l.starts_with("baleen_") && !l.contains("node=\"")).collect();
+    anyhow::ensure!(nodeless.is_empty(), "series without a node label: {nodeless:?}");
     Ok(())
 }
 
 #[test]
 fn a_family_missing_from_docs_metrics_md_is_caught() {
-    let scrape = "# HELP baleen_gpu_info x\n# TYPE baleen_gpu_info gauge\nbaleen_gpu_info 1\n";
+    let scrape =
+        "# HELP baleen_gpu_info x\n# TYPE baleen_gpu_info gauge\nbaleen_gpu_info{node=\"n\"} 1\n";
     assert!(documented(scrape).is_ok());
+    let err = documented("# TYPE baleen_gpu_info gauge\nbaleen_gpu_info 1\n").expect_err("no node");
+    assert!(err.to_string().contains("without a node label"), "{err}");
     let scrape = "# TYPE baleen_no_such_family gauge\nbaleen_no_such_family 1\n";
     let err = documented(scrape).expect_err("undocumented");
     assert!(err.to_string().contains("baleen_no_such_family"), "{err}");

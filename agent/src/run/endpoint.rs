@@ -38,7 +38,7 @@ pub async fn start(
     shutdown: &CancellationToken,
 ) -> Result<Option<SocketAddr>, AgentError> {
     let Some(instruments) = instruments else { return Ok(None) };
-    let metrics = Metrics::new(deps.registry.clone())?;
+    let metrics = Metrics::new(deps.registry.clone(), &config.node_name)?;
     let (publish, telemetry) = watch::channel(TelemetryRead::default());
     let reader = crate::metrics::read_telemetry(
         deps.inventory.clone(),

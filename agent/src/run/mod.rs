@@ -332,7 +332,8 @@ impl Agent {
         }
         // The agent's own measurements, recorded from the first Allocate on.
         let instruments = if config.metrics.enabled {
-            let instruments = Instruments::new(&deps.registry).map_err(MetricsError::Register)?;
+            let instruments = Instruments::new(&deps.registry, &config.node_name)
+                .map_err(MetricsError::Register)?;
             resources.instrument(&config.node_name, instruments.clone());
             Some(instruments)
         } else {
