@@ -666,7 +666,7 @@ pub struct Endpoint {
 /// share of a busy core, so a scrape is delayed under load, never starved. Readers it uses
 /// (the published ledger, the watchdog's and telemetry's channels) take no lock a change needs.
 pub struct Renderer {
-    jobs: std::sync::Mutex<std::sync::mpsc::Sender<RenderJob>>,
+    jobs: std::sync::mpsc::Sender<RenderJob>,
     /// What the thread's scheduling class is (`SCHED_IDLE`, or why not).
     class: std::sync::Arc<std::sync::OnceLock<Result<(), String>>>,
 }
@@ -704,7 +704,7 @@ impl Renderer {
                 job();
             }
         })?;
-        Ok(Self { jobs: std::sync::Mutex::new(jobs), class })
+        Ok(Self { jobs, class })
     }
 
     /// Runs `f` on the render thread; `None` if the thread is gone (it panicked).
@@ -716,7 +716,7 @@ impl Renderer {
         let job: RenderJob = Box::new(move || {
             let _ = answer.send(f());
         });
-        self.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).send(job).ok()?;
+        self.jobs.send(job).ok()?;
         answered.await.ok()
     }
 

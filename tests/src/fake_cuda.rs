@@ -6,9 +6,6 @@
 //! directives to fail, hang or ignore MPS. Each probe's environment is logged beside it.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-use anyhow::{Context, bail, ensure};
 
 /// The C source of the fake library.
 pub const SOURCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fake-cuda/fake_cuda.c");
@@ -22,28 +19,8 @@ impl FakeCuda {
     /// Compiles the library with `$CC` (default `cc`).
     pub fn new() -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
-        let compiler = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
-        let shown = compiler.to_string_lossy().into_owned();
-        let result = Command::new(&compiler)
-            .args(["-shared", "-fPIC", "-O1", "-Wall", "-o"])
-            .arg(dir.path().join("libcuda.so.1"))
-            .arg(SOURCE)
-            .arg("-ldl")
-            .output();
-        let out = match result {
-            Ok(out) => out,
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => bail!(
-                "cannot run the C compiler `{shown}` to build the fake CUDA library from \
-                 {SOURCE}: install gcc (e.g. `apt-get install gcc`) or set CC to a C compiler"
-            ),
-            Err(err) => return Err(err).with_context(|| format!("cannot run `{shown}`")),
-        };
-        ensure!(
-            out.status.success(),
-            "`{shown}` failed on {SOURCE} ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let library = dir.path().join("libcuda.so.1");
+        crate::tools::compile_shared_library(SOURCE, &library, "the fake CUDA library")?;
         Ok(Self { dir })
     }
 

@@ -11,9 +11,8 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use baleen_agent::inventory::nvml::NvmlConfig;
 use baleen_agent::inventory::{Inventory, MIB, MigProfile, MigState, pci_sysfs_name};
 
@@ -38,31 +37,7 @@ pub const EVENTS_ENV: &str = "BALEEN_FAKE_NVML_EVENTS";
 
 /// Compiles the fake library to `output` with `$CC` (default `cc`).
 pub fn compile(output: &Path) -> anyhow::Result<()> {
-    let compiler = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
-    let shown = compiler.to_string_lossy().into_owned();
-    let result = Command::new(&compiler)
-        .args(["-shared", "-fPIC", "-O1", "-Wall", "-o"])
-        .arg(output)
-        .arg(SOURCE)
-        .arg("-ldl")
-        .output();
-    let out = match result {
-        Ok(out) => out,
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => bail!(
-            "cannot run the C compiler `{shown}` to build the fake NVML library from {SOURCE}: \
-             install gcc (e.g. `apt-get install gcc`) or set CC to a C compiler"
-        ),
-        Err(err) => {
-            return Err(err).with_context(|| format!("cannot run the C compiler `{shown}`"));
-        }
-    };
-    ensure!(
-        out.status.success(),
-        "`{shown} -shared -fPIC ... {SOURCE}` failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
+    crate::tools::compile_shared_library(SOURCE, output, "the fake NVML library")
 }
 
 /// The fake library's topology file for `inventory` (NUMA nodes excepted: they live in sysfs).

@@ -63,21 +63,18 @@ fn the_nvml_backend_on_the_fake_library_reads_the_same_gpu() -> Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
-    let real = recorded("kubelet.json")?;
-    let tmp = tempfile::tempdir()?;
-    let root = tmp.path();
+/// The fake kubelet (serving pod-resources) and the agent's configuration of node `node`
+/// under `root`, as the agent ran on the GPU day: its defaults, but the paths in the temp dir
+/// (the MPS root served by the fake control daemon: the answers are compared with the root put
+/// back), GPUs handed out by the variable (that day's device-list strategy), and no watchdog
+/// (no API server on the GPU machine; it needs the node's pods).
+async fn day_node(root: &Path, node: &str) -> Result<(FakeKubelet, AgentConfig)> {
     let defaults = AgentConfig::for_root(root);
     let mut kubelet = FakeKubelet::start(&defaults.device_plugin_dir).await?;
     kubelet.serve_pod_resources(&defaults.pod_resources_socket)?;
     std::fs::write(&defaults.boot_id_file, "b")?;
-    // The defaults the agent ran with there, but the paths in the temp dir (the MPS root
-    // served by the fake control daemon: the answers are compared with the root put back), and
-    // no watchdog (no API server on the GPU machine; it needs the node's pods).
     let config = AgentConfig {
-        node_name: "rss-node".into(),
-        // The device-list strategy the agent answered with on that day (the variable).
+        node_name: node.into(),
         devices: baleen_agent::isolation::devices::DeviceListConfig {
             strategy: baleen_agent::isolation::devices::Strategy::Envvar,
             ..defaults.devices.clone()
@@ -95,6 +92,15 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
         reconcile_settle: Duration::from_secs(300),
         ..defaults
     };
+    Ok((kubelet, config))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
+    let real = recorded("kubelet.json")?;
+    let tmp = tempfile::tempdir()?;
+    let root = tmp.path();
+    let (kubelet, config) = day_node(root, "rss-node").await?;
     let inventory: Arc<dyn GpuInventory> =
         Arc::new(SimulatedInventory::from_file(Path::new(EXAMPLE))?);
     let token = CancellationToken::new();
@@ -161,33 +167,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
         serde_json::from_str(&serde_json::to_string(&simulated()?)?.replace(&first_uuid, uuid))?;
     let tmp = tempfile::tempdir()?;
     let root = tmp.path();
-    let defaults = AgentConfig::for_root(root);
-    let mut kubelet = FakeKubelet::start(&defaults.device_plugin_dir).await?;
-    kubelet.serve_pod_resources(&defaults.pod_resources_socket)?;
-    std::fs::write(&defaults.boot_id_file, "b")?;
-    // The defaults the agent ran with there, but the paths in the temp dir (the MPS root
-    // served by the fake control daemon: the answers are compared with the root put back), and
-    // no watchdog (no API server on the GPU machine; it needs the node's pods).
-    let config = AgentConfig {
-        node_name: "gpu-node".into(),
-        // The device-list strategy the agent answered with on that day (the variable).
-        devices: baleen_agent::isolation::devices::DeviceListConfig {
-            strategy: baleen_agent::isolation::devices::Strategy::Envvar,
-            ..defaults.devices.clone()
-        },
-        mps: MpsConfig {
-            control_binary: env!("CARGO_BIN_EXE_fake-mps-control").into(),
-            ..defaults.mps.clone()
-        },
-        metrics: baleen_agent::metrics::MetricsConfig {
-            interval: Duration::from_millis(100),
-            ..defaults.metrics.clone()
-        },
-        reconcile_interval: Duration::from_secs(30),
-        reconcile_grace: Duration::from_secs(60),
-        reconcile_settle: Duration::from_secs(300),
-        ..defaults
-    };
+    let (kubelet, config) = day_node(root, "gpu-node").await?;
     let inventory: Arc<dyn GpuInventory> = Arc::new(SimulatedInventory::new(twin));
     let token = CancellationToken::new();
     let agent = tokio::time::timeout(

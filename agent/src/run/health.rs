@@ -302,8 +302,9 @@ fn client_for(
     if !resources.mps_enforced() {
         return None;
     }
+    // One published state for both questions.
     let published = resources.published();
-    let (gpus, _) = resources.snapshot();
+    let gpus = published.state.gpu_states();
     let gpu = gpus.iter().find(|g| g.uuid == uuid)?;
     let serving = published.mps_servers.get(uuid).is_some_and(|s| !s.is_empty());
     (gpu.units > 0 && gpu.shares_enforced && !serving).then(|| (probe, mps.pipe_dir(uuid)))
