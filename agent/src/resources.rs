@@ -631,14 +631,18 @@ impl NodeResources {
         let noted = reasons != *inner.unhealthy;
         if changed {
             inner.state = Arc::new(next);
-            self.publish_devices(&mut inner);
-            self.state_changed();
         }
         if noted {
             inner.unhealthy = Arc::new(reasons);
         }
+        // Published before anyone is told: a kubelet shown a device list, or the node-state
+        // publisher woken, reads this state or a later one, never the one before it.
         if changed || noted {
             self.publish(&inner);
+        }
+        if changed {
+            self.publish_devices(&mut inner);
+            self.state_changed();
         }
         changed
     }
@@ -661,14 +665,18 @@ impl NodeResources {
         let changed = !delta.is_empty();
         // Kept even when no record changed: the ledger also counts missed listings.
         inner.state = Arc::new(next);
-        if changed || trust == Trust::Granted {
+        let tell = changed || trust == Trust::Granted;
+        if tell {
             inner.generation = inner.generation.next();
+        }
+        // Published before anyone is told (see `change_devices`).
+        self.publish(&inner);
+        if tell {
             self.state_changed();
         }
         if changed {
             self.publish_devices(&mut inner);
         }
-        self.publish(&inner);
         // Written: a change of a trusted ledger, and the first reconciliation that trusts it.
         let durable = inner.trusted && (changed || !was_trusted);
         if !durable {
