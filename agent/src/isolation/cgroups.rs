@@ -712,7 +712,7 @@ mod tests {
 /// driver names it (under a test directory of `/sys/fs/cgroup/cpu`), the co-location policy
 /// reconciled over them, the values read back from the kernel, and put back. It needs root and a
 /// writable `/sys/fs/cgroup/cpu`, so it is ignored in the plain test run and run by `.ci/run`'s
-/// host lane (`cargo test -p baleen-agent --lib -- --ignored real::`) where the host has that
+/// host lane (`cargo test --workspace --lib -- --ignored isolation::cgroups::real::`) where the host has that
 /// hierarchy; run so, it fails (never passes) when the hierarchy is not writable.
 #[cfg(test)]
 mod real {
