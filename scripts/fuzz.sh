@@ -12,7 +12,7 @@ TARGETS=("$@")
 command -v cargo-fuzz >/dev/null || { echo "cargo-fuzz is not installed: cargo install cargo-fuzz" >&2; exit 2; }
 rustup toolchain list | grep -q nightly || { echo "the nightly toolchain is needed: rustup toolchain install nightly" >&2; exit 2; }
 # Seeds: the same ones the stable test uses.
-BALEEN_FUZZ_SEEDS_OUT="$PWD/fuzz/corpus" cargo test -q -p baleen-tests --test fuzz_seeds -- --exact write_seeds_when_asked >/dev/null
+BALEEN_FUZZ_SEEDS_OUT="$PWD/fuzz/corpus" cargo test -q -p baleen-tests --test e2e -- --exact fuzz_seeds::write_seeds_when_asked >/dev/null
 for t in "${TARGETS[@]}"; do
   mkdir -p "fuzz/corpus/$t"
   echo "== $t ($SECONDS_EACH s)"

@@ -42,8 +42,9 @@ pub const MPS_CONTROL_BINARY: &str = "nvidia-cuda-mps-control";
 pub const MPS_PROBE_INTERVAL: Duration = Duration::from_secs(5);
 /// How long one probe (`get_server_list`) may take; the real daemon answered in 3-5 ms.
 pub const MPS_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-/// The longest wait between two starts of a daemon that will not start.
-pub const MPS_RESTART_BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// The waits between two starts of a daemon that will not start: 1 s, doubling to a minute.
+pub const MPS_RESTART_BACKOFF: (Duration, Duration) =
+    (Duration::from_secs(1), Duration::from_secs(60));
 /// How long a kubelet that (re)appeared may still be syncing its pods (a kubelet restarted
 /// while the API server is unreachable lists only its static pods until it syncs).
 pub const RECONCILE_SETTLE: Duration = Duration::from_secs(300);

@@ -1,6 +1,6 @@
 //! Every Kubernetes API call the agent makes, declared once: the install's RBAC
 //! (`packaging/kustomize`) grants exactly these to the agent's service account, and a test
-//! (`tests/tests/install.rs`) fails when the two differ. A subsystem that starts calling the API
+//! (`tests/tests/e2e/install.rs`) fails when the two differ. A subsystem that starts calling the API
 //! adds its rule here in the same change.
 //!
 //! The agent learns which pod holds which device from the kubelet's pod-resources socket on the

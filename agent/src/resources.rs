@@ -287,7 +287,7 @@ pub struct NodeResources {
     node: String,
     boot_id: String,
     /// Where the agent's own measurements go, once the metrics are set up (with the node label).
-    instruments: std::sync::OnceLock<(String, Arc<Instruments>)>,
+    instruments: std::sync::OnceLock<Arc<Instruments>>,
     views: BTreeMap<View, (String, watch::Sender<DeviceSnapshot>)>,
     /// Counts changes of what the node-state document says (allocations, health, shares
     /// offered, the pods holding grants); the publisher follows it.
@@ -412,11 +412,11 @@ impl NodeResources {
                 ),
             }
         }
-        if let Some((node, i)) = self.instruments.get() {
+        if let Some(i) = self.instruments.get() {
             for c in &checks {
                 for state in [CheckState::Ok, CheckState::Failed, CheckState::Unknown] {
                     i.device_isolation
-                        .with_label_values(&[node.as_str(), strategy, c.name, state.name()])
+                        .with_label_values(&[strategy, c.name, state.name()])
                         .set(i64::from(c.state == state));
                 }
             }
@@ -429,8 +429,8 @@ impl NodeResources {
         self.responses.mps.enabled
     }
 
-    /// The agent's own measurements and the node label, once the metrics are set up.
-    pub fn instruments(&self) -> Option<&(String, Arc<Instruments>)> {
+    /// The agent's own measurements, once the metrics are set up.
+    pub fn instruments(&self) -> Option<&Arc<Instruments>> {
         self.instruments.get()
     }
 
@@ -450,15 +450,15 @@ impl NodeResources {
         holders
     }
 
-    /// Records the agent's own measurements in `instruments` from now on, labelled `node`.
-    pub fn instrument(&self, node: &str, instruments: Arc<Instruments>) {
-        let _ = self.instruments.set((node.to_owned(), instruments));
+    /// Records the agent's own measurements in `instruments` from now on.
+    pub fn instrument(&self, instruments: Arc<Instruments>) {
+        let _ = self.instruments.set(instruments);
     }
 
     /// Counts a reconciliation that could not ask the kubelet.
     pub fn count_unreachable(&self) {
-        if let Some((node, i)) = self.instruments.get() {
-            i.reconciliations.with_label_values(&[node.as_str(), "unreachable"]).inc();
+        if let Some(i) = self.instruments.get() {
+            i.reconciliations.with_label_values(&["unreachable"]).inc();
         }
     }
 
@@ -738,7 +738,7 @@ impl NodeResources {
                     .map(|journal| store.journal = Some(journal))
             }
         };
-        if let Some((_, i)) = self.instruments.get() {
+        if let Some(i) = self.instruments.get() {
             i.checkpoint_write_seconds.observe(started.elapsed().as_secs_f64());
         }
         let mut c = self.commits_lock();
@@ -835,11 +835,10 @@ impl NodeResources {
                 self.state_changed();
             }
         }
-        if let Some((node, i)) = self.instruments.get() {
-            let node = node.as_str();
+        if let Some(i) = self.instruments.get() {
             match &report {
                 Some(r) => {
-                    i.reconciliations.with_label_values(&[node, "applied"]).inc();
+                    i.reconciliations.with_label_values(&["applied"]).inc();
                     for (change, n) in [
                         ("released", r.released.len()),
                         ("restored", r.restored.len()),
@@ -847,11 +846,11 @@ impl NodeResources {
                         ("held", r.held.len()),
                     ] {
                         i.reconcile_changes
-                            .with_label_values(&[node, change])
+                            .with_label_values(&[change])
                             .inc_by(u64::try_from(n).unwrap_or(u64::MAX));
                     }
                 }
-                None => i.reconciliations.with_label_values(&[node, "stale"]).inc(),
+                None => i.reconciliations.with_label_values(&["stale"]).inc(),
             }
         }
         Ok(report)
@@ -1069,12 +1068,12 @@ impl ViewBackend {
         started: std::time::Instant,
         answer: &Result<T, BackendError>,
     ) {
-        if let Some((node, i)) = self.resources.instruments.get() {
-            let labels = [node.as_str(), self.resource.as_str()];
+        if let Some(i) = self.resources.instruments.get() {
+            let labels = [self.resource.as_str()];
             histogram(i).with_label_values(&labels).observe(started.elapsed().as_secs_f64());
             if let Err(e) = answer {
                 let kind = crate::instruments::refusal_kind(e);
-                i.refusals.with_label_values(&[node.as_str(), self.resource.as_str(), kind]).inc();
+                i.refusals.with_label_values(&[self.resource.as_str(), kind]).inc();
             }
         }
     }
@@ -1231,8 +1230,8 @@ impl ViewBackend {
                 (Some(id), Some(_)) => {
                     let count = u64::try_from(g.device_ids.len()).unwrap_or(u64::MAX);
                     let identity = id.identify(&self.resource, count, &listed).await;
-                    if let Some((node, i)) = self.resources.instruments.get() {
-                        let labels = [node.as_str(), identity.class().name(), identity.how()];
+                    if let Some(i) = self.resources.instruments.get() {
+                        let labels = [identity.class().name(), identity.how()];
                         i.mps_priorities.with_label_values(&labels).inc();
                     }
                     Some(pod_identity::mps_priority(identity.class()))
@@ -1241,9 +1240,9 @@ impl ViewBackend {
             };
             let devices = self.resources.devices.answer(&g.visible);
             if !devices.fell_back.is_empty()
-                && let Some((node, i)) = self.resources.instruments.get()
+                && let Some(i) = self.resources.instruments.get()
             {
-                i.device_list_fallbacks.with_label_values(&[node.as_str()]).inc();
+                i.device_list_fallbacks.with_label_values::<&str>(&[]).inc();
             }
             answers.push(container_response(g, devices, &self.resources.responses.mps, priority));
         }
@@ -1286,6 +1285,14 @@ pub(crate) mod test_support {
             ResponseConfig::default(),
             Some(0),
         )
+    }
+
+    /// Grants GPU `uuid` whole to a new allocation: a change of the node's state.
+    pub(crate) fn grant_whole(resources: &NodeResources, uuid: &str) {
+        let ids = [uuid.to_owned()];
+        resources
+            .change(|state, _| Ok((state.allocate(&View::Gpu, &ids, 7)?, Trust::Granted)))
+            .expect("granted");
     }
 }
 

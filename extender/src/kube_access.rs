@@ -1,5 +1,5 @@
 //! Every Kubernetes API call the extender makes: the install's RBAC grants exactly these
-//! (`tests/tests/install.rs` fails when the two differ). The watchers list and watch Nodes and
+//! (`tests/tests/e2e/install.rs` fails when the two differ). The watchers list and watch Nodes and
 //! Pods; nothing is written.
 
 pub use baleen_k8s::rbac::ApiRule;

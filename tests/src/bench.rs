@@ -82,7 +82,7 @@ pub async fn start_h200(
     let token = tokio_util::sync::CancellationToken::new();
     let agent = baleen_agent::run::Agent::start(
         config,
-        baleen_agent::run::Dependencies { inventory, registry: Default::default(), node_api: None },
+        baleen_agent::run::Dependencies { inventory, node_api: None },
         token.clone(),
     )
     .await?;

@@ -1,7 +1,7 @@
 //! The bodies of the fuzz targets (`fuzz/fuzz_targets/*.rs`, run with cargo-fuzz, see
 //! docs/agent.md "Fuzzing"), one per parser of outside input, and their seeds from the
 //! repository's own examples. Each body must return (never panic, never hang, never take
-//! memory out of proportion to its input) on any bytes; `tests/tests/fuzz_seeds.rs` runs every
+//! memory out of proportion to its input) on any bytes; `tests/tests/e2e/fuzz_seeds.rs` runs every
 //! body over its seeds and thousands of mutations of them on stable Rust in `cargo test`.
 
 use std::path::{Path, PathBuf};

@@ -17,7 +17,7 @@
 //! - the `fake-mps-control` binary: a fake `nvidia-cuda-mps-control`.
 //!
 //! The tests themselves are in `tests/tests/`. The placement replay check against the published
-//! Alibaba results lives with the code it checks, in `scheduler-core/tests/replay_fidelity.rs`.
+//! Alibaba results lives with the code it checks, in `scheduler-sim/tests/integration/replay_fidelity.rs`.
 
 pub mod bench;
 pub mod cluster_loop;

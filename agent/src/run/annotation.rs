@@ -122,3 +122,114 @@ pub async fn run(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use tokio::sync::watch;
+
+    use super::*;
+    use crate::checkpoint::Checkpoint;
+    use crate::isolation::node_pods::NodePods;
+    use crate::isolation::watchdog::Notice;
+    use crate::kube_api::ApiError;
+    use crate::ledger::{DeviceLedger, ViewConfig};
+    use crate::resources::test_support;
+
+    /// An API server that records each annotation asked, when (on the runtime's clock), and
+    /// whether it was written; it refuses while `down`.
+    #[derive(Default)]
+    struct Recording {
+        asked: Mutex<Vec<(Instant, String, bool)>>,
+        down: AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl NodeApi for Recording {
+        async fn annotate(&self, _node: &str, _key: &str, value: &str) -> Result<(), ApiError> {
+            let down = self.down.load(Ordering::SeqCst);
+            self.asked.lock().expect("asked").push((Instant::now(), value.to_owned(), !down));
+            if down { Err(ApiError::Call("the API server is away".into())) } else { Ok(()) }
+        }
+        async fn allocatable_cpu_milli(&self, _node: &str) -> Result<u64, ApiError> {
+            Err(ApiError::Call("not asked by the publisher".into()))
+        }
+        async fn follow_pods(
+            &self,
+            _node: &str,
+            _view: watch::Sender<NodePods>,
+            shutdown: CancellationToken,
+        ) {
+            shutdown.cancelled().await;
+        }
+        async fn follow_namespaces(
+            &self,
+            _view: watch::Sender<NodePods>,
+            shutdown: CancellationToken,
+        ) {
+            shutdown.cancelled().await;
+        }
+        async fn record_event(&self, _node: &str, _notice: &Notice) -> Result<(), ApiError> {
+            Ok(())
+        }
+    }
+
+    /// Issue 23, step 6, in paused time: the first state is written at once; three changes
+    /// within the minimum interval are one write at its end, holding all three; an unchanged
+    /// state is written again after 300 s; while the API server refuses, the write is retried
+    /// after 0.5, 1, 2 and 4 s, and the state at the end is what is written.
+    #[tokio::test(start_paused = true)]
+    async fn writes_are_coalesced_refreshed_every_300_s_and_retried_with_backoff() {
+        let inventory = test_support::l4_inventory();
+        let ledger = DeviceLedger::new("n", &inventory, ViewConfig::default()).expect("ledger");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let resources = test_support::resources(ledger, Checkpoint::in_dir(dir.path()));
+        let api = Arc::new(Recording::default());
+        let config = AnnotationConfig { enabled: true, ..AnnotationConfig::default() };
+        let stop = CancellationToken::new();
+        let start = Instant::now();
+        let publisher =
+            tokio::spawn(run(api.clone(), resources.clone(), "n".into(), config, stop.clone()));
+        let gpu = |i: usize| inventory.gpus[i].uuid.to_string();
+        let at = |s: f64| start + Duration::from_secs_f64(s);
+        for (i, t) in [(0, 0.1), (1, 0.2), (2, 0.3)] {
+            tokio::time::sleep_until(at(t)).await;
+            test_support::grant_whole(&resources, &gpu(i));
+        }
+        let three_held = resources.node_state().to_json();
+        tokio::time::sleep_until(at(400.0)).await;
+        api.down.store(true, Ordering::SeqCst);
+        test_support::grant_whole(&resources, &gpu(3));
+        let four_held = resources.node_state().to_json();
+        tokio::time::sleep_until(at(405.0)).await;
+        api.down.store(false, Ordering::SeqCst);
+        tokio::time::sleep_until(at(420.0)).await;
+        stop.cancel();
+        publisher.await.expect("the publisher ends");
+
+        let asked = api.asked.lock().expect("asked").clone();
+        // When each was asked, to the millisecond (the timer's resolution), and whether written.
+        let when: Vec<(u128, bool)> =
+            asked.iter().map(|(t, _, ok)| ((*t - start).as_millis(), *ok)).collect();
+        assert_eq!(
+            when,
+            [
+                (0, true),
+                (1000, true),
+                (301_000, true),
+                (400_000, false),
+                (400_500, false),
+                (401_500, false),
+                (403_500, false),
+                (407_500, true)
+            ]
+        );
+        let texts: Vec<&str> = asked.iter().map(|(_, text, _)| text.as_str()).collect();
+        assert_ne!(texts[0], three_held);
+        assert_eq!(texts[1], three_held, "one write holds the three changes");
+        assert_eq!(texts[2], three_held, "the refresh writes the same state again");
+        assert!(texts[3..].iter().all(|t| *t == four_held), "the state after the fourth");
+    }
+}

@@ -8,14 +8,17 @@
 //! its subsystems; what it decides reaches the ledger through [`Enforcement`].
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
+// The runtime's clock (the system's, but in tests that pause it): the backoff is tested in
+// paused time.
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::control::{MpsControl, MpsError, Started};
 use super::users::LogReader;
 use super::{DaemonPlacement, MpsConfig, MpsDirs};
 use crate::defaults;
+use crate::retry::Backoff;
 
 /// Where the supervisor reports whether a GPU's shares are enforced.
 pub trait Enforcement: Send + Sync {
@@ -35,8 +38,8 @@ struct Daemon {
     gpu: String,
     dirs: MpsDirs,
     ready: bool,
-    /// Consecutive failed starts, for the backoff.
-    failures: u32,
+    /// The wait after a failed start (reset by a good one).
+    restart: Backoff,
     next_start: Instant,
     /// The last failure logged, so that a repeated one is not logged again.
     last_problem: Option<String>,
@@ -67,7 +70,7 @@ impl Supervisor {
                 gpu: gpu.clone(),
                 dirs: config.dirs(gpu),
                 ready: false,
-                failures: 0,
+                restart: Backoff::new(defaults::MPS_RESTART_BACKOFF),
                 next_start: now,
                 last_problem: None,
                 log: LogReader::default(),
@@ -108,8 +111,10 @@ impl Supervisor {
                     answer: "the probe task failed".into(),
                 })
             });
-            self.check(i, answer).await;
-            self.report_waiting_users(i);
+            // One span per daemon: every line its checks log names its GPU.
+            let span = tracing::info_span!("mps_daemon", gpu.uuid = self.daemons[i].gpu.as_str());
+            tracing::Instrument::instrument(self.check(i, answer), span.clone()).await;
+            span.in_scope(|| self.report_waiting_users(i));
         }
     }
 
@@ -155,7 +160,7 @@ impl Supervisor {
         match self.control.start(&gpu, &dirs).await {
             Ok(started) => match self.control.probe(&dirs, timeout).await {
                 Ok(_) => {
-                    self.daemons[i].failures = 0;
+                    self.daemons[i].restart.reset();
                     let how = match started {
                         Started::New => "started",
                         Started::AlreadyRunning => "already running; adopted",
@@ -201,9 +206,7 @@ impl Supervisor {
 
     fn start_failed(&mut self, i: usize, problem: &MpsError) {
         let d = &mut self.daemons[i];
-        d.failures = d.failures.saturating_add(1);
-        let backoff = Duration::from_secs(1u64 << d.failures.min(7).saturating_sub(1))
-            .min(defaults::MPS_RESTART_BACKOFF_MAX);
+        let backoff = d.restart.next_wait();
         d.next_start = Instant::now() + backoff;
         let text = problem.to_string();
         if d.last_problem.as_deref() != Some(&text) {
@@ -242,5 +245,96 @@ impl Supervisor {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A control binary whose next `failing` starts fail; a start that works makes the daemon
+    /// answer until the test kills it (`running`). It records when each start was asked, on the
+    /// runtime's clock.
+    #[derive(Default)]
+    struct Refusing {
+        starts: Mutex<Vec<Instant>>,
+        /// Starts that fail before one succeeds.
+        failing: Mutex<usize>,
+        /// A daemon started and answering.
+        running: Mutex<bool>,
+    }
+
+    #[async_trait::async_trait]
+    impl MpsControl for Refusing {
+        async fn start(&self, _gpu: &str, dirs: &MpsDirs) -> Result<Started, MpsError> {
+            self.starts.lock().expect("starts").push(Instant::now());
+            let mut failing = self.failing.lock().expect("failing");
+            if *failing == 0 {
+                *self.running.lock().expect("running") = true;
+                return Ok(Started::New);
+            }
+            *failing -= 1;
+            Err(MpsError::NotRunning { pipe: dirs.pipe.display().to_string(), answer: "x".into() })
+        }
+        async fn probe(&self, dirs: &MpsDirs, _timeout: Duration) -> Result<Vec<u32>, MpsError> {
+            if *self.running.lock().expect("running") {
+                return Ok(vec![]);
+            }
+            Err(MpsError::NotRunning { pipe: dirs.pipe.display().to_string(), answer: "no".into() })
+        }
+        async fn clients(&self, _: &MpsDirs, _: u32, _: Duration) -> Result<Vec<u32>, MpsError> {
+            Ok(vec![])
+        }
+        async fn quit(&self, _: &MpsDirs, _: Duration) -> Result<(), MpsError> {
+            Ok(())
+        }
+    }
+
+    struct Nobody;
+    impl Enforcement for Nobody {
+        fn set_enforced(&self, _: &str, _: bool) {}
+    }
+
+    /// The gaps between the starts asked so far, in whole seconds (rounded down: each start
+    /// waits for the probe round after its backoff, 100 ms at most).
+    fn gaps(control: &Refusing) -> Vec<u64> {
+        let starts = control.starts.lock().expect("starts");
+        starts.windows(2).map(|w| (w[1] - w[0]).as_secs()).collect()
+    }
+
+    /// Issue 23, step 6: a daemon that will not start is started again after 1 s, doubling to a
+    /// minute; once it started, the next failure starts from 1 s again. In paused time: the
+    /// whole schedule (over four minutes) runs at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_daemon_that_will_not_start_is_retried_doubling_to_a_minute_then_afresh() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let control = Arc::new(Refusing { failing: Mutex::new(9), ..Refusing::default() });
+        let config = MpsConfig {
+            root: dir.path().to_owned(),
+            probe_interval: Duration::from_millis(100),
+            ..MpsConfig::default()
+        };
+        let supervisor = Supervisor::new(control.clone(), config, Arc::new(Nobody), &["G".into()]);
+        let stop = CancellationToken::new();
+        let running = tokio::spawn(supervisor.run(stop.clone()));
+        // Nine failures, then a start that works: 1+2+4+8+16+32+60+60+60 s of backoff.
+        tokio::time::sleep(Duration::from_secs(250)).await;
+        assert_eq!(gaps(&control), [1, 2, 4, 8, 16, 32, 60, 60, 60], "{:?}", gaps(&control));
+        // Running, it is not started again.
+        tokio::time::sleep(Duration::from_secs(100)).await;
+        assert_eq!(control.starts.lock().expect("starts").len(), 10);
+        // It dies and will not start twice more: the waits start from 1 s again.
+        *control.failing.lock().expect("failing") = 2;
+        *control.running.lock().expect("running") = false;
+        let died = Instant::now();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(gaps(&control)[10..], [1, 2], "{:?}", gaps(&control));
+        let restarted = control.starts.lock().expect("starts")[10];
+        assert!(restarted - died <= Duration::from_millis(200), "started again at its next probe");
+        stop.cancel();
+        running.await.expect("the supervisor ends");
     }
 }

@@ -14,7 +14,7 @@
 //! the published fgd mean of 4.77 %) on the same two seeds (measured: 3.72 and 3.75 %), and
 //! better than our fgd, so a change that makes placement worse fails CI; on `cpu300` too.
 
-mod common;
+use crate::common;
 
 use baleen_scheduler_core::policy::PolicyKind;
 use baleen_scheduler_sim::replay::{self, ReplayOptions, Workload};

@@ -217,7 +217,7 @@ fn the_cli_prints_the_nvml_inventory() -> Result<()> {
 }
 
 /// On a machine with an NVIDIA GPU and driver:
-/// `cargo test -p baleen-tests --test nvml_inventory -- --ignored --nocapture`.
+/// `cargo test -p baleen-tests --test e2e -- --ignored nvml_inventory:: --nocapture`.
 #[test]
 #[ignore = "needs an NVIDIA GPU and driver"]
 fn real_nvml_inventory_is_consistent_and_watchable() -> Result<()> {

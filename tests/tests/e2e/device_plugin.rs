@@ -57,6 +57,30 @@ impl Running {
     }
 }
 
+/// Issue 23, step 6, in paused time: while the kubelet's socket is absent the plugin looks
+/// again after 100 ms, doubling to the 5 s cap (`PluginConfig`'s defaults), each look a new
+/// `WaitingForKubelet` state.
+#[tokio::test(start_paused = true)]
+async fn without_a_kubelet_registration_is_retried_doubling_to_the_cap() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let start = tokio::time::Instant::now();
+    let mut plugin = start_plugin(tmp.path(), TestBackend::new(RESOURCE, 1));
+    let mut looked = Vec::new();
+    while looked.len() < 10 {
+        plugin.state.changed().await?;
+        if let PluginState::WaitingForKubelet { last_error, .. } =
+            &*plugin.state.borrow_and_update()
+        {
+            assert!(last_error.contains("does not exist"), "{last_error}");
+            looked.push((tokio::time::Instant::now() - start).as_millis());
+        }
+    }
+    let gaps: Vec<u128> = looked.windows(2).map(|w| w[1] - w[0]).collect();
+    assert_eq!(gaps, [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000], "looked at {looked:?}");
+    plugin.stop().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn registers_and_streams_the_initial_list_then_updates() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;

@@ -106,11 +106,7 @@ async fn the_agent_answers_the_admissions_as_it_did_on_the_gpu() -> Result<()> {
     let token = CancellationToken::new();
     let agent = tokio::time::timeout(
         Duration::from_secs(10),
-        Agent::start(
-            config,
-            Dependencies { inventory, registry: Default::default(), node_api: None },
-            token.clone(),
-        ),
+        Agent::start(config, Dependencies { inventory, node_api: None }, token.clone()),
     )
     .await??;
     let view = kubelet
@@ -172,11 +168,7 @@ async fn the_agent_answers_as_it_did_when_it_ran_mps_on_the_gpu() -> Result<()> 
     let token = CancellationToken::new();
     let agent = tokio::time::timeout(
         Duration::from_secs(10),
-        Agent::start(
-            config,
-            Dependencies { inventory, registry: Default::default(), node_api: None },
-            token.clone(),
-        ),
+        Agent::start(config, Dependencies { inventory, node_api: None }, token.clone()),
     )
     .await??;
     kubelet

@@ -1,7 +1,7 @@
 //! The FGD fragmentation measure against the check values of `shared/benchmarks/placement.md`,
 //! with the target workload built from the default task list.
 
-mod common;
+use crate::common;
 
 use baleen_scheduler_core::frag::{self, TargetWorkload};
 use baleen_scheduler_core::ledger::NodeLedger;

@@ -14,6 +14,8 @@ use baleen_tests::fake_apiserver::FakeApiServer;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+use crate::support::poll_within;
+
 const WAIT: Duration = Duration::from_secs(20);
 const KEY: &str = "awesome-ai-company.com/gpu-state";
 
@@ -94,20 +96,13 @@ async fn filter_passes(
     let args: baleen_extender::protocol::ExtenderArgs =
         serde_json::from_value(json!({"Pod": pod, "NodeNames": names}))?;
     let extender = running.extender.clone();
-    let wait = async {
-        loop {
-            let (result, _) = extender.filter(&args);
-            let passed: Vec<String> = result.node_names.clone().unwrap_or_default();
-            let answer = serde_json::to_value(&result)?;
-            if passed == expect && answer.to_string().contains(says) {
-                return anyhow::Ok(answer);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, wait)
-        .await
-        .with_context(|| format!("waiting for {expect:?} to pass"))?
+    poll_within(WAIT, &format!("{expect:?} to pass"), async || {
+        let (result, _) = extender.filter(&args);
+        let passed: Vec<String> = result.node_names.clone().unwrap_or_default();
+        let answer = serde_json::to_value(&result)?;
+        Ok((passed == expect && answer.to_string().contains(says)).then_some(answer))
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
