@@ -69,7 +69,6 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
             kubelet = %kubelet.display(),
             "starting; each resource registers as soon as a kubelet listens there (waiting if none does)"
         );
-        let registry = prometheus::Registry::new();
         let node_api: Option<Arc<dyn crate::kube_api::NodeApi>> = if settings.agent.annotation.enabled
             || settings.agent.colocation.enabled
             || settings.agent.watchdog.enabled
@@ -78,7 +77,7 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
         } else {
             None
         };
-        let deps = Dependencies { inventory, registry, node_api };
+        let deps = Dependencies { inventory, node_api };
         Ok::<_, RunError>(crate::run::run(settings.agent, deps, shutdown).await?)
     });
     // A step still blocked in a thread (an NVML call that hangs) must not keep the process.

@@ -5,7 +5,26 @@
 
 use std::sync::Arc;
 
+use prometheus::core::Collector;
 use prometheus::{Opts, Registry};
+
+/// A registry whose every series carries `node=<node>` (the registry's const label): the one
+/// way this binary makes a registry, so that no family can lack the label.
+pub fn registry_for(node: &str) -> Result<Registry, prometheus::Error> {
+    let labels = std::collections::HashMap::from([("node".to_owned(), node.to_owned())]);
+    Registry::new_custom(None, Some(labels))
+}
+
+/// Registers `metric` in `registry` and gives it back: the one registration helper of the
+/// agent (its instruments and the families here).
+pub fn register<M: Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: Result<M, prometheus::Error>,
+) -> Result<M, prometheus::Error> {
+    let metric = metric?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
 
 /// The agent's own measurements, recorded where they happen (the device-plugin adapter, the
 /// checkpoint writes, the reconciler) and exported with the other families.
@@ -47,102 +66,96 @@ const LATENCY_BUCKETS: [f64; 12] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5];
 
 impl Instruments {
-    /// Registers the families in `registry`.
-    pub fn new(registry: &Registry, node: &str) -> Result<Arc<Self>, prometheus::Error> {
-        use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec};
+    /// Registers the families in `registry` (made by [`registry_for`]: every
+    /// series carries the node's name).
+    pub fn new(registry: &Registry) -> Result<Arc<Self>, prometheus::Error> {
+        use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec};
         let hist_vec = |name: &str, help: &str, labels: &[&str]| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-                labels,
-            )?;
-            registry.register(Box::new(h.clone()))?;
-            Ok::<_, prometheus::Error>(h)
+            let opts = HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec());
+            register(registry, HistogramVec::new(opts, labels))
         };
         let counter_vec = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels)?;
-            registry.register(Box::new(c.clone()))?;
-            Ok::<_, prometheus::Error>(c)
+            register(registry, IntCounterVec::new(Opts::new(name, help), labels))
         };
         let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
-            let g = prometheus::IntGaugeVec::new(Opts::new(name, help), labels)?;
-            registry.register(Box::new(g.clone()))?;
-            Ok::<_, prometheus::Error>(g)
+            register(registry, IntGaugeVec::new(Opts::new(name, help), labels))
         };
-        let checkpoint_write_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "baleen_checkpoint_write_seconds",
-                "Time one checkpoint write took (write, fsync, rename, directory fsync).",
-            )
-            .const_label("node", node)
-            .buckets(LATENCY_BUCKETS.to_vec()),
+        let checkpoint_write_seconds = register(
+            registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "baleen_checkpoint_write_seconds",
+                    "Time one checkpoint write took (write, fsync, rename, directory fsync).",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            ),
         )?;
-        registry.register(Box::new(checkpoint_write_seconds.clone()))?;
         Ok(Arc::new(Self {
             allocate_seconds: hist_vec(
                 "baleen_allocate_seconds",
                 "Time the agent took to answer an Allocate (its own part: checks, ledger, checkpoint).",
-                &["node", "resource"],
+                &["resource"],
             )?,
             preferred_seconds: hist_vec(
                 "baleen_preferred_allocation_seconds",
                 "Time the agent took to answer a GetPreferredAllocation.",
-                &["node", "resource"],
+                &["resource"],
             )?,
             refusals: counter_vec(
                 "baleen_refusals_total",
                 "Allocate and GetPreferredAllocation answers refused, by kind (unknown, invalid, conflict, exhausted, unavailable, internal).",
-                &["node", "resource", "kind"],
+                &["resource", "kind"],
             )?,
             checkpoint_write_seconds,
             reconciliations: counter_vec(
                 "baleen_reconciliations_total",
                 "Reconciliations with the kubelet's pod-resources list, by outcome (applied, stale, unreachable).",
-                &["node", "outcome"],
+                &["outcome"],
             )?,
             reconcile_changes: counter_vec(
                 "baleen_reconcile_changes_total",
                 "What applied reconciliations changed (released, restored, refused allocations) or held (a miss not confirmed: counted at every reconciliation that holds it).",
-                &["node", "change"],
+                &["change"],
             )?,
             registrations: counter_vec(
                 "baleen_kubelet_registrations_total",
                 "Registrations with the kubelet, per resource (a kubelet restart adds one).",
-                &["node", "resource"],
+                &["resource"],
             )?,
             colocation_up: gauge_vec(
                 "baleen_colocation_up",
                 "1 while co-location applies its classes to the node's pods, 0 when it is off or stopped (see the agent's log).",
-                &["node"],
+                &[],
             )?,
             colocation_pods: gauge_vec(
                 "baleen_colocation_pods",
                 "Pods the co-location policy has set, by class (inference, training).",
-                &["node", "class"],
+                &["class"],
             )?,
             colocation_failures: counter_vec(
                 "baleen_colocation_failures_total",
                 "Pods the co-location policy could not set or put back (one per pod and attempt; retried at the next resync).",
-                &["node"],
+                &[],
             )?,
             mps_priorities: counter_vec(
                 "baleen_mps_client_priorities_total",
                 "MPS clients given the priority of a class in Allocate, by class and how their pod was found (pod, ambiguous, unknown: the default class).",
-                &["node", "class", "identity"],
+                &["class", "identity"],
             )?,
             device_isolation: gauge_vec(
                 "baleen_device_isolation",
                 "The node's device isolation checks at the agent's start (strategy; cdi-spec: the CDI specs name every GPU; toolkit-envvar: the NVIDIA toolkit refuses NVIDIA_VISIBLE_DEVICES for unprivileged containers; toolkit-volume-mounts): 1 for the state each is in (ok, failed, unknown).",
-                &["node", "strategy", "check", "state"],
+                &["strategy", "check", "state"],
             )?,
             gpu_health_transitions: counter_vec(
                 "baleen_gpu_health_transitions_total",
                 "GPU health transitions, by the state reached: unhealthy (a critical XID, a failed health watch), healthy (every re-probe answered).",
-                &["node", "gpu_uuid", "to"],
+                &["gpu_uuid", "to"],
             )?,
             device_list_fallbacks: counter_vec(
                 "baleen_device_list_fallbacks_total",
                 "Allocate answers that handed GPUs out by volume-mounts because the node's CDI specs do not name them (deviceListStrategy cdi).",
-                &["node"],
+                &[],
             )?,
         }))
     }

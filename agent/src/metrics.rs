@@ -17,6 +17,8 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use baleen_device_plugin::PluginState;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder as _, GaugeVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
 };
@@ -24,7 +26,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::error_chain::Chain;
-use crate::instruments::Instruments;
+use crate::instruments::{Instruments, register};
 use crate::inventory::{CallFailures, GpuInventory, GpuTelemetry};
 use crate::isolation::watchdog::Published;
 use crate::ledger::GpuMode;
@@ -127,503 +129,429 @@ pub enum MetricsError {
     RenderThread(#[source] std::io::Error),
 }
 
-const GPU_LABELS: [&str; 4] = ["node", "gpu_uuid", "gpu_index", "model"];
-const GRANT_LABELS: [&str; 6] = ["node", "namespace", "pod", "container", "resource", "gpu_uuid"];
+const GPU_LABELS: [&str; 3] = ["gpu_uuid", "gpu_index", "model"];
+const GRANT_LABELS: [&str; 5] = ["namespace", "pod", "container", "resource", "gpu_uuid"];
 
-/// The agent's metric families, registered in one registry.
+/// What the state families are read from at each scrape.
+pub struct StateSources {
+    /// The ledger (its published snapshot: no lock a change needs).
+    pub resources: Arc<NodeResources>,
+    /// What the memory watchdog publishes.
+    pub watchdog: Published,
+    /// NVML call failures so far.
+    pub calls: Arc<CallFailures>,
+    /// The last good telemetry read.
+    pub telemetry: watch::Receiver<TelemetryRead>,
+    /// Whether MPS enforces the gpu-memory units.
+    pub mps_enforced: bool,
+}
+
+/// The families that describe the node's state, built afresh at every scrape from one reading
+/// of [`StateSources`] (a `prometheus` collector): a series lives exactly as long as what it
+/// describes, and there is nothing to reset. A new state family is one `add` in
+/// [`state_families`] and its row in docs/metrics.md.
+pub struct StateCollector {
+    sources: StateSources,
+    descs: Vec<Desc>,
+}
+
+impl StateCollector {
+    /// The collector over `sources`.
+    pub fn new(sources: StateSources) -> Result<Self, prometheus::Error> {
+        let descs = state_families(&sources)?.descs();
+        Ok(Self { sources, descs })
+    }
+}
+
+impl Collector for StateCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        match state_families(&self.sources) {
+            Ok(families) => families.collect(),
+            // Only a family whose labels do not match its values, which the tests would show.
+            Err(e) => {
+                tracing::error!(error = %Chain(&e), "cannot build the state metric families");
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// The families of one scrape, in the order they were added.
+#[derive(Default)]
+struct Families(Vec<Box<dyn Collector>>);
+
+impl Families {
+    /// Adds a family (empty) and gives it back to be filled.
+    fn add<M: Collector + Clone + 'static>(
+        &mut self,
+        family: Result<M, prometheus::Error>,
+    ) -> Result<M, prometheus::Error> {
+        let family = family?;
+        self.0.push(Box::new(family.clone()));
+        Ok(family)
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.0.iter().flat_map(|f| f.collect()).collect()
+    }
+
+    fn descs(&self) -> Vec<Desc> {
+        self.0.iter().flat_map(|f| f.desc().into_iter().cloned()).collect()
+    }
+}
+
+fn int_gauges(name: &str, help: &str, labels: &[&str]) -> Result<IntGaugeVec, prometheus::Error> {
+    IntGaugeVec::new(Opts::new(name, help), labels)
+}
+
+fn gauges(name: &str, help: &str, labels: &[&str]) -> Result<GaugeVec, prometheus::Error> {
+    GaugeVec::new(Opts::new(name, help), labels)
+}
+
+fn counters(name: &str, help: &str, labels: &[&str]) -> Result<IntCounterVec, prometheus::Error> {
+    IntCounterVec::new(Opts::new(name, help), labels)
+}
+
+/// Every state family, named, described and filled from one reading of `sources`: the ledger's
+/// published state (one snapshot for the whole scrape), the watchdog's last round and counts,
+/// NVML's failed calls and the last telemetry read.
+fn state_families(sources: &StateSources) -> Result<Families, prometheus::Error> {
+    let crate::resources::ScrapeView {
+        gpus,
+        views,
+        reasons,
+        clients,
+        records,
+        fragmentation,
+        grants,
+    } = sources.resources.scrape_view();
+    let telemetry = sources.telemetry.borrow().clone();
+    let watchdog = &sources.watchdog;
+    let mut f = Families::default();
+    let with = |extra: &'static str| {
+        let mut labels = GPU_LABELS.to_vec();
+        labels.push(extra);
+        labels
+    };
+    let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+
+    // The GPUs: what each is, holds and reads.
+    let gpu_info =
+        f.add(int_gauges("baleen_gpu_info", "A GPU of the node (value 1).", &GPU_LABELS))?;
+    let gpu_memory_total =
+        f.add(int_gauges("baleen_gpu_memory_total_bytes", "Memory of the GPU.", &GPU_LABELS))?;
+    let gpu_memory_granted = f.add(int_gauges(
+        "baleen_gpu_memory_granted_bytes",
+        "Memory of the GPU handed out: all of it when held whole, else its gpu-memory units held times the unit.",
+        &GPU_LABELS,
+    ))?;
+    let gpu_units = f.add(int_gauges(
+        "baleen_gpu_memory_units",
+        "gpu-memory units the GPU offers.",
+        &GPU_LABELS,
+    ))?;
+    let gpu_units_held = f.add(int_gauges(
+        "baleen_gpu_memory_units_held",
+        "gpu-memory units of the GPU held by containers.",
+        &GPU_LABELS,
+    ))?;
+    let gpu_healthy = f.add(int_gauges(
+        "baleen_gpu_healthy",
+        "1 if the GPU is healthy (no critical XID, the health watch runs).",
+        &GPU_LABELS,
+    ))?;
+    let gpu_mode = f.add(int_gauges(
+        "baleen_gpu_mode",
+        "How the GPU serves now (value 1 on the series of its mode: idle, exclusive, shared or mig).",
+        &with("mode"),
+    ))?;
+    let gpu_mps_up = f.add(int_gauges(
+        "baleen_gpu_mps_daemon_up",
+        "1 if the GPU's MPS daemon answers (its memory units are offered only then); only for GPUs whose units MPS enforces.",
+        &GPU_LABELS,
+    ))?;
+    let mps_clients = f.add(int_gauges(
+        "baleen_gpu_mps_clients",
+        "MPS client processes on the GPU at the last probe of its daemon.",
+        &GPU_LABELS,
+    ))?;
+    let unhealthy_reason = f.add(int_gauges(
+        "baleen_gpu_unhealthy_reason",
+        "Why an unhealthy GPU is (value 1, while it is): a critical XID, or the health watch failing or not running.",
+        &with("reason"),
+    ))?;
+    let largest_free = f.add(int_gauges(
+        "baleen_gpu_memory_units_largest_free",
+        "gpu-memory units one container could get on this GPU now (its free units when they are offered, else 0): the largest block a request of one GPU can use.",
+        &GPU_LABELS,
+    ))?;
+    let stranded = f.add(int_gauges(
+        "baleen_gpu_memory_units_stranded",
+        "gpu-memory units free but unusable because the GPU is held whole through another view.",
+        &GPU_LABELS,
+    ))?;
+    let memory_used = f.add(int_gauges(
+        "baleen_gpu_memory_used_bytes",
+        "GPU memory in use (NVML), as of the last telemetry read.",
+        &GPU_LABELS,
+    ))?;
+    let utilisation = f.add(gauges(
+        "baleen_gpu_utilization_ratio",
+        "Share of the last sample period a kernel ran on the GPU, 0 to 1.",
+        &GPU_LABELS,
+    ))?;
+    let memory_utilisation = f.add(gauges(
+        "baleen_gpu_memory_utilization_ratio",
+        "Share of the last sample period the GPU's memory was read or written, 0 to 1.",
+        &GPU_LABELS,
+    ))?;
+    let temperature =
+        f.add(int_gauges("baleen_gpu_temperature_celsius", "GPU die temperature.", &GPU_LABELS))?;
+    let power = f.add(gauges("baleen_gpu_power_watts", "GPU power draw.", &GPU_LABELS))?;
+    for g in &gpus {
+        let index = g.index.to_string();
+        let labels = [g.uuid.as_str(), index.as_str(), g.model.as_str()];
+        gpu_info.with_label_values(&labels).set(1);
+        gpu_memory_total.with_label_values(&labels).set(int(g.memory_bytes));
+        gpu_memory_granted.with_label_values(&labels).set(int(g.granted_bytes));
+        gpu_units.with_label_values(&labels).set(i64::from(g.units));
+        gpu_units_held.with_label_values(&labels).set(i64::from(g.units_held));
+        gpu_healthy.with_label_values(&labels).set(i64::from(g.healthy));
+        let mode = [g.uuid.as_str(), index.as_str(), g.model.as_str(), g.mode.as_str()];
+        gpu_mode.with_label_values(&mode).set(1);
+        if sources.mps_enforced && g.units > 0 {
+            gpu_mps_up.with_label_values(&labels).set(i64::from(g.shares_enforced));
+            if let Some(&n) = clients.get(&g.uuid) {
+                mps_clients.with_label_values(&labels).set(int(n as u64));
+            }
+        }
+        if let Some(reason) = reasons.get(&g.uuid).filter(|_| !g.healthy) {
+            let with_reason = [g.uuid.as_str(), index.as_str(), g.model.as_str(), reason.as_str()];
+            unhealthy_reason.with_label_values(&with_reason).set(1);
+        }
+        let free = i64::from(g.units.saturating_sub(g.units_held));
+        let offered = g.healthy && g.shares_enforced && g.mode != GpuMode::Exclusive;
+        largest_free.with_label_values(&labels).set(if offered { free } else { 0 });
+        let unusable = if g.mode == GpuMode::Exclusive { free } else { 0 };
+        stranded.with_label_values(&labels).set(unusable);
+        let reading = telemetry
+            .readings
+            .iter()
+            .find(|t| t.gpu.as_ref().is_some_and(|u| u.as_str() == g.uuid));
+        if let Some(t) = reading {
+            if let Some(v) = t.memory_used_bytes {
+                memory_used.with_label_values(&labels).set(int(v));
+            }
+            if let Some(v) = t.gpu_utilisation {
+                utilisation.with_label_values(&labels).set(v);
+            }
+            if let Some(v) = t.memory_utilisation {
+                memory_utilisation.with_label_values(&labels).set(v);
+            }
+            if let Some(v) = t.temperature_celsius {
+                temperature.with_label_values(&labels).set(i64::from(v));
+            }
+            if let Some(v) = t.power_watts {
+                power.with_label_values(&labels).set(v);
+            }
+        }
+    }
+    let telemetry_age = f.add(gauges(
+        "baleen_telemetry_age_seconds",
+        "Seconds since the last good telemetry read (a hung or failing NVML makes it grow).",
+        &[],
+    ))?;
+    if let Some(at) = telemetry.at {
+        telemetry_age.with_label_values::<&str>(&[]).set(at.elapsed().as_secs_f64());
+    }
+
+    // The node's fragmentation.
+    let fragmentation_gpus = f.add(gauges(
+        "baleen_node_fragmentation_gpus",
+        "The node's GPU fragmentation by the FGD measure: the expected free GPU compute, in GPUs, that a task drawn from the target workload (the shapes of this agent's last 1000 grants) could not use.",
+        &[],
+    ))?;
+    fragmentation_gpus.with_label_values::<&str>(&[]).set(fragmentation.milli_gpu / 1000.0);
+    let free_compute = f.add(gauges(
+        "baleen_node_free_compute_gpus",
+        "Free GPU compute, in GPUs, as the fragmentation measure counts it (free units over units per GPU; 0 for GPUs held whole, in MIG mode or unhealthy).",
+        &[],
+    ))?;
+    free_compute.with_label_values::<&str>(&[]).set(fragmentation.free_milli_gpu as f64 / 1000.0);
+    let fragmentation_learned = f.add(int_gauges(
+        "baleen_node_fragmentation_target_grants",
+        "How many grants the fragmentation's target workload is learned from (0: none yet, and the fragmentation is 0).",
+        &[],
+    ))?;
+    fragmentation_learned
+        .with_label_values::<&str>(&[])
+        .set(int(fragmentation.learned_from as u64));
+
+    // The resources advertised.
+    let resource_devices = f.add(int_gauges(
+        "baleen_resource_devices",
+        "Devices the resource advertises.",
+        &["resource"],
+    ))?;
+    let resource_healthy = f.add(int_gauges(
+        "baleen_resource_healthy_devices",
+        "Devices the resource advertises Healthy (allocatable now).",
+        &["resource"],
+    ))?;
+    let resource_allocated = f.add(int_gauges(
+        "baleen_resource_allocated_devices",
+        "Devices of the resource held by containers.",
+        &["resource"],
+    ))?;
+    for (resource, devices, healthy) in &views {
+        let labels = [resource.as_str()];
+        resource_devices.with_label_values(&labels).set(int(*devices as u64));
+        resource_healthy.with_label_values(&labels).set(int(*healthy as u64));
+        let allocated: usize =
+            records.iter().filter(|r| r.resource == *resource).map(|r| r.device_ids.len()).sum();
+        resource_allocated.with_label_values(&labels).set(int(allocated as u64));
+    }
+
+    // The grants, with what the watchdog read of them.
+    let grant_bytes = f.add(int_gauges(
+        "baleen_grant_memory_bytes",
+        "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
+        &GRANT_LABELS,
+    ))?;
+    let grant_used = f.add(int_gauges(
+        "baleen_grant_memory_used_bytes",
+        "GPU memory the processes of a grant's container use together on its GPU (the memory watchdog's last read, processes attributed by their cgroup); labels as baleen_grant_memory_bytes.",
+        &GRANT_LABELS,
+    ))?;
+    let grant_episodes = f.add(counters(
+        "baleen_grant_over_grant_episodes_total",
+        "Times the processes of a gpu-memory grant went over it on its GPU together (the memory watchdog); labels as baleen_grant_memory_bytes.",
+        &GRANT_LABELS,
+    ))?;
+    let usage = watchdog.usage.borrow().clone();
+    // Each grant's usage by key: one lookup per grant, not a scan (the first of a key wins).
+    let mut used_by = std::collections::HashMap::new();
+    for u in &usage {
+        used_by.entry((u.gpu.as_str(), u.resource.as_str(), u.device_ids.as_slice())).or_insert(u);
+    }
+    for (record, gpu, bytes, holder) in grants {
+        let (namespace, pod, container) =
+            holder.map(|k| (k.namespace, k.pod, k.container)).unwrap_or_default();
+        let labels = [
+            namespace.as_str(),
+            pod.as_str(),
+            container.as_str(),
+            record.resource.as_str(),
+            gpu.as_str(),
+        ];
+        grant_bytes.with_label_values(&labels).set(int(bytes));
+        let used =
+            used_by.get(&(gpu.as_str(), record.resource.as_str(), record.device_ids.as_slice()));
+        if let Some(u) = used {
+            grant_used.with_label_values(&labels).set(int(u.used_bytes));
+            grant_episodes.with_label_values(&labels).inc_by(u.over_grant_episodes);
+        }
+    }
+
+    // The memory watchdog: containers over their grant, processes without one, what it did.
+    let over_grant = f.add(int_gauges(
+        "baleen_container_gpu_memory_over_grant_bytes",
+        "GPU memory a container uses beyond its gpu-memory grant, while it does (the memory watchdog).",
+        &["gpu_uuid", "pod_uid", "container_id"],
+    ))?;
+    for o in watchdog.over.borrow().iter() {
+        let gpu = o.gpu.to_string();
+        let pod = o.container.pod_uid.as_deref().unwrap_or("");
+        over_grant
+            .with_label_values(&[gpu.as_str(), pod, o.container.container_id.as_str()])
+            .set(int(o.used_bytes.saturating_sub(o.granted_bytes)));
+    }
+    let stray_processes = f.add(int_gauges(
+        "baleen_gpu_processes_without_grant",
+        "Processes of a pod's container using a GPU that no grant of the container covers, for at least watchdog.grace (the memory watchdog; reported, not killed), by reason: no-grant, unknown-pod, unknown-container.",
+        &["gpu_uuid", "reason"],
+    ))?;
+    let stray_bytes = f.add(int_gauges(
+        "baleen_gpu_memory_without_grant_bytes",
+        "GPU memory those processes use; labels as baleen_gpu_processes_without_grant.",
+        &["gpu_uuid", "reason"],
+    ))?;
+    for s in watchdog.strays.borrow().iter() {
+        let gpu = s.gpu.to_string();
+        let labels = [gpu.as_str(), s.reason.label()];
+        stray_processes.with_label_values(&labels).inc();
+        stray_bytes.with_label_values(&labels).add(int(s.used_bytes));
+    }
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let counts = &watchdog.counts;
+    let watchdog_kills = f.add(counters(
+        "baleen_watchdog_killed_processes_total",
+        "Processes the memory watchdog killed: their container stayed over its gpu-memory grant for watchdog.grace (watchdog.action: kill).",
+        &[],
+    ))?;
+    watchdog_kills.with_label_values::<&str>(&[]).inc_by(load(&counts.kills));
+    let watchdog_events = f.add(counters(
+        "baleen_watchdog_events_total",
+        "Kubernetes Events of the memory watchdog, by outcome: queued (for the API server), dropped (the queue was full), failed (the API server refused or did not answer).",
+        &["outcome"],
+    ))?;
+    for (outcome, c) in
+        [("queued", &counts.queued), ("dropped", &counts.dropped), ("failed", &counts.failed)]
+    {
+        watchdog_events.with_label_values(&[outcome]).inc_by(load(c));
+    }
+
+    // NVML.
+    let nvml_failures = f.add(counters(
+        "baleen_nvml_call_failures_total",
+        "NVML calls that failed or returned an unusable value while the agent ran (telemetry, memory watchdog, health watch), by NVML function.",
+        &["call"],
+    ))?;
+    for (call, n) in sources.calls.counts() {
+        nvml_failures.with_label_values(&[call]).inc_by(n);
+    }
+    Ok(f)
+}
+
+/// The agent's metric families, registered in one registry: the state families (read at each
+/// scrape by a [`StateCollector`]) and the counters of the endpoint and telemetry reader.
 pub struct Metrics {
     registry: Registry,
-    gpu_info: IntGaugeVec,
-    gpu_memory_total: IntGaugeVec,
-    gpu_memory_granted: IntGaugeVec,
-    gpu_units: IntGaugeVec,
-    gpu_units_held: IntGaugeVec,
-    gpu_healthy: IntGaugeVec,
-    gpu_mode: IntGaugeVec,
-    gpu_mps_up: IntGaugeVec,
-    resource_devices: IntGaugeVec,
-    resource_healthy: IntGaugeVec,
-    resource_allocated: IntGaugeVec,
-    over_grant: IntGaugeVec,
-    grant_bytes: IntGaugeVec,
-    grant_used: IntGaugeVec,
-    grant_episodes: IntCounterVec,
-    stray_processes: IntGaugeVec,
-    stray_bytes: IntGaugeVec,
-    watchdog_kills: IntCounterVec,
-    watchdog_events: IntCounterVec,
-    nvml_failures: IntCounterVec,
     /// Connections the metrics server closed at accept: it held [`MAX_CONNECTIONS`] already.
-    connections_refused: prometheus::IntCounter,
-    /// One render at a time: a render resets the families and sets them again, so two at once
-    /// could drop each other's series or add a counter twice.
-    rendering: std::sync::Mutex<()>,
-    unhealthy_reason: IntGaugeVec,
-    mps_clients: IntGaugeVec,
-    largest_free: IntGaugeVec,
-    stranded: IntGaugeVec,
-    memory_used: IntGaugeVec,
-    utilisation: GaugeVec,
-    memory_utilisation: GaugeVec,
-    temperature: IntGaugeVec,
-    power: GaugeVec,
-    telemetry_age: GaugeVec,
-    fragmentation: GaugeVec,
-    free_compute: GaugeVec,
-    fragmentation_learned: IntGaugeVec,
+    connections_refused: IntCounter,
     /// Failed telemetry reads (the reader counts them).
     pub telemetry_failures: IntCounter,
 }
 
-fn float_gauge(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> Result<GaugeVec, MetricsError> {
-    let g = GaugeVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)?;
-    registry.register(Box::new(g.clone())).map_err(MetricsError::Register)?;
-    Ok(g)
-}
-
-fn gauge(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> Result<IntGaugeVec, MetricsError> {
-    let g = IntGaugeVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)?;
-    registry.register(Box::new(g.clone())).map_err(MetricsError::Register)?;
-    Ok(g)
-}
-
-fn counter(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> Result<IntCounterVec, MetricsError> {
-    let c = IntCounterVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)?;
-    registry.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
-    Ok(c)
-}
-
 impl Metrics {
-    /// Registers the families in `registry`.
-    pub fn new(registry: Registry, node: &str) -> Result<Self, MetricsError> {
+    /// Registers the families in `registry` (made by [`crate::instruments::registry_for`]).
+    pub fn new(registry: Registry, sources: StateSources) -> Result<Self, MetricsError> {
         let r = &registry;
-        let with = |extra: &'static str| {
-            let mut labels = GPU_LABELS.to_vec();
-            labels.push(extra);
-            labels
+        let state = StateCollector::new(sources).map_err(MetricsError::Register)?;
+        r.register(Box::new(state)).map_err(MetricsError::Register)?;
+        let counter = |name: &str, help: &str| {
+            register(r, IntCounter::with_opts(Opts::new(name, help)))
+                .map_err(MetricsError::Register)
         };
         Ok(Self {
-            gpu_info: gauge(r, "baleen_gpu_info", "A GPU of the node (value 1).", &GPU_LABELS)?,
-            gpu_memory_total: gauge(
-                r,
-                "baleen_gpu_memory_total_bytes",
-                "Memory of the GPU.",
-                &GPU_LABELS,
+            telemetry_failures: counter(
+                "baleen_telemetry_read_failures_total",
+                "Telemetry reads that failed.",
             )?,
-            gpu_memory_granted: gauge(
-                r,
-                "baleen_gpu_memory_granted_bytes",
-                "Memory of the GPU handed out: all of it when held whole, else its gpu-memory units held times the unit.",
-                &GPU_LABELS,
+            connections_refused: counter(
+                "baleen_metrics_connections_refused_total",
+                "Connections the metrics server closed at once because it held its maximum already (a client holding connections open, or too many scrapers).",
             )?,
-            gpu_units: gauge(
-                r,
-                "baleen_gpu_memory_units",
-                "gpu-memory units the GPU offers.",
-                &GPU_LABELS,
-            )?,
-            gpu_units_held: gauge(
-                r,
-                "baleen_gpu_memory_units_held",
-                "gpu-memory units of the GPU held by containers.",
-                &GPU_LABELS,
-            )?,
-            gpu_healthy: gauge(
-                r,
-                "baleen_gpu_healthy",
-                "1 if the GPU is healthy (no critical XID, the health watch runs).",
-                &GPU_LABELS,
-            )?,
-            gpu_mode: gauge(
-                r,
-                "baleen_gpu_mode",
-                "How the GPU serves now (value 1 on the series of its mode: idle, exclusive, shared or mig).",
-                &with("mode"),
-            )?,
-            gpu_mps_up: gauge(
-                r,
-                "baleen_gpu_mps_daemon_up",
-                "1 if the GPU's MPS daemon answers (its memory units are offered only then); only for GPUs whose units MPS enforces.",
-                &GPU_LABELS,
-            )?,
-            resource_devices: gauge(
-                r,
-                "baleen_resource_devices",
-                "Devices the resource advertises.",
-                &["node", "resource"],
-            )?,
-            resource_healthy: gauge(
-                r,
-                "baleen_resource_healthy_devices",
-                "Devices the resource advertises Healthy (allocatable now).",
-                &["node", "resource"],
-            )?,
-            resource_allocated: gauge(
-                r,
-                "baleen_resource_allocated_devices",
-                "Devices of the resource held by containers.",
-                &["node", "resource"],
-            )?,
-            over_grant: gauge(
-                r,
-                "baleen_container_gpu_memory_over_grant_bytes",
-                "GPU memory a container uses beyond its gpu-memory grant, while it does (the memory watchdog).",
-                &["node", "gpu_uuid", "pod_uid", "container_id"],
-            )?,
-            grant_bytes: gauge(
-                r,
-                "baleen_grant_memory_bytes",
-                "GPU memory granted to a container on one GPU (gpu-memory units times the unit, a whole GPU's or a MIG instance's memory); pod labels from the kubelet's pod-resources list, empty until it lists the grant. The series ends with the grant.",
-                &GRANT_LABELS,
-            )?,
-            mps_clients: gauge(
-                r,
-                "baleen_gpu_mps_clients",
-                "MPS client processes on the GPU at the last probe of its daemon.",
-                &GPU_LABELS,
-            )?,
-            unhealthy_reason: gauge(
-                r,
-                "baleen_gpu_unhealthy_reason",
-                "Why an unhealthy GPU is (value 1, while it is): a critical XID, or the health watch failing or not running.",
-                &with("reason"),
-            )?,
-            largest_free: gauge(
-                r,
-                "baleen_gpu_memory_units_largest_free",
-                "gpu-memory units one container could get on this GPU now (its free units when they are offered, else 0): the largest block a request of one GPU can use.",
-                &GPU_LABELS,
-            )?,
-            stranded: gauge(
-                r,
-                "baleen_gpu_memory_units_stranded",
-                "gpu-memory units free but unusable because the GPU is held whole through another view.",
-                &GPU_LABELS,
-            )?,
-            memory_used: gauge(
-                r,
-                "baleen_gpu_memory_used_bytes",
-                "GPU memory in use (NVML), as of the last telemetry read.",
-                &GPU_LABELS,
-            )?,
-            utilisation: float_gauge(
-                r,
-                "baleen_gpu_utilization_ratio",
-                "Share of the last sample period a kernel ran on the GPU, 0 to 1.",
-                &GPU_LABELS,
-            )?,
-            memory_utilisation: float_gauge(
-                r,
-                "baleen_gpu_memory_utilization_ratio",
-                "Share of the last sample period the GPU's memory was read or written, 0 to 1.",
-                &GPU_LABELS,
-            )?,
-            temperature: gauge(
-                r,
-                "baleen_gpu_temperature_celsius",
-                "GPU die temperature.",
-                &GPU_LABELS,
-            )?,
-            power: float_gauge(r, "baleen_gpu_power_watts", "GPU power draw.", &GPU_LABELS)?,
-            telemetry_age: float_gauge(
-                r,
-                "baleen_telemetry_age_seconds",
-                "Seconds since the last good telemetry read (a hung or failing NVML makes it grow).",
-                &["node"],
-            )?,
-            fragmentation: float_gauge(
-                r,
-                "baleen_node_fragmentation_gpus",
-                "The node's GPU fragmentation by the FGD measure: the expected free GPU compute, in GPUs, that a task drawn from the target workload (the shapes of this agent's last 1000 grants) could not use.",
-                &["node"],
-            )?,
-            free_compute: float_gauge(
-                r,
-                "baleen_node_free_compute_gpus",
-                "Free GPU compute, in GPUs, as the fragmentation measure counts it (free units over units per GPU; 0 for GPUs held whole, in MIG mode or unhealthy).",
-                &["node"],
-            )?,
-            fragmentation_learned: gauge(
-                r,
-                "baleen_node_fragmentation_target_grants",
-                "How many grants the fragmentation's target workload is learned from (0: none yet, and the fragmentation is 0).",
-                &["node"],
-            )?,
-            telemetry_failures: {
-                let c = IntCounter::with_opts(
-                    Opts::new(
-                        "baleen_telemetry_read_failures_total",
-                        "Telemetry reads that failed.",
-                    )
-                    .const_label("node", node),
-                )
-                .map_err(MetricsError::Register)?;
-                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
-                c
-            },
-            grant_used: gauge(
-                r,
-                "baleen_grant_memory_used_bytes",
-                "GPU memory the processes of a grant's container use together on its GPU (the memory watchdog's last read, processes attributed by their cgroup); labels as baleen_grant_memory_bytes.",
-                &GRANT_LABELS,
-            )?,
-            grant_episodes: counter(
-                r,
-                "baleen_grant_over_grant_episodes_total",
-                "Times the processes of a gpu-memory grant went over it on its GPU together (the memory watchdog); labels as baleen_grant_memory_bytes.",
-                &GRANT_LABELS,
-            )?,
-            stray_processes: gauge(
-                r,
-                "baleen_gpu_processes_without_grant",
-                "Processes of a pod's container using a GPU that no grant of the container covers, for at least watchdog.grace (the memory watchdog; reported, not killed), by reason: no-grant, unknown-pod, unknown-container.",
-                &["node", "gpu_uuid", "reason"],
-            )?,
-            stray_bytes: gauge(
-                r,
-                "baleen_gpu_memory_without_grant_bytes",
-                "GPU memory those processes use; labels as baleen_gpu_processes_without_grant.",
-                &["node", "gpu_uuid", "reason"],
-            )?,
-            watchdog_kills: counter(
-                r,
-                "baleen_watchdog_killed_processes_total",
-                "Processes the memory watchdog killed: their container stayed over its gpu-memory grant for watchdog.grace (watchdog.action: kill).",
-                &["node"],
-            )?,
-            watchdog_events: counter(
-                r,
-                "baleen_watchdog_events_total",
-                "Kubernetes Events of the memory watchdog, by outcome: queued (for the API server), dropped (the queue was full), failed (the API server refused or did not answer).",
-                &["node", "outcome"],
-            )?,
-            nvml_failures: counter(
-                r,
-                "baleen_nvml_call_failures_total",
-                "NVML calls that failed or returned an unusable value while the agent ran (telemetry, memory watchdog, health watch), by NVML function.",
-                &["node", "call"],
-            )?,
-            connections_refused: {
-                let c = prometheus::IntCounter::with_opts(
-                    Opts::new(
-                        "baleen_metrics_connections_refused_total",
-                        "Connections the metrics server closed at once because it held its maximum already (a client holding connections open, or too many scrapers).",
-                    )
-                    .const_label("node", node),
-                )
-                .map_err(MetricsError::Register)?;
-                r.register(Box::new(c.clone())).map_err(MetricsError::Register)?;
-                c
-            },
-            rendering: std::sync::Mutex::new(()),
             registry,
         })
     }
 
-    /// The text exposition of the state now.
-    pub fn render(
-        &self,
-        node: &str,
-        resources: &NodeResources,
-        watchdog: &Published,
-        calls: &CallFailures,
-        telemetry: &TelemetryRead,
-        mps_enforced: bool,
-    ) -> String {
-        let _one = self.rendering.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // One lock, one state of the ledger for the whole scrape.
-        let crate::resources::ScrapeView {
-            gpus,
-            views,
-            reasons,
-            clients,
-            records,
-            fragmentation,
-            grants,
-        } = resources.scrape_view();
-        for family in [
-            &self.gpu_info,
-            &self.gpu_memory_total,
-            &self.gpu_memory_granted,
-            &self.gpu_units,
-            &self.gpu_units_held,
-            &self.gpu_healthy,
-            &self.gpu_mode,
-            &self.gpu_mps_up,
-            &self.resource_devices,
-            &self.resource_healthy,
-            &self.resource_allocated,
-            &self.over_grant,
-            &self.grant_bytes,
-            &self.grant_used,
-            &self.stray_processes,
-            &self.stray_bytes,
-            &self.unhealthy_reason,
-            &self.mps_clients,
-            &self.largest_free,
-            &self.stranded,
-            &self.memory_used,
-            &self.temperature,
-            &self.fragmentation_learned,
-        ] {
-            family.reset();
-        }
-        for family in [
-            &self.utilisation,
-            &self.memory_utilisation,
-            &self.power,
-            &self.telemetry_age,
-            &self.fragmentation,
-            &self.free_compute,
-        ] {
-            family.reset();
-        }
-        self.grant_episodes.reset();
-        self.nvml_failures.reset();
-        self.watchdog_kills.reset();
-        self.watchdog_events.reset();
-        let over = watchdog.over.borrow().clone();
-        let usage = watchdog.usage.borrow().clone();
-        let counts = &watchdog.counts;
-        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-        self.watchdog_kills.with_label_values(&[node]).inc_by(load(&counts.kills));
-        for (outcome, c) in
-            [("queued", &counts.queued), ("dropped", &counts.dropped), ("failed", &counts.failed)]
-        {
-            self.watchdog_events.with_label_values(&[node, outcome]).inc_by(load(c));
-        }
-        for (call, n) in calls.counts() {
-            self.nvml_failures.with_label_values(&[node, call]).inc_by(n);
-        }
-        let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        for s in watchdog.strays.borrow().iter() {
-            let gpu = s.gpu.to_string();
-            let labels = [node, gpu.as_str(), s.reason.label()];
-            self.stray_processes.with_label_values(&labels).inc();
-            self.stray_bytes.with_label_values(&labels).add(int(s.used_bytes));
-        }
-        for g in &gpus {
-            let index = g.index.to_string();
-            let labels = [node, g.uuid.as_str(), index.as_str(), g.model.as_str()];
-            self.gpu_info.with_label_values(&labels).set(1);
-            self.gpu_memory_total.with_label_values(&labels).set(int(g.memory_bytes));
-            self.gpu_memory_granted.with_label_values(&labels).set(int(g.granted_bytes));
-            self.gpu_units.with_label_values(&labels).set(i64::from(g.units));
-            self.gpu_units_held.with_label_values(&labels).set(i64::from(g.units_held));
-            self.gpu_healthy.with_label_values(&labels).set(i64::from(g.healthy));
-            let mode = [node, g.uuid.as_str(), index.as_str(), g.model.as_str(), g.mode.as_str()];
-            self.gpu_mode.with_label_values(&mode).set(1);
-            if mps_enforced && g.units > 0 {
-                self.gpu_mps_up.with_label_values(&labels).set(i64::from(g.shares_enforced));
-                if let Some(&n) = clients.get(&g.uuid) {
-                    self.mps_clients.with_label_values(&labels).set(int(n as u64));
-                }
-            }
-            if let Some(reason) = reasons.get(&g.uuid).filter(|_| !g.healthy) {
-                let with_reason =
-                    [node, g.uuid.as_str(), index.as_str(), g.model.as_str(), reason.as_str()];
-                self.unhealthy_reason.with_label_values(&with_reason).set(1);
-            }
-            let free = i64::from(g.units.saturating_sub(g.units_held));
-            let offered = g.healthy && g.shares_enforced && g.mode != GpuMode::Exclusive;
-            self.largest_free.with_label_values(&labels).set(if offered { free } else { 0 });
-            let stranded = if g.mode == GpuMode::Exclusive { free } else { 0 };
-            self.stranded.with_label_values(&labels).set(stranded);
-            let reading = telemetry
-                .readings
-                .iter()
-                .find(|t| t.gpu.as_ref().is_some_and(|u| u.as_str() == g.uuid));
-            if let Some(t) = reading {
-                if let Some(v) = t.memory_used_bytes {
-                    self.memory_used.with_label_values(&labels).set(int(v));
-                }
-                if let Some(v) = t.gpu_utilisation {
-                    self.utilisation.with_label_values(&labels).set(v);
-                }
-                if let Some(v) = t.memory_utilisation {
-                    self.memory_utilisation.with_label_values(&labels).set(v);
-                }
-                if let Some(v) = t.temperature_celsius {
-                    self.temperature.with_label_values(&labels).set(i64::from(v));
-                }
-                if let Some(v) = t.power_watts {
-                    self.power.with_label_values(&labels).set(v);
-                }
-            }
-        }
-        if let Some(at) = telemetry.at {
-            self.telemetry_age.with_label_values(&[node]).set(at.elapsed().as_secs_f64());
-        }
-
-        self.fragmentation.with_label_values(&[node]).set(fragmentation.milli_gpu / 1000.0);
-        self.free_compute
-            .with_label_values(&[node])
-            .set(fragmentation.free_milli_gpu as f64 / 1000.0);
-        self.fragmentation_learned
-            .with_label_values(&[node])
-            .set(int(fragmentation.learned_from as u64));
-        for (resource, devices, healthy) in &views {
-            let labels = [node, resource.as_str()];
-            self.resource_devices.with_label_values(&labels).set(int(*devices as u64));
-            self.resource_healthy.with_label_values(&labels).set(int(*healthy as u64));
-            let allocated: usize = records
-                .iter()
-                .filter(|r| r.resource == *resource)
-                .map(|r| r.device_ids.len())
-                .sum();
-            self.resource_allocated.with_label_values(&labels).set(int(allocated as u64));
-        }
-        // Each grant's usage by key: one lookup per grant, not a scan (the first of a key wins).
-        let mut used_by = std::collections::HashMap::new();
-        for u in &usage {
-            used_by
-                .entry((u.gpu.as_str(), u.resource.as_str(), u.device_ids.as_slice()))
-                .or_insert(u);
-        }
-        for (record, gpu, bytes, holder) in grants {
-            let (namespace, pod, container) =
-                holder.map(|k| (k.namespace, k.pod, k.container)).unwrap_or_default();
-            let labels = [
-                node,
-                namespace.as_str(),
-                pod.as_str(),
-                container.as_str(),
-                record.resource.as_str(),
-                gpu.as_str(),
-            ];
-            self.grant_bytes.with_label_values(&labels).set(int(bytes));
-            let used = used_by.get(&(
-                gpu.as_str(),
-                record.resource.as_str(),
-                record.device_ids.as_slice(),
-            ));
-            if let Some(u) = used {
-                self.grant_used.with_label_values(&labels).set(int(u.used_bytes));
-                self.grant_episodes.with_label_values(&labels).inc_by(u.over_grant_episodes);
-            }
-        }
-        for o in &over {
-            let gpu = o.gpu.to_string();
-            let pod = o.container.pod_uid.as_deref().unwrap_or("");
-            self.over_grant
-                .with_label_values(&[node, gpu.as_str(), pod, o.container.container_id.as_str()])
-                .set(int(o.used_bytes.saturating_sub(o.granted_bytes)));
-        }
+    /// The text exposition of every family now.
+    pub fn render(&self) -> String {
         let mut out = Vec::new();
         // Encoding into memory fails only for invalid families, which registration refused.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
@@ -635,18 +563,10 @@ impl Metrics {
 pub struct Endpoint {
     /// The families.
     pub metrics: Metrics,
-    /// The node's name (a label of every series).
-    pub node: String,
-    /// The ledger.
+    /// The ledger (for readiness).
     pub resources: Arc<NodeResources>,
     /// Each resource's plugin state.
     pub plugins: Vec<(String, watch::Receiver<PluginState>)>,
-    /// What the memory watchdog publishes.
-    pub watchdog: Published,
-    /// NVML call failures so far.
-    pub calls: Arc<CallFailures>,
-    /// The last good telemetry read.
-    pub telemetry: watch::Receiver<TelemetryRead>,
     /// The agent's own measurements (registrations are counted here from the plugins' states).
     pub instruments: Arc<Instruments>,
     /// Whether MPS enforces the gpu-memory units.
@@ -922,21 +842,10 @@ fn render_now(endpoint: &Endpoint) -> String {
             PluginState::Registered { registrations } => registrations,
             _ => 0,
         };
-        let counter = endpoint
-            .instruments
-            .registrations
-            .with_label_values(&[endpoint.node.as_str(), resource.as_str()]);
+        let counter = endpoint.instruments.registrations.with_label_values(&[resource.as_str()]);
         counter.inc_by(registrations.saturating_sub(counter.get()));
     }
-    let telemetry = endpoint.telemetry.borrow().clone();
-    endpoint.metrics.render(
-        &endpoint.node,
-        &endpoint.resources,
-        &endpoint.watchdog,
-        &endpoint.calls,
-        &telemetry,
-        endpoint.mps_enforced,
-    )
+    endpoint.metrics.render()
 }
 
 async fn readyz(State(endpoint): State<Arc<Endpoint>>) -> impl IntoResponse {

@@ -29,51 +29,68 @@ pub struct Metrics {
     nodes: GaugeVec,
 }
 
+/// Registers `metric` in `registry` and gives it back: the extender's one registration helper.
+fn register<M: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: Result<M, prometheus::Error>,
+) -> Result<M, prometheus::Error> {
+    let metric = metric?;
+    registry.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
 impl Metrics {
     /// Registers the families in `registry`.
     pub fn new(registry: Registry) -> Result<Self, prometheus::Error> {
-        let latency = HistogramVec::new(
-            HistogramOpts::new(
-                "baleen_extender_request_seconds",
-                "Time to answer one kube-scheduler call, by verb.",
-            )
-            .buckets(vec![0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0]),
-            &["verb"],
-        )?;
-        let filtered = IntCounterVec::new(
-            Opts::new(
-                "baleen_extender_filtered_nodes_total",
-                "Nodes the filter removed, by reason: full (preemption might help), never (no such GPU, profile or group), no_state (no usable gpu-state annotation).",
+        let r = &registry;
+        let latency = register(
+            r,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "baleen_extender_request_seconds",
+                    "Time to answer one kube-scheduler call, by verb.",
+                )
+                .buckets(vec![0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0]),
+                &["verb"],
             ),
-            &["reason"],
         )?;
-        let bad_requests = IntCounterVec::new(
-            Opts::new(
-                "baleen_extender_bad_requests_total",
-                "Calls answered 400 (not the extender protocol's JSON), by verb.",
+        let filtered = register(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "baleen_extender_filtered_nodes_total",
+                    "Nodes the filter removed, by reason: full (preemption might help), never (no such GPU, profile or group), no_state (no usable gpu-state annotation).",
+                ),
+                &["reason"],
             ),
-            &["verb"],
         )?;
-        let cache_age = prometheus::Gauge::new(
-            "baleen_extender_node_cache_age_seconds",
-            "Seconds since the node cache last changed (-1 before the first node).",
-        )?;
-        let nodes = GaugeVec::new(
-            Opts::new(
-                "baleen_extender_nodes",
-                "Nodes in the cache, by whether their gpu-state can be used.",
+        let bad_requests = register(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "baleen_extender_bad_requests_total",
+                    "Calls answered 400 (not the extender protocol's JSON), by verb.",
+                ),
+                &["verb"],
             ),
-            &["state"],
         )?;
-        for c in [
-            Box::new(latency.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(filtered.clone()),
-            Box::new(bad_requests.clone()),
-            Box::new(cache_age.clone()),
-            Box::new(nodes.clone()),
-        ] {
-            registry.register(c)?;
-        }
+        let cache_age = register(
+            r,
+            prometheus::Gauge::new(
+                "baleen_extender_node_cache_age_seconds",
+                "Seconds since the node cache last changed (-1 before the first node).",
+            ),
+        )?;
+        let nodes = register(
+            r,
+            GaugeVec::new(
+                Opts::new(
+                    "baleen_extender_nodes",
+                    "Nodes in the cache, by whether their gpu-state can be used.",
+                ),
+                &["state"],
+            ),
+        )?;
         Ok(Self { registry, latency, filtered, bad_requests, cache_age, nodes })
     }
 }
@@ -133,6 +150,8 @@ fn parse(app: &App, verb: &str, body: &Bytes) -> Result<ExtenderArgs, Box<Respon
     })
 }
 
+/// One span per call, so that every line it logs names the verb.
+#[tracing::instrument(name = "filter", skip_all, fields(bytes = body.len()))]
 async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
     let args = match parse(&app, "filter", &body) {
@@ -150,6 +169,7 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
     json(StatusCode::OK, serde_json::to_string(&result).unwrap_or_default())
 }
 
+#[tracing::instrument(name = "prioritize", skip_all, fields(bytes = body.len()))]
 async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
     let args = match parse(&app, "prioritize", &body) {

@@ -203,8 +203,8 @@ pub fn start(
 
 /// Sets `baleen_colocation_up`, where the metrics are on.
 fn up(resources: &NodeResources, running: bool) {
-    if let Some((node, i)) = resources.instruments() {
-        i.colocation_up.with_label_values(&[node.as_str()]).set(i64::from(running));
+    if let Some(i) = resources.instruments() {
+        i.colocation_up.with_label_values::<&str>(&[]).set(i64::from(running));
     }
 }
 
@@ -283,13 +283,13 @@ impl Reconciler {
         self.state = state;
         let report = outcome?;
         log(&report);
-        if let Some((node, i)) = self.resources.instruments() {
+        if let Some(i) = self.resources.instruments() {
             for class in [Class::Inference, Class::Training] {
                 let pods = i64::try_from(self.state.count(class)).unwrap_or(i64::MAX);
-                i.colocation_pods.with_label_values(&[node.as_str(), class.name()]).set(pods);
+                i.colocation_pods.with_label_values(&[class.name()]).set(pods);
             }
             let failed = u64::try_from(report.failed.len()).unwrap_or(u64::MAX);
-            i.colocation_failures.with_label_values(&[node.as_str()]).inc_by(failed);
+            i.colocation_failures.with_label_values::<&str>(&[]).inc_by(failed);
         }
         Ok(())
     }

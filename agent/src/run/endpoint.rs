@@ -12,7 +12,7 @@ use super::{AgentConfig, AgentError, Dependencies, Tasks};
 use crate::instruments::Instruments;
 use crate::inventory::CallFailures;
 use crate::isolation::watchdog::Published;
-use crate::metrics::{Endpoint, Metrics, MetricsError, Renderer, TelemetryRead};
+use crate::metrics::{Endpoint, Metrics, MetricsError, Renderer, StateSources, TelemetryRead};
 use crate::resources::NodeResources;
 
 /// What the endpoint reads.
@@ -28,18 +28,26 @@ pub struct Readers<'a> {
 }
 
 /// Starts the telemetry reader and the endpoint when `instruments` are given (the metrics are
-/// on); the address it listens on.
+/// on), its families in `registry`; the address it listens on.
 pub async fn start(
     tasks: &mut Tasks,
     config: &AgentConfig,
     deps: &Dependencies,
+    registry: &prometheus::Registry,
     instruments: Option<Arc<Instruments>>,
     readers: Readers<'_>,
     shutdown: &CancellationToken,
 ) -> Result<Option<SocketAddr>, AgentError> {
     let Some(instruments) = instruments else { return Ok(None) };
-    let metrics = Metrics::new(deps.registry.clone(), &config.node_name)?;
     let (publish, telemetry) = watch::channel(TelemetryRead::default());
+    let sources = StateSources {
+        resources: readers.resources.clone(),
+        watchdog: readers.watchdog.clone(),
+        calls: readers.calls.clone(),
+        telemetry,
+        mps_enforced: config.mps.enabled,
+    };
+    let metrics = Metrics::new(registry.clone(), sources)?;
     let reader = crate::metrics::read_telemetry(
         deps.inventory.clone(),
         config.metrics.interval,
@@ -54,12 +62,8 @@ pub async fn start(
     });
     let endpoint = Arc::new(Endpoint {
         metrics,
-        node: config.node_name.clone(),
         resources: readers.resources.clone(),
         plugins: readers.plugins.to_vec(),
-        watchdog: readers.watchdog.clone(),
-        calls: readers.calls.clone(),
-        telemetry,
         instruments,
         mps_enforced: config.mps.enabled,
         last_render: tokio::sync::Mutex::new(None),

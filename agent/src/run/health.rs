@@ -312,8 +312,8 @@ fn client_for(
 
 /// Counts a transition of `uuid` to `to`, where the metrics are on.
 fn count(resources: &NodeResources, uuid: &str, to: &str) {
-    if let Some((node, i)) = resources.instruments() {
-        i.gpu_health_transitions.with_label_values(&[node.as_str(), uuid, to]).inc();
+    if let Some(i) = resources.instruments() {
+        i.gpu_health_transitions.with_label_values(&[uuid, to]).inc();
     }
 }
 

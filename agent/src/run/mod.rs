@@ -149,8 +149,6 @@ impl AgentConfig {
 pub struct Dependencies {
     /// The node's GPUs (NVML, simulated, or NVML over a fake library).
     pub inventory: Arc<dyn GpuInventory>,
-    /// The registry the metric families are registered in (`main` makes it; no global one).
-    pub registry: prometheus::Registry,
     /// The Kubernetes API (`main`: kube-rs): where the node-state annotation is written and the
     /// node's pods are followed; required when `annotation.enabled` or `colocation.enabled`.
     pub node_api: Option<Arc<dyn crate::kube_api::NodeApi>>,
@@ -331,10 +329,13 @@ impl Agent {
             return Err(AgentError::StoppedBeforeStart);
         }
         // The agent's own measurements, recorded from the first Allocate on.
+        // Every family in one registry of the agent's own (no global one), each series with
+        // the node's name.
+        let registry =
+            crate::instruments::registry_for(&config.node_name).map_err(MetricsError::Register)?;
         let instruments = if config.metrics.enabled {
-            let instruments = Instruments::new(&deps.registry, &config.node_name)
-                .map_err(MetricsError::Register)?;
-            resources.instrument(&config.node_name, instruments.clone());
+            let instruments = Instruments::new(&registry).map_err(MetricsError::Register)?;
+            resources.instrument(instruments.clone());
             Some(instruments)
         } else {
             None
@@ -375,6 +376,7 @@ impl Agent {
             &mut tasks,
             &config,
             &deps,
+            &registry,
             instruments,
             endpoint::Readers {
                 resources: &resources,
