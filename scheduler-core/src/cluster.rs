@@ -5,7 +5,6 @@
 //! carry a prefix from a seeded permutation). The random policy picks a feasible node
 //! uniformly instead.
 
-use crate::fit;
 use crate::ledger::{Allocation, AllocationId, LedgerError, NodeLedger};
 use crate::model::{GpuModel, GpuSet, Request};
 use crate::policy::{Policy, PolicyKind, Scored};
@@ -35,8 +34,7 @@ pub fn select_node(
 ) -> Option<(usize, Scored)> {
     debug_assert_eq!(nodes.len(), ranks.len());
     if !policy.kind().is_deterministic() {
-        let feasible: Vec<usize> =
-            (0..nodes.len()).filter(|&i| fit::node_fits(&nodes[i], request)).collect();
+        let feasible: Vec<usize> = (0..nodes.len()).filter(|&i| nodes[i].fits(request)).collect();
         let pick = match feasible.len() {
             0 => return None,
             // As kube-scheduler: a single feasible node is taken without scoring.
@@ -199,7 +197,7 @@ impl ClusterScheduler {
             if slot.0 != generation {
                 let scored = if !memoise {
                     policy.score(node, request, rng)
-                } else if !fit::node_fits(node, request) {
+                } else if !node.fits(request) {
                     // Scoring starts by this test, and failing it gives no score: cheaper
                     // than a memo look-up, and on a loaded cluster most nodes fail it.
                     None
@@ -267,7 +265,6 @@ fn state_key(key: &mut Vec<u64>, shape: usize, kind: u32, node: &NodeLedger) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fit;
     use crate::frag::TargetWorkload;
     use crate::ledger::AllocationId;
     use crate::model::{GpuDemand, GpuModel, GpuSpec, NodeSpec};
@@ -380,7 +377,7 @@ mod tests {
                 let mut rng = ChaCha8Rng::seed_from_u64(3);
                 let small: Vec<NodeLedger> = specs.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
                 let big: Vec<NodeLedger> = bigger.iter().map(|s| NodeLedger::new(s.clone()).expect("valid")).collect();
-                let fits_small = small.iter().any(|n| fit::node_fits(n, &r));
+                let fits_small = small.iter().any(|n| n.fits(&r));
                 let chosen_small = select_node(&p, &small, &vec![0; small.len()], &r, &mut rng).is_some();
                 let chosen_big = select_node(&p, &big, &vec![0; big.len()], &r, &mut rng).is_some();
                 prop_assert_eq!(chosen_small, fits_small);

@@ -5,7 +5,6 @@
 //! over-commit CPU, memory, a GPU's compute share or its memory units. The agent keeps one
 //! ledger per node; the replay tool keeps one per simulated node.
 
-use crate::fit;
 use crate::model::{GpuDemand, GpuSet, MAX_GPUS_PER_NODE, NodeSpec, Request};
 use crate::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
 use thiserror::Error;
@@ -156,6 +155,46 @@ impl NodeLedger {
         (0..self.gpus.len()).all(|i| self.gpu_is_idle(i))
     }
 
+    /// Whether GPU `index` can serve one GPU's worth of `request`: a shared request when its
+    /// model is allowed and it has the compute share and memory units free, a whole-GPU request
+    /// only when nothing is allocated on it.
+    pub fn gpu_fits(&self, index: usize, request: &Request) -> bool {
+        let spec = &self.spec.gpus[index];
+        if !request.allows_model(&spec.model) {
+            return false;
+        }
+        let free = self.gpus[index];
+        match request.gpu {
+            GpuDemand::None => false,
+            GpuDemand::Whole { .. } => self.gpu_is_idle(index),
+            GpuDemand::Shared { milli, memory } => free.milli >= milli && free.memory >= memory,
+        }
+    }
+
+    /// The GPUs that can serve one GPU's worth of `request`.
+    pub fn fitting_gpus(&self, request: &Request) -> GpuSet {
+        let mut set = GpuSet::EMPTY;
+        for i in 0..self.gpus.len() {
+            if self.gpu_fits(i, request) {
+                set.insert(i);
+            }
+        }
+        set
+    }
+
+    /// Whether free CPU and memory cover `request`.
+    pub fn host_fits(&self, request: &Request) -> bool {
+        self.free_cpu >= request.cpu && self.free_memory >= request.memory
+    }
+
+    /// Whether `request` fits on the node at all: its CPU and memory, and enough GPUs that can
+    /// serve it.
+    pub fn fits(&self, request: &Request) -> bool {
+        self.host_fits(request)
+            && (request.gpu.gpu_count() == 0
+                || self.fitting_gpus(request).len() >= request.gpu.gpu_count() as usize)
+    }
+
     /// The recorded allocations.
     pub fn allocations(&self) -> impl Iterator<Item = (&AllocationId, &Allocation)> {
         self.allocations.iter()
@@ -187,7 +226,7 @@ impl NodeLedger {
         if let Some(i) = gpus.iter().find(|&i| i >= self.gpus.len()) {
             return Err(short(format!("GPU index {i} does not exist")));
         }
-        if let Some(i) = gpus.iter().find(|&i| !fit::gpu_fits(self, i, request)) {
+        if let Some(i) = gpus.iter().find(|&i| !self.gpu_fits(i, request)) {
             return Err(short(format!(
                 "GPU {} ({}) cannot serve {} and {} of GPU memory: {} and {} free",
                 i,

@@ -2,8 +2,8 @@
 //! the kube-scheduler extender (which node).
 //!
 //! - [`units`] and [`model`]: nodes, GPUs and requests in their own types;
-//! - [`ledger`]: one node's allocations, never over-committed;
-//! - [`fit`]: feasibility and in-node GPU candidates;
+//! - [`ledger`]: one node's allocations, never over-committed, and what fits it;
+//! - [`fit`]: in-node GPU candidates (reading the ledger's fits);
 //! - [`node_choice`]: the node agent's in-node choice (tightest shared GPU, best-connected set);
 //! - [`frag`]: the FGD fragmentation measure and its target workload;
 //! - [`packing`]: prices of GPU shares from the bin-packing LP of the target workload;

@@ -8,7 +8,6 @@
 //! - [`best_connected`]: for several whole GPUs, the set with the most NVLink-connected pairs,
 //!   then the most pairs on the same NUMA node, then the lowest indices.
 
-use crate::fit;
 use crate::ledger::NodeLedger;
 use crate::model::{GpuDemand, GpuSet, NodeSpec, Request};
 
@@ -18,7 +17,7 @@ pub fn tightest_shared_gpu(node: &NodeLedger, request: &Request, allowed: GpuSet
     if !matches!(request.gpu, GpuDemand::Shared { .. }) {
         return None;
     }
-    fit::fitting_gpus(node, request)
+    node.fitting_gpus(request)
         .iter()
         .filter(|&i| allowed.contains(i))
         .min_by_key(|&i| (node.gpus()[i].memory, node.gpus()[i].milli, i))

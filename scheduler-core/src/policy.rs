@@ -286,7 +286,7 @@ impl Policy {
         request: &Request,
         rng: &mut dyn RngCore,
     ) -> Option<Scored> {
-        if !fit::node_fits(node, request) {
+        if !node.fits(request) {
             return None;
         }
         match self.kind {
@@ -405,7 +405,7 @@ fn frag_descent(
             node.gpus()[a].milli == node.gpus()[b].milli && spec.gpus[a].model == spec.gpus[b].model
         };
         let mut count = 0;
-        for i in fit::fitting_gpus(node, request).iter() {
+        for i in node.fitting_gpus(request).iter() {
             if !sets[..count].iter().flat_map(|s| s.iter()).any(|j| alike(i, j)) {
                 sets[count] = GpuSet::single(i);
                 count += 1;
@@ -478,7 +478,7 @@ fn frag_descent(
 fn random_gpus(node: &NodeLedger, request: &Request, rng: &mut dyn RngCore) -> Option<GpuSet> {
     match request.gpu {
         GpuDemand::Shared { .. } => {
-            let fitting = fit::fitting_gpus(node, request);
+            let fitting = node.fitting_gpus(request);
             if fitting.is_empty() {
                 return None;
             }
@@ -885,7 +885,7 @@ mod tests {
         };
         if let GpuDemand::Shared { .. } = request.gpu {
             let mut best: Option<Scored> = None;
-            for i in fit::fitting_gpus(node, request).iter() {
+            for i in node.fitting_gpus(request).iter() {
                 let free = node.gpus()[i].milli.0;
                 let regret = prices.map_or(0.0, |(p, w)| w * p.regret(free, share));
                 let score = score_of(delta(GpuSet::single(i)) - regret);
@@ -946,7 +946,7 @@ mod tests {
                     let got = policy.score(&n, r, &mut rng);
                     let target = policy.target();
                     let p = &policy.baleen;
-                    let want = if !fit::node_fits(&n, r) {
+                    let want = if !n.fits(r) {
                         None
                     } else if kind == PolicyKind::Fgd {
                         reference_descent(&n, r, 100.0, None, |spec, free| frag::node_fragment(target, spec, free))
