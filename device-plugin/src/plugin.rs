@@ -179,7 +179,9 @@ impl Plugin {
 
     /// Serves and registers until `shutdown` is cancelled, then removes the socket.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), PluginError> {
-        let result = self.serve_loop(&shutdown).await;
+        // One span per plugin: every line it logs names its resource.
+        let span = tracing::info_span!("plugin", resource = self.resource());
+        let result = tracing::Instrument::instrument(self.serve_loop(&shutdown), span).await;
         self.state.send_replace(PluginState::Stopped);
         tracing::info!(resource = self.resource(), "device plugin stopped");
         result

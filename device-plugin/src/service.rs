@@ -199,24 +199,53 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
     ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
         const OP: &str = "GetPreferredAllocation";
         let request = request.into_inner();
-        let list = self.backend.devices().borrow().clone();
-        let mut container_responses = Vec::with_capacity(request.container_requests.len());
-        for container in &request.container_requests {
-            let checked = check_preferred(&list, container).map_err(|e| self.fail(OP, &e))?;
-            let device_ids =
-                self.backend.preferred_allocation(checked).await.map_err(|e| self.fail(OP, &e))?;
-            container_responses
-                .push(api::ContainerPreferredAllocationResponse { device_i_ds: device_ids });
-        }
-        Ok(Response::new(api::PreferredAllocationResponse { container_responses }))
+        let containers = request.container_requests.len();
+        let span =
+            tracing::info_span!("preferred_allocation", resource = self.resource(), containers);
+        let answer = async {
+            let list = self.backend.devices().borrow().clone();
+            let mut container_responses = Vec::with_capacity(containers);
+            for container in &request.container_requests {
+                let checked = check_preferred(&list, container).map_err(|e| self.fail(OP, &e))?;
+                let device_ids = self
+                    .backend
+                    .preferred_allocation(checked)
+                    .await
+                    .map_err(|e| self.fail(OP, &e))?;
+                container_responses
+                    .push(api::ContainerPreferredAllocationResponse { device_i_ds: device_ids });
+            }
+            Ok(Response::new(api::PreferredAllocationResponse { container_responses }))
+        };
+        tracing::Instrument::instrument(answer, span).await
     }
 
     async fn allocate(
         &self,
         request: Request<api::AllocateRequest>,
     ) -> Result<Response<api::AllocateResponse>, Status> {
-        const OP: &str = "Allocate";
         let request = request.into_inner();
+        let containers = request.container_requests.len();
+        let span = tracing::info_span!("allocate", resource = self.resource(), containers);
+        tracing::Instrument::instrument(self.answer_allocate(request), span).await
+    }
+
+    async fn pre_start_container(
+        &self,
+        _request: Request<api::PreStartContainerRequest>,
+    ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        // Never requested (pre_start_required is false); answered for kubelets that call anyway.
+        Ok(Response::new(api::PreStartContainerResponse {}))
+    }
+}
+
+impl DevicePluginService {
+    /// Allocate's answer (in the call's span).
+    async fn answer_allocate(
+        &self,
+        request: api::AllocateRequest,
+    ) -> Result<Response<api::AllocateResponse>, Status> {
+        const OP: &str = "Allocate";
         if request.container_requests.is_empty() {
             return Err(self.fail(
                 OP,
@@ -249,13 +278,5 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
         }
         let container_responses = granted.into_iter().map(to_container_response).collect();
         Ok(Response::new(api::AllocateResponse { container_responses }))
-    }
-
-    async fn pre_start_container(
-        &self,
-        _request: Request<api::PreStartContainerRequest>,
-    ) -> Result<Response<api::PreStartContainerResponse>, Status> {
-        // Never requested (pre_start_required is false); answered for kubelets that call anyway.
-        Ok(Response::new(api::PreStartContainerResponse {}))
     }
 }
