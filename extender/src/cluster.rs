@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use baleen_k8s::gpu_state::NodeGpuState;
 
-use crate::demand::{Demand, quantity_milli};
+use crate::demand::{AskResource as _, Demand, quantity_milli};
 use crate::place::Host;
 use crate::protocol::{Node, Pod};
 

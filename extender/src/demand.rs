@@ -44,29 +44,16 @@ pub enum DemandError {
     },
 }
 
-/// One container's ask of baleen resources.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Ask {
-    /// `gpu-memory`: units, all on one GPU.
-    GpuMemory(u32),
-    /// `gpu`: whole GPUs.
-    Gpus(u32),
-    /// `mig-<profile>`: instances of one profile.
-    Mig(String, u32),
-    /// `nvlink-group-<size>`: groups of that size.
-    NvlinkGroups(u32, u32),
+pub use baleen_scheduler_core::capacity::Ask;
+
+/// The extended resource an [`Ask`] names.
+pub trait AskResource {
+    /// The resource's name in `domain`.
+    fn resource(&self, domain: &str) -> String;
 }
 
-impl Ask {
-    /// How many devices of its resource it asks.
-    pub fn count(&self) -> u64 {
-        u64::from(match self {
-            Ask::GpuMemory(n) | Ask::Gpus(n) | Ask::Mig(_, n) | Ask::NvlinkGroups(_, n) => *n,
-        })
-    }
-
-    /// The resource's name in `domain`.
-    pub fn resource(&self, domain: &str) -> String {
+impl AskResource for Ask {
+    fn resource(&self, domain: &str) -> String {
         match self {
             Ask::GpuMemory(_) => format!("{domain}/gpu-memory"),
             Ask::Gpus(_) => format!("{domain}/gpu"),

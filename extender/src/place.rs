@@ -14,7 +14,9 @@ use baleen_scheduler_core::model::{GpuDemand, GpuModel, GpuSet, GpuSpec, NodeSpe
 use baleen_scheduler_core::policy::Policy;
 use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
 
-use crate::demand::{Ask, Demand};
+use baleen_scheduler_core::capacity::{Ask, Capacity, GpuCap, Group, ordered};
+
+use crate::demand::{AskResource as _, Demand};
 
 /// The filter's answer for one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,63 +31,22 @@ pub enum Verdict {
     NoState(String),
 }
 
-#[derive(Debug, Clone)]
-struct GpuCap {
-    units_free: u32,
-    /// Memory units are offered.
-    shares: bool,
-    /// Can be taken whole.
-    whole: bool,
-    /// Free MIG instances by profile.
-    mig: BTreeMap<String, u32>,
-}
-
-/// What a node can still give, per GPU, NVLink group and MIG profile.
-#[derive(Debug, Clone)]
-struct Capacity {
-    gpus: Vec<GpuCap>,
-    groups: Vec<(u32, Vec<usize>, bool)>,
-}
-
-impl Capacity {
-    /// What the node can give now, as its document says.
-    fn now(doc: &NodeGpuState) -> Self {
-        let gpus = doc
-            .gpus
-            .iter()
-            .map(|g| {
-                let mut mig = BTreeMap::new();
-                for m in g.mig.iter().filter(|m| m.free) {
-                    *mig.entry(m.profile.clone()).or_insert(0) += 1;
-                }
-                GpuCap {
-                    units_free: g.units_free,
-                    shares: g.shares_offered,
-                    whole: g.healthy && g.mode == GpuMode::Idle,
-                    mig,
-                }
-            })
-            .collect();
-        let groups = doc
-            .nvlink_groups
-            .iter()
-            .map(|n| (n.size, n.gpus.iter().map(|&i| i as usize).collect(), n.free))
-            .collect();
-        Self { gpus, groups }
-    }
-
-    /// What the node could give with nothing allocated (healthy GPUs only).
-    fn empty(doc: &NodeGpuState) -> Self {
-        let gpus = doc
-            .gpus
-            .iter()
-            .map(|g| {
-                let mut mig = BTreeMap::new();
-                if g.healthy {
-                    for m in &g.mig {
-                        *mig.entry(m.profile.clone()).or_insert(0) += 1;
-                    }
-                }
+/// The GPUs' capacity of the node of `doc`, now (as its document says) or `empty` (with nothing
+/// allocated, healthy GPUs only).
+fn capacity(doc: &NodeGpuState, empty: bool) -> Capacity {
+    let gpus = doc
+        .gpus
+        .iter()
+        .map(|g| {
+            let mig: BTreeMap<String, u32> = g
+                .mig
+                .iter()
+                .filter(|m| if empty { g.healthy } else { m.free })
+                .fold(BTreeMap::new(), |mut by, m| {
+                    *by.entry(m.profile.clone()).or_insert(0) += 1;
+                    by
+                });
+            if empty {
                 let plain = g.healthy && g.mode != GpuMode::Mig;
                 GpuCap {
                     units_free: if plain { g.units_total } else { 0 },
@@ -93,122 +54,31 @@ impl Capacity {
                     whole: plain,
                     mig,
                 }
-            })
-            .collect();
-        let mut capacity = Self { gpus, groups: Vec::new() };
-        capacity.groups = doc
+            } else {
+                GpuCap {
+                    units_free: g.units_free,
+                    shares: g.shares_offered,
+                    whole: g.healthy && g.mode == GpuMode::Idle,
+                    mig,
+                }
+            }
+        })
+        .collect();
+    let members = |n: &baleen_k8s::gpu_state::NvlinkGroupEntry| -> Vec<usize> {
+        n.gpus.iter().map(|&i| i as usize).collect()
+    };
+    if empty {
+        let groups: Vec<(u32, Vec<usize>)> =
+            doc.nvlink_groups.iter().map(|n| (n.size, members(n))).collect();
+        Capacity::with_groups_of_whole_gpus(gpus, &groups)
+    } else {
+        let groups = doc
             .nvlink_groups
             .iter()
-            .map(|n| {
-                let members: Vec<usize> = n.gpus.iter().map(|&i| i as usize).collect();
-                let free = members.iter().all(|&i| capacity.gpus.get(i).is_some_and(|g| g.whole));
-                (n.size, members, free)
-            })
+            .map(|n| Group { size: n.size, gpus: members(n), free: n.free })
             .collect();
-        capacity
+        Capacity::new(gpus, groups)
     }
-
-    /// Marks GPU `i` as held whole: no units, no group containing it.
-    fn hold_whole(&mut self, i: usize) {
-        let g = &mut self.gpus[i];
-        g.shares = false;
-        g.units_free = 0;
-        self.not_whole(i);
-    }
-
-    /// GPU `i` can no longer be taken whole, nor any group containing it.
-    fn not_whole(&mut self, i: usize) {
-        self.gpus[i].whole = false;
-        for group in &mut self.groups {
-            if group.1.contains(&i) {
-                group.2 = false;
-            }
-        }
-    }
-
-    /// Takes what `ask` needs, or says why it cannot.
-    fn take(&mut self, ask: &Ask) -> Result<(), String> {
-        match ask {
-            Ask::GpuMemory(n) => {
-                let tightest = self
-                    .gpus
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, g)| g.shares && g.units_free >= *n)
-                    .min_by_key(|(i, g)| (g.units_free, *i))
-                    .map(|(i, _)| i);
-                let Some(i) = tightest else {
-                    let largest = self.gpus.iter().filter(|g| g.shares).map(|g| g.units_free).max();
-                    return Err(format!(
-                        "no GPU has {n} free gpu-memory units (largest free block: {})",
-                        largest.unwrap_or(0)
-                    ));
-                };
-                self.gpus[i].units_free -= n;
-                self.not_whole(i);
-                Ok(())
-            }
-            Ask::Gpus(count) => {
-                let free: Vec<usize> =
-                    (0..self.gpus.len()).filter(|&i| self.gpus[i].whole).collect();
-                if free.len() < *count as usize {
-                    return Err(format!("{} of {count} whole GPUs free", free.len()));
-                }
-                for &i in free.iter().take(*count as usize) {
-                    self.hold_whole(i);
-                }
-                Ok(())
-            }
-            Ask::NvlinkGroups(size, count) => {
-                let free: Vec<Vec<usize>> = self
-                    .groups
-                    .iter()
-                    .filter(|g| g.0 == *size && g.2)
-                    .map(|g| g.1.clone())
-                    .collect();
-                if free.len() < *count as usize {
-                    return Err(format!(
-                        "{} of {count} NVLink groups of {size} GPUs free",
-                        free.len()
-                    ));
-                }
-                for members in free.iter().take(*count as usize) {
-                    for &i in members {
-                        self.hold_whole(i);
-                    }
-                }
-                Ok(())
-            }
-            Ask::Mig(profile, count) => {
-                let free: u32 = self.gpus.iter().filter_map(|g| g.mig.get(profile)).sum();
-                if free < *count {
-                    return Err(format!("{free} of {count} MIG {profile} instances free"));
-                }
-                let mut left = *count;
-                for g in &mut self.gpus {
-                    if let Some(n) = g.mig.get_mut(profile) {
-                        let used = (*n).min(left);
-                        *n -= used;
-                        left -= used;
-                    }
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
-/// The asks of a demand in the order they are placed: whole GPUs and groups first, then MIG,
-/// then memory units, largest first (so a fit found is a real one).
-fn ordered(demand: &Demand) -> Vec<&Ask> {
-    let mut asks: Vec<&Ask> = demand.asks.iter().collect();
-    asks.sort_by_key(|a| match a {
-        Ask::NvlinkGroups(size, n) => (0, u64::MAX - u64::from(*size) * u64::from(*n)),
-        Ask::Gpus(n) => (1, u64::MAX - u64::from(*n)),
-        Ask::Mig(_, n) => (2, u64::MAX - u64::from(*n)),
-        Ask::GpuMemory(n) => (3, u64::MAX - u64::from(*n)),
-    });
-    asks
 }
 
 /// Whether `demand` fits on the node of `doc`, after the pods in `assumed` (bound there, not
@@ -221,21 +91,21 @@ pub fn verdict(doc: &NodeGpuState, assumed: &[&Demand], demand: &Demand, domain:
             return Verdict::Never(format!("the node offers no {resource}"));
         }
     }
-    let mut empty = Capacity::empty(doc);
-    for ask in ordered(demand) {
+    let mut empty = capacity(doc, true);
+    for ask in ordered(&demand.asks) {
         if let Err(why) = empty.take(ask) {
             return Verdict::Never(format!("{why} even with nothing allocated"));
         }
     }
-    let mut now = Capacity::now(doc);
+    let mut now = capacity(doc, false);
     for other in assumed {
-        for ask in ordered(other) {
+        for ask in ordered(&other.asks) {
             // A pod the document has not caught up with may already be counted there: taking
             // too much only makes this node look fuller for a moment.
             let _ = now.take(ask);
         }
     }
-    for ask in ordered(demand) {
+    for ask in ordered(&demand.asks) {
         if let Err(why) = now.take(ask) {
             let pending = if assumed.is_empty() {
                 String::new()
@@ -335,7 +205,7 @@ impl NodeModel {
     /// largest GPU ask (a gpu-memory ask of `n` units is `n / units` of one GPU's compute).
     /// `None` for a pod without a GPU ask the model can express (MIG only).
     pub fn request(&self, demand: &Demand) -> Option<Request> {
-        let gpu = ordered(demand).into_iter().find_map(|ask| match ask {
+        let gpu = ordered(&demand.asks).into_iter().find_map(|ask| match ask {
             Ask::Gpus(n) => Some(GpuDemand::Whole { count: *n }),
             Ask::NvlinkGroups(size, n) => Some(GpuDemand::Whole { count: size.saturating_mul(*n) }),
             Ask::GpuMemory(n) => {

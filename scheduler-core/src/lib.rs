@@ -4,6 +4,8 @@
 //! - [`units`] and [`model`]: nodes, GPUs and requests in their own types;
 //! - [`ledger`]: one node's allocations, never over-committed, and what fits it;
 //! - [`fit`]: in-node GPU candidates (reading the ledger's fits);
+//! - [`capacity`]: what a node can still give per GPU, NVLink group and MIG profile, and
+//!   whether a pod's asks fit it (the extender's filter verdict);
 //! - [`node_choice`]: the node agent's in-node choice (tightest shared GPU, best-connected set);
 //! - [`frag`]: the FGD fragmentation measure and its target workload;
 //! - [`packing`]: prices of GPU shares from the bin-packing LP of the target workload;
@@ -48,6 +50,7 @@
 //! # Ok::<(), baleen_scheduler_core::ledger::LedgerError>(())
 //! ```
 
+pub mod capacity;
 pub mod cluster;
 pub mod fit;
 pub mod frag;

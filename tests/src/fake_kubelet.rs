@@ -572,7 +572,11 @@ impl Registration {
         let view = shared.view.clone();
         let name = resource.clone();
         let mut stream_client = client.clone();
+        // The stream's first list may reach the view only once the plugin is in the books: a
+        // test that waits for devices can then admit at once.
+        let (booked, is_booked) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
+            let _ = is_booked.await;
             let Ok(Ok(response)) =
                 tokio::time::timeout(DIAL_TIMEOUT, stream_client.list_and_watch(api::Empty {}))
                     .await
@@ -600,6 +604,7 @@ impl Registration {
         if let Some(old) = old {
             old.stream.abort();
         }
+        let _ = booked.send(());
         Ok(())
     }
 }
