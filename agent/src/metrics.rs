@@ -149,7 +149,7 @@ pub struct StateSources {
 /// The families that describe the node's state, built afresh at every scrape from one reading
 /// of [`StateSources`] (a `prometheus` collector): a series lives exactly as long as what it
 /// describes, and there is nothing to reset. A new state family is one `add` in
-/// [`state_families`] and its row in docs/metrics.md.
+/// `state_families` and its row in docs/metrics.md.
 pub struct StateCollector {
     sources: StateSources,
     descs: Vec<Desc>,
