@@ -1,8 +1,9 @@
 //! What a node can still give, per GPU, NVLink group and MIG profile, and whether a pod's asks
 //! fit it: gpu-memory units all on one GPU, whole GPUs, NVLink groups and MIG instances. The
 //! extender builds a [`Capacity`] from a node's published state and asks it for its filter
-//! verdict; the agent's ledger publishes that state, and a property test
-//! (`tests/tests/e2e/agreement.rs`) holds the two to the same answer.
+//! verdict; the agent's ledger asks it whether the MIG instances or NVLink groups a
+//! GetPreferredAllocation names can be given, and publishes the state the extender reads; a
+//! property test (`tests/tests/e2e/agreement.rs`) holds the two to the same answer.
 
 use std::collections::BTreeMap;
 

@@ -1,10 +1,12 @@
 //! The ledger's preferred choice for the kubelet's GetPreferredAllocation: gpu-memory units on
 //! the one GPU that fits tightest (packing, from `baleen-scheduler-core`), whole GPUs as the
-//! best-connected set, MIG instances and NVLink groups in ID order. A preference only: Allocate
+//! best-connected set, MIG instances and NVLink groups in ID order (whether enough of them can
+//! be given: `scheduler_core::capacity`, the extender's rule). A preference only: Allocate
 //! re-checks everything.
 
 use std::collections::BTreeMap;
 
+use baleen_scheduler_core::capacity::{Ask, Capacity, GpuCap, Group};
 use baleen_scheduler_core::model::{GpuDemand, GpuSet, Request};
 use baleen_scheduler_core::node_choice;
 use baleen_scheduler_core::units::{MemMib, MemUnits, MilliCpu, MilliGpu};
@@ -39,6 +41,18 @@ impl DeviceLedger {
                 Ok(set.iter().map(|i| self.slots[i].gpu.uuid.to_string()).collect())
             }
             View::Mig(_) | View::NvlinkGroup(_) => {
+                // Whether `size` of them can be given is scheduler-core's rule, the one the
+                // extender's filter asks of the state this ledger publishes.
+                let mut candidates: Vec<String> = must_include.to_vec();
+                candidates.extend(avail.iter().filter(|id| !must_include.contains(id)).cloned());
+                let n = u32::try_from(size).unwrap_or(u32::MAX);
+                let ask = match view {
+                    View::Mig(profile) => Ask::Mig(profile.clone(), n),
+                    _ => Ask::NvlinkGroups(view_group_size(view), n),
+                };
+                self.capacity_among(view, &candidates)
+                    .take(&ask)
+                    .map_err(|reason| Refusal::Exhausted { reason })?;
                 let mut chosen: Vec<String> = must_include.to_vec();
                 let mut rest: Vec<&String> =
                     avail.iter().filter(|id| !chosen.contains(id)).collect();
@@ -52,6 +66,37 @@ impl DeviceLedger {
                 Ok(chosen)
             }
         }
+    }
+
+    /// What `candidates` (device IDs of `view`, a MIG profile or an NVLink group size) can
+    /// give, in scheduler-core's capacity model: the MIG instances among them on each GPU, or
+    /// which of the node's groups of that size are among them.
+    fn capacity_among(&self, view: &View, candidates: &[String]) -> Capacity {
+        let none = || GpuCap { units_free: 0, shares: false, whole: false, mig: BTreeMap::new() };
+        let mut gpus: Vec<GpuCap> = (0..self.slots.len()).map(|_| none()).collect();
+        let mut groups = Vec::new();
+        match view {
+            View::Mig(profile) => {
+                for id in candidates {
+                    if let Ok(p) = self.parse(view, std::slice::from_ref(id)) {
+                        for i in p.gpus.iter() {
+                            *gpus[i].mig.entry(profile.clone()).or_insert(0) += 1;
+                        }
+                    }
+                }
+            }
+            View::NvlinkGroup(size) => {
+                for g in self.groups.iter().filter(|g| g.size == *size) {
+                    groups.push(Group {
+                        size: g.size,
+                        gpus: g.members.iter().collect(),
+                        free: candidates.contains(&g.id),
+                    });
+                }
+            }
+            View::Gpu | View::GpuMemory => {}
+        }
+        Capacity::new(gpus, groups)
     }
 
     fn preferred_units(
@@ -118,5 +163,13 @@ impl DeviceLedger {
             }
         }
         Ok(chosen)
+    }
+}
+
+/// The group size of an NVLink-group view (0 for another view).
+fn view_group_size(view: &View) -> u32 {
+    match view {
+        View::NvlinkGroup(size) => *size,
+        _ => 0,
     }
 }

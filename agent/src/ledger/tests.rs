@@ -546,3 +546,27 @@ fn allocations_on_an_unreadable_gpu_are_parked_and_their_other_gpus_reserved() {
     assert!(state.restore(std::slice::from_ref(&listed)).is_empty());
     assert_eq!(state.parked().len(), 2);
 }
+
+/// Issue 23, step 7: whether the MIG instances or NVLink groups asked can be given is
+/// scheduler-core's capacity rule (the extender's filter asks the same of the published state),
+/// and its reason is the refusal's.
+#[test]
+fn mig_and_nvlink_preferences_are_refused_by_the_cores_capacity_rule() {
+    let state = example("a100-4x-mig.yaml");
+    let view = View::Mig("1g.10gb".into());
+    let all: Vec<String> = state.devices(&view).into_iter().map(|d| d.id).collect();
+    assert_eq!(all.len(), 2);
+    assert_eq!(state.preferred(&view, &all, &[], 2).expect("both").len(), 2);
+    let Err(Refusal::Exhausted { reason }) = state.preferred(&view, &all, &[], 3) else {
+        panic!("three of two instances")
+    };
+    assert_eq!(reason, "2 of 3 MIG 1g.10gb instances free");
+    let state = example("h200-8x-nvswitch.yaml");
+    let view = View::NvlinkGroup(4);
+    let all: Vec<String> = state.devices(&view).into_iter().map(|d| d.id).collect();
+    assert_eq!(state.preferred(&view, &all, &[], 2).expect("both groups of 4").len(), 2);
+    let Err(Refusal::Exhausted { reason }) = state.preferred(&view, &all[..1], &[], 2) else {
+        panic!("two groups of one offered")
+    };
+    assert_eq!(reason, "1 of 2 NVLink groups of 4 GPUs free");
+}
