@@ -43,8 +43,8 @@ fn render(overlay: &str) -> Result<String> {
     let out = Command::new("kubectl").arg("kustomize").arg(&dir).output().map_err(|e| {
         anyhow!(
             "cannot run kubectl ({e}): these tests render the install with kubectl's built-in \
-             kustomize; install kubectl 1.27 or later (https://kubernetes.io/docs/tasks/tools/) \
-             and put it on PATH"
+             kustomize; put kubectl 1.27 or later on PATH (scripts/install-kube-tools.sh \
+             installs kubectl 1.34.5 and prints where)"
         )
     })?;
     ensure!(
