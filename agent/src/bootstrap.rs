@@ -116,10 +116,19 @@ pub fn run_mps(args: &RunArgs) -> Result<(), RunError> {
     Ok(())
 }
 
-/// Logs to stderr with `filter` (already validated by the configuration).
+/// Logs to stderr with `filter` (already validated by the configuration): in colour only on a
+/// terminal (never escape codes in a file or a pipe), and a line that cannot be written (stderr a
+/// pipe whose reader is gone: `... | tee log`, then Ctrl-C) is dropped. tracing-subscriber would
+/// otherwise report the failed write with `eprintln!`, which panics on the same closed pipe:
+/// that panic, in the task that had just received SIGINT, left the agent running.
 fn init_logging(format: LogFormat, filter: &str) {
+    use std::io::IsTerminal as _;
     let filter = tracing_subscriber::EnvFilter::new(filter);
-    let subscriber = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .log_internal_errors(false);
     // A second initialisation (tests calling this twice) keeps the first subscriber.
     let _ = match format {
         LogFormat::Json => subscriber.json().try_init(),
@@ -141,8 +150,9 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
-    tracing::info!("shutting down");
+    // Stop first, then say so: nothing that saying it could do may keep the agent running.
     shutdown.cancel();
+    tracing::info!("shutting down");
     // Every step honours the token; one that does not (a call blocked in the kernel or a
     // driver) must not make the process ignore SIGTERM until the kubelet's SIGKILL.
     std::thread::spawn(|| {

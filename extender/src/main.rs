@@ -11,9 +11,13 @@ use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // Colour only on a terminal; a line that cannot be written (stderr a closed pipe) is
+    // dropped, not reported by a panicking eprintln! (see the agent's bootstrap).
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log_level))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .log_internal_errors(false)
         .init();
     let policy: PolicyKind = match args.policy.parse() {
         Ok(p) => p,

@@ -2,4 +2,5 @@
 //! and the agent binary's start-up against hostile files at its state paths.
 
 mod layout;
+mod signals;
 mod state_files;
