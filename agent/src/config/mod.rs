@@ -203,7 +203,7 @@ fn resolve_with(
     let domain = sections::node::domain(&src, &mut problems);
     let views = sections::resources::resolve(&src, domain.clone(), &mut problems);
     let devices = sections::devices::resolve(&src, &mut problems);
-    let paths = sections::paths::resolve(&src);
+    let paths = sections::paths::resolve(&src, &mut problems);
     let reconcile = sections::reconcile::resolve(&src, &mut problems);
     let mps = sections::mps::resolve(&src, paths.mps_root, &mut problems);
     let health = sections::health::resolve(&src, mps.enabled, &mut problems);
@@ -351,6 +351,28 @@ mod tests {
             assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
         }
         assert_eq!(err.problems.len(), 3, "{text}");
+    }
+
+    /// Issue 24, item 5: a directory setting that names a file is a configuration error at its
+    /// key (exit 64), not a lock failure later.
+    #[test]
+    fn a_state_or_plugin_directory_that_is_a_file_is_a_problem_at_its_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let not_a_dir = dir.path().join("a-file");
+        std::fs::write(&not_a_dir, "").expect("write");
+        let file = dir.path().join("agent.yaml");
+        let at = not_a_dir.display();
+        std::fs::write(&file, format!("nodeName: n\npaths:\n  stateDir: {at}\n")).expect("write");
+        let args = RunArgs { config: Some(file), ..RunArgs::default() };
+        let err = resolve(&args, &Environment::default()).expect_err("a file");
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("agent.yaml:3: {at} (stateDir) is not a directory")),
+            "{text}"
+        );
+        let flag = RunArgs { device_plugin_dir: Some(not_a_dir.clone()), ..args };
+        let text = resolve(&flag, &Environment::default()).expect_err("two").to_string();
+        assert!(text.contains(&format!("{at} (devicePluginDir) is not a directory")), "{text}");
     }
 
     #[test]

@@ -19,7 +19,16 @@ const RETRY: Duration = Duration::from_millis(500);
 /// Why the lock could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// The state directory or the lock file cannot be created or locked.
+    /// The state directory cannot be created.
+    #[error("cannot create the state directory {}", dir.display())]
+    StateDir {
+        /// The state directory.
+        dir: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The lock file cannot be created or locked.
     #[error("cannot lock {}", path.display())]
     Io {
         /// The lock file.
@@ -44,7 +53,8 @@ pub async fn acquire(
 ) -> Result<Option<InstanceLock>, LockError> {
     let path = state_dir.join(LOCK_FILE);
     let io = |source| LockError::Io { path: path.clone(), source };
-    std::fs::create_dir_all(state_dir).map_err(io)?;
+    std::fs::create_dir_all(state_dir)
+        .map_err(|source| LockError::StateDir { dir: state_dir.to_owned(), source })?;
     let file =
         OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io)?;
     let mut logged = false;

@@ -4,8 +4,9 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::Sources;
+use super::{Sources, place};
 use crate::defaults;
+use crate::yaml::{Problems, Seg};
 
 /// `paths:` in the file.
 #[derive(Debug, Default, Deserialize)]
@@ -37,13 +38,15 @@ pub(in crate::config) struct Paths {
     pub(in crate::config) proc_root: PathBuf,
 }
 
-/// Flag < file < default, per path.
-pub(in crate::config) fn resolve(src: &Sources<'_>) -> Paths {
+/// Flag < file < default, per path. A directory setting that names something other than a
+/// directory (a file, say) is a problem at its key: the agent would fail on it later, with a
+/// less clear error.
+pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> Paths {
     let (args, paths) = (src.args, &src.file.paths);
     let pick = |flag: &Option<PathBuf>, file: &Option<PathBuf>, default: &str| {
         flag.clone().or(file.clone()).unwrap_or_else(|| PathBuf::from(default))
     };
-    Paths {
+    let resolved = Paths {
         device_plugin_dir: pick(
             &args.device_plugin_dir,
             &paths.device_plugin_dir,
@@ -58,5 +61,18 @@ pub(in crate::config) fn resolve(src: &Sources<'_>) -> Paths {
         boot_id_file: pick(&args.boot_id_file, &paths.boot_id_file, defaults::BOOT_ID_FILE),
         mps_root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
         proc_root: pick(&None, &paths.proc_root, defaults::PROC_ROOT),
+    };
+    for (dir, flag, key) in [
+        (&resolved.state_dir, args.state_dir.is_some(), "stateDir"),
+        (&resolved.device_plugin_dir, args.device_plugin_dir.is_some(), "devicePluginDir"),
+        (&resolved.mps_root, args.mps_root.is_some(), "mpsRoot"),
+    ] {
+        if dir.exists() && !dir.is_dir() {
+            problems.add(
+                place(flag, &[Seg::Key("paths"), Seg::Key(key)]),
+                format!("{} ({key}) is not a directory", dir.display()),
+            );
+        }
     }
+    resolved
 }
