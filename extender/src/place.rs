@@ -31,54 +31,60 @@ pub enum Verdict {
     NoState(String),
 }
 
-/// The GPUs' capacity of the node of `doc`, now (as its document says) or `empty` (with nothing
-/// allocated, healthy GPUs only).
-fn capacity(doc: &NodeGpuState, empty: bool) -> Capacity {
+/// MIG instances counted by profile.
+fn mig_counts<'a>(
+    mig: impl Iterator<Item = &'a baleen_k8s::gpu_state::MigEntry>,
+) -> BTreeMap<String, u32> {
+    let mut by = BTreeMap::new();
+    for m in mig {
+        *by.entry(m.profile.clone()).or_insert(0) += 1;
+    }
+    by
+}
+
+/// A group's GPUs, by index.
+fn members(n: &baleen_k8s::gpu_state::NvlinkGroupEntry) -> Vec<usize> {
+    n.gpus.iter().map(|&i| i as usize).collect()
+}
+
+/// What the node of `doc` can give now, as its document says.
+fn capacity_now(doc: &NodeGpuState) -> Capacity {
+    let gpus = doc
+        .gpus
+        .iter()
+        .map(|g| GpuCap {
+            units_free: g.units_free,
+            shares: g.shares_offered,
+            whole: g.healthy && g.mode == GpuMode::Idle,
+            mig: mig_counts(g.mig.iter().filter(|m| m.free)),
+        })
+        .collect();
+    let groups = doc
+        .nvlink_groups
+        .iter()
+        .map(|n| Group { size: n.size, gpus: members(n), free: n.free })
+        .collect();
+    Capacity::new(gpus, groups)
+}
+
+/// What the node of `doc` could give with nothing allocated (healthy GPUs only).
+fn capacity_empty(doc: &NodeGpuState) -> Capacity {
     let gpus = doc
         .gpus
         .iter()
         .map(|g| {
-            let mig: BTreeMap<String, u32> = g
-                .mig
-                .iter()
-                .filter(|m| if empty { g.healthy } else { m.free })
-                .fold(BTreeMap::new(), |mut by, m| {
-                    *by.entry(m.profile.clone()).or_insert(0) += 1;
-                    by
-                });
-            if empty {
-                let plain = g.healthy && g.mode != GpuMode::Mig;
-                GpuCap {
-                    units_free: if plain { g.units_total } else { 0 },
-                    shares: plain && g.units_total > 0,
-                    whole: plain,
-                    mig,
-                }
-            } else {
-                GpuCap {
-                    units_free: g.units_free,
-                    shares: g.shares_offered,
-                    whole: g.healthy && g.mode == GpuMode::Idle,
-                    mig,
-                }
+            let plain = g.healthy && g.mode != GpuMode::Mig;
+            GpuCap {
+                units_free: if plain { g.units_total } else { 0 },
+                shares: plain && g.units_total > 0,
+                whole: plain,
+                mig: mig_counts(g.mig.iter().filter(|_| g.healthy)),
             }
         })
         .collect();
-    let members = |n: &baleen_k8s::gpu_state::NvlinkGroupEntry| -> Vec<usize> {
-        n.gpus.iter().map(|&i| i as usize).collect()
-    };
-    if empty {
-        let groups: Vec<(u32, Vec<usize>)> =
-            doc.nvlink_groups.iter().map(|n| (n.size, members(n))).collect();
-        Capacity::with_groups_of_whole_gpus(gpus, &groups)
-    } else {
-        let groups = doc
-            .nvlink_groups
-            .iter()
-            .map(|n| Group { size: n.size, gpus: members(n), free: n.free })
-            .collect();
-        Capacity::new(gpus, groups)
-    }
+    let groups: Vec<(u32, Vec<usize>)> =
+        doc.nvlink_groups.iter().map(|n| (n.size, members(n))).collect();
+    Capacity::with_groups_of_whole_gpus(gpus, &groups)
 }
 
 /// Whether `demand` fits on the node of `doc`, after the pods in `assumed` (bound there, not
@@ -91,13 +97,13 @@ pub fn verdict(doc: &NodeGpuState, assumed: &[&Demand], demand: &Demand, domain:
             return Verdict::Never(format!("the node offers no {resource}"));
         }
     }
-    let mut empty = capacity(doc, true);
+    let mut empty = capacity_empty(doc);
     for ask in ordered(&demand.asks) {
         if let Err(why) = empty.take(ask) {
             return Verdict::Never(format!("{why} even with nothing allocated"));
         }
     }
-    let mut now = capacity(doc, false);
+    let mut now = capacity_now(doc);
     for other in assumed {
         for ask in ordered(&other.asks) {
             // A pod the document has not caught up with may already be counted there: taking

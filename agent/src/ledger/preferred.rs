@@ -40,32 +40,42 @@ impl DeviceLedger {
                 })?;
                 Ok(set.iter().map(|i| self.slots[i].gpu.uuid.to_string()).collect())
             }
-            View::Mig(_) | View::NvlinkGroup(_) => {
-                // Whether `size` of them can be given is scheduler-core's rule, the one the
-                // extender's filter asks of the state this ledger publishes.
-                let mut candidates: Vec<String> = must_include.to_vec();
-                candidates.extend(avail.iter().filter(|id| !must_include.contains(id)).cloned());
-                let n = u32::try_from(size).unwrap_or(u32::MAX);
-                let ask = match view {
-                    View::Mig(profile) => Ask::Mig(profile.clone(), n),
-                    _ => Ask::NvlinkGroups(view_group_size(view), n),
-                };
-                self.capacity_among(view, &candidates)
-                    .take(&ask)
-                    .map_err(|reason| Refusal::Exhausted { reason })?;
-                let mut chosen: Vec<String> = must_include.to_vec();
-                let mut rest: Vec<&String> =
-                    avail.iter().filter(|id| !chosen.contains(id)).collect();
-                rest.sort();
-                chosen.extend(rest.into_iter().take(size.saturating_sub(chosen.len())).cloned());
-                if chosen.len() < size {
-                    return Err(Refusal::Exhausted {
-                        reason: format!("{size} devices asked, {} available", avail.len()),
-                    });
-                }
-                Ok(chosen)
+            View::Mig(profile) => {
+                let ask = Ask::Mig(profile.clone(), u32::try_from(size).unwrap_or(u32::MAX));
+                self.preferred_in_id_order(view, ask, &avail, must_include, size)
+            }
+            View::NvlinkGroup(group) => {
+                let ask = Ask::NvlinkGroups(*group, u32::try_from(size).unwrap_or(u32::MAX));
+                self.preferred_in_id_order(view, ask, &avail, must_include, size)
             }
         }
+    }
+
+    /// `must_include`, then the rest of `avail` in ID order, `size` in all; whether `ask` (those
+    /// `size` devices of `view`) can be given among them is scheduler-core's rule, the one the
+    /// extender's filter asks of the state this ledger publishes.
+    fn preferred_in_id_order(
+        &self,
+        view: &View,
+        ask: Ask,
+        avail: &[String],
+        must_include: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, Refusal> {
+        let mut chosen: Vec<String> = must_include.to_vec();
+        let mut rest: Vec<&String> = avail.iter().filter(|id| !chosen.contains(id)).collect();
+        rest.sort();
+        chosen.extend(rest.into_iter().cloned());
+        self.capacity_among(view, &chosen)
+            .take(&ask)
+            .map_err(|reason| Refusal::Exhausted { reason })?;
+        chosen.truncate(size.max(must_include.len()));
+        if chosen.len() < size {
+            return Err(Refusal::Exhausted {
+                reason: format!("{size} devices asked, {} available", avail.len()),
+            });
+        }
+        Ok(chosen)
     }
 
     /// What `candidates` (device IDs of `view`, a MIG profile or an NVLink group size) can
@@ -163,13 +173,5 @@ impl DeviceLedger {
             }
         }
         Ok(chosen)
-    }
-}
-
-/// The group size of an NVLink-group view (0 for another view).
-fn view_group_size(view: &View) -> u32 {
-    match view {
-        View::NvlinkGroup(size) => *size,
-        _ => 0,
     }
 }
