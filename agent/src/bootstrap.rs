@@ -59,7 +59,7 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
         .map_err(RunError::Runtime)?;
     let outcome = runtime.block_on(async move {
         let shutdown = CancellationToken::new();
-        tokio::spawn(cancel_on_signal(shutdown.clone()));
+        cancel_on_signal(shutdown.clone());
         let kubelet = settings
             .agent
             .device_plugin_dir
@@ -110,7 +110,7 @@ pub fn run_mps(args: &RunArgs) -> Result<(), RunError> {
         .map_err(RunError::Runtime)?;
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
-        tokio::spawn(cancel_on_signal(shutdown.clone()));
+        cancel_on_signal(shutdown.clone());
         crate::run::mps::run_alone(&settings.agent, &inventory, shutdown).await
     })?;
     Ok(())
@@ -136,20 +136,36 @@ fn init_logging(format: LogFormat, filter: &str) {
     };
 }
 
-/// Cancels `shutdown` at the first SIGTERM or SIGINT.
-async fn cancel_on_signal(shutdown: CancellationToken) {
+/// Listens for SIGTERM and SIGINT now, and spawns the task that cancels `shutdown` at the first.
+/// Both listeners exist before this returns, so before the agent logs that it is starting: a
+/// signal that arrives later is kept for the task even if it has not run yet. Made lazily in
+/// the task (as `ctrl_c()` in a `select!` was), a SIGINT sent right after that line could meet
+/// no handler; where the agent inherited SIGINT ignored (started in the background by a
+/// non-interactive shell) it is lost: the likely cause of one clean-clone CI run in which the
+/// agent of `signals.rs` never stopped (not reproduced here).
+fn cancel_on_signal(shutdown: CancellationToken) {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
+    let listeners = signal(SignalKind::terminate())
+        .and_then(|term| Ok((term, signal(SignalKind::interrupt())?)));
+    let (mut term, mut int) = match listeners {
+        Ok(both) => both,
         Err(e) => {
-            tracing::error!(error = %Chain(&e), "cannot listen for SIGTERM");
+            tracing::error!(error = %Chain(&e), "cannot listen for SIGTERM and SIGINT");
             return;
         }
     };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        stop(&shutdown);
+    });
+}
+
+/// Cancels `shutdown`, and exits the process if the agent has not stopped within
+/// [`STOP_DEADLINE`].
+fn stop(shutdown: &CancellationToken) {
     // Stop first, then say so: nothing that saying it could do may keep the agent running.
     shutdown.cancel();
     tracing::info!("shutting down");
