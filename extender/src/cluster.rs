@@ -161,7 +161,12 @@ impl ClusterView {
         self.pods.insert(uid.to_owned(), entry);
     }
 
-    /// Whether the pod with `uid` is known and bound to a node.
+    /// Whether the pod `uid` is in the view (bound or not).
+    pub fn has_pod(&self, uid: &str) -> bool {
+        self.pods.contains_key(uid)
+    }
+
+    /// Whether the pod `uid` is bound to a node.
     pub fn is_bound(&self, uid: &str) -> bool {
         self.pods.get(uid).is_some_and(|p| p.node.is_some())
     }

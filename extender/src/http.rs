@@ -20,6 +20,7 @@ use crate::protocol::ExtenderArgs;
 use crate::service::Extender;
 
 /// The extender's metric families.
+#[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
     latency: HistogramVec,
@@ -95,8 +96,23 @@ impl Metrics {
     }
 }
 
-/// The largest request body accepted (5,000 Nodes of about 20 KiB each fit).
-pub const MAX_BODY_BYTES: usize = 256 << 20;
+/// The largest request body accepted. kube-scheduler with `nodeCacheCapable: true` (the
+/// install's) sends a pod (at most about 1.5 MiB, etcd's object limit) and node names (5,000
+/// names are about 150 KiB); Nodes sent in full fit for a few dozen nodes only. A bigger body
+/// is answered 413 before it is read whole: one made-up 30 MiB body once took the extender past
+/// its 512 MiB limit.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Verb calls served at once; more wait for their turn before their body is read
+/// (kube-scheduler calls one pod at a time per profile), so that at most this many bodies are
+/// in memory.
+pub const MAX_CONCURRENT_CALLS: usize = 4;
+
+/// Connections held at once per listener; one more is closed at once.
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// Time for a request's headers (and a TLS handshake) to arrive.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 struct App {
     extender: Arc<Extender>,
@@ -107,32 +123,146 @@ struct App {
 pub fn router(extender: Arc<Extender>, metrics: Metrics, prefix: &str) -> Router {
     let app = Arc::new(App { extender, metrics });
     let prefix = prefix.trim_end_matches('/');
-    Router::new()
+    let verbs = Router::new()
         .route(&format!("{prefix}/filter"), post(filter))
         .route(&format!("{prefix}/prioritize"), post(prioritize))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_CALLS));
+    verbs.merge(health_routes()).with_state(app)
+}
+
+/// `/healthz`, `/readyz` and `/metrics` only: the router of `--metrics-listen`, where probes and
+/// Prometheus reach the extender while its verbs listen on localhost.
+pub fn health_router(extender: Arc<Extender>, metrics: Metrics) -> Router {
+    health_routes().with_state(Arc::new(App { extender, metrics }))
+}
+
+fn health_routes() -> Router<Arc<App>> {
+    Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(render_metrics))
-        // Nodes sent in full (nodeCacheCapable: false) are tens of KiB each: far past axum's
-        // default 2 MB on a large cluster.
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(app)
 }
 
 /// Binds `address` and serves until `shutdown`; returns the bound address and the server.
+/// Every listener holds at most [`MAX_CONNECTIONS`] and gives headers [`HEADER_TIMEOUT`].
 pub async fn bind(
     address: SocketAddr,
     router: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+    bind_with(address, router, None, shutdown).await
+}
+
+/// [`bind`] over TLS with `config` (the webhook).
+pub async fn bind_tls(
+    address: SocketAddr,
+    router: Router,
+    config: Arc<rustls::ServerConfig>,
+    shutdown: CancellationToken,
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+    bind_with(address, router, Some(tokio_rustls::TlsAcceptor::from(config)), shutdown).await
+}
+
+async fn bind_with(
+    address: SocketAddr,
+    router: Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: CancellationToken,
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
     let listener = tokio::net::TcpListener::bind(address).await?;
     let bound = listener.local_addr()?;
-    let serve = async move {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await
-    };
-    Ok((bound, serve))
+    Ok((bound, accept(listener, router, tls, shutdown)))
+}
+
+async fn accept(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut connections = tokio::task::JoinSet::new();
+    let mut refused_logged = false;
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            a = listener.accept() => a,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors and the like: wait, do not spin.
+                tracing::warn!(error = %e, "cannot accept a connection");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            if !refused_logged {
+                refused_logged = true;
+                tracing::warn!(max = MAX_CONNECTIONS, "too many connections: closing new ones");
+            }
+            continue;
+        };
+        refused_logged = false;
+        let router = router.clone();
+        let tls = tls.clone();
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            let _permit = permit;
+            match tls {
+                None => {
+                    serve_connection(hyper_util::rt::TokioIo::new(stream), router, shutdown).await
+                }
+                Some(acceptor) => {
+                    match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            serve_connection(
+                                hyper_util::rt::TokioIo::new(stream),
+                                router,
+                                shutdown,
+                            )
+                            .await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(error = %e, "a TLS handshake failed"),
+                        Err(_) => tracing::debug!("a TLS handshake timed out"),
+                    }
+                }
+            }
+        });
+        while connections.try_join_next().is_some() {}
+    }
+    // Connections finish what they serve, for a while.
+    let drain = async { while connections.join_next().await.is_some() {} };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+    Ok(())
+}
+
+async fn serve_connection<I>(
+    io: hyper_util::rt::TokioIo<I>,
+    router: Router,
+    shutdown: CancellationToken,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper_util::service::TowerToHyperService::new(router);
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .serve_connection(io, service);
+    tokio::pin!(connection);
+    tokio::select! {
+        r = connection.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "a connection ended with an error");
+            }
+        }
+        () = shutdown.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
 }
 
 fn json(status: StatusCode, text: String) -> Response {

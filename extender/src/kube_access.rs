@@ -9,3 +9,15 @@ pub const EXTENDER: &[ApiRule] = &[
     ApiRule { api_group: "", resource: "nodes", verbs: &["list", "watch"] },
     ApiRule { api_group: "", resource: "pods", verbs: &["list", "watch"] },
 ];
+
+/// What the extender calls besides, when its webhook makes its own certificate
+/// (`--webhook-secret`): the Secret it keeps it in (read, or made by the first replica), and the
+/// MutatingWebhookConfiguration whose `caBundle` it publishes.
+pub const WEBHOOK_OWN_CERTIFICATE: &[ApiRule] = &[
+    ApiRule { api_group: "", resource: "secrets", verbs: &["create", "get"] },
+    ApiRule {
+        api_group: "admissionregistration.k8s.io",
+        resource: "mutatingwebhookconfigurations",
+        verbs: &["get", "patch"],
+    },
+];

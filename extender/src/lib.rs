@@ -10,6 +10,7 @@
 //! - [`http`]: the HTTP endpoint and its metrics;
 //! - [`watch`]: the Node and Pod watchers (kube-rs) that feed the cluster view;
 //! - [`run`]: all of it started together, and the command line (the binary's `main`);
+//! - [`webhook`]: the mutating admission webhook that sends GPU pods to baleen's scheduler, over TLS;
 //! - [`kube_access`]: every Kubernetes API call it makes (the install's RBAC).
 
 pub mod cluster;
@@ -21,3 +22,4 @@ pub mod protocol;
 pub mod run;
 pub mod service;
 pub mod watch;
+pub mod webhook;

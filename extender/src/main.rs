@@ -30,13 +30,27 @@ fn main() -> ExitCode {
         eprintln!("baleen-extender: --target-window and --rebuild-every must be above zero");
         return ExitCode::from(64);
     }
+    let webhook = match args.webhook() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("baleen-extender: {e}");
+            return ExitCode::from(64);
+        }
+    };
     let settings = Settings {
         domain: args.domain,
         policy,
         target_window: args.target_window,
         rebuild_every: args.rebuild_every,
+        scheduler_name: args.scheduler_name.clone(),
     };
-    let config = Config { listen: args.listen, prefix: args.url_prefix, settings };
+    let config = Config {
+        listen: args.listen,
+        prefix: args.url_prefix,
+        settings,
+        metrics_listen: args.metrics_listen,
+        webhook,
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -59,7 +73,7 @@ fn main() -> ExitCode {
             match start(config, client, prometheus::Registry::new(), shutdown.clone()).await {
                 Ok(r) => r,
                 Err(e) => {
-                    eprintln!("baleen-extender: cannot listen: {e}");
+                    eprintln!("baleen-extender: {e}");
                     return ExitCode::FAILURE;
                 }
             };

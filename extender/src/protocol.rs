@@ -117,6 +117,8 @@ pub struct PodSpec {
     pub overhead: Option<BTreeMap<String, Value>>,
     /// The node it is bound to, once bound.
     pub node_name: Option<String>,
+    /// The scheduler it asks for (`default-scheduler` when unset).
+    pub scheduler_name: Option<String>,
 }
 
 /// A pod's status.

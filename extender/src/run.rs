@@ -22,6 +22,57 @@ pub struct Config {
     pub prefix: String,
     /// The verbs' settings.
     pub settings: Settings,
+    /// Where `/healthz`, `/readyz` and `/metrics` are served besides `listen`, if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
+    /// The admission webhook, if it runs.
+    pub webhook: Option<WebhookConfig>,
+}
+
+/// The admission webhook's settings.
+#[derive(Debug, Clone)]
+pub struct WebhookConfig {
+    /// Where it listens (TLS).
+    pub listen: SocketAddr,
+    /// The scheduler it sends pods to.
+    pub scheduler_name: String,
+    /// Where its certificate comes from.
+    pub certificates: Certificates,
+}
+
+/// The webhook's certificate source.
+#[derive(Debug, Clone)]
+pub enum Certificates {
+    /// Made here and kept in the Secret `namespace/name`; its CA published in the
+    /// MutatingWebhookConfiguration `configuration`.
+    Own {
+        /// The Secret's namespace.
+        namespace: String,
+        /// The Secret's name.
+        secret: String,
+        /// The MutatingWebhookConfiguration.
+        configuration: String,
+        /// The serving certificate's DNS names.
+        dns_names: Vec<String>,
+    },
+    /// `tls.crt` and `tls.key` in this directory (cert-manager's Secret, mounted).
+    Directory(std::path::PathBuf),
+}
+
+/// Why the extender could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A listener.
+    #[error("cannot listen on {0}: {1}")]
+    Listen(SocketAddr, std::io::Error),
+    /// The metrics registry.
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// The webhook's certificate.
+    #[error(transparent)]
+    Tls(#[from] crate::webhook::tls::TlsError),
+    /// The TLS configuration.
+    #[error("the webhook's TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
 }
 
 /// A started extender.
@@ -39,14 +90,78 @@ pub async fn start(
     client: kube::Client,
     registry: prometheus::Registry,
     shutdown: CancellationToken,
-) -> Result<Running, std::io::Error> {
+) -> Result<Running, StartError> {
     let extender = Extender::new(config.settings);
     extender.await_watchers();
-    let metrics = Metrics::new(registry).map_err(std::io::Error::other)?;
-    let (address, serve) =
-        bind(config.listen, router(extender.clone(), metrics, &config.prefix), shutdown.clone())
-            .await?;
+    let metrics = Metrics::new(registry.clone())?;
+    registry.register(Box::new(extender.not_sent.clone()))?;
+    let (address, serve) = bind(
+        config.listen,
+        router(extender.clone(), metrics.clone(), &config.prefix),
+        shutdown.clone(),
+    )
+    .await
+    .map_err(|e| StartError::Listen(config.listen, e))?;
     let mut tasks = JoinSet::new();
+    if let Some(at) = config.metrics_listen {
+        let (bound, serve) = bind(
+            at,
+            crate::http::health_router(extender.clone(), metrics.clone()),
+            shutdown.clone(),
+        )
+        .await
+        .map_err(|e| StartError::Listen(at, e))?;
+        tracing::info!(address = %bound, "serving /healthz, /readyz and /metrics");
+        tasks.spawn(async move {
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "the metrics server stopped");
+            }
+        });
+    }
+    if let Some(webhook) = config.webhook {
+        let resolver = match &webhook.certificates {
+            Certificates::Own { namespace, secret, configuration, dns_names } => {
+                let material = crate::webhook::tls::own_certificate(
+                    client.clone(),
+                    namespace,
+                    secret,
+                    dns_names,
+                )
+                .await?;
+                tasks.spawn(crate::webhook::tls::publish_ca(
+                    client.clone(),
+                    configuration.clone(),
+                    material.ca_pem.clone(),
+                    std::time::Duration::from_secs(30),
+                    shutdown.clone(),
+                ));
+                crate::webhook::tls::fixed(&material)?
+            }
+            Certificates::Directory(dir) => {
+                Arc::new(crate::webhook::tls::DirectoryCertificate::load(dir)?)
+            }
+        };
+        let tls = crate::webhook::tls::server_config(resolver)?;
+        let hook = crate::webhook::Webhook::new(
+            extender.clone(),
+            webhook.scheduler_name.clone(),
+            crate::webhook::WebhookMetrics::new(&registry)?,
+        );
+        let (bound, serve) = crate::http::bind_tls(
+            webhook.listen,
+            crate::webhook::router(hook),
+            tls,
+            shutdown.clone(),
+        )
+        .await
+        .map_err(|e| StartError::Listen(webhook.listen, e))?;
+        tracing::info!(address = %bound, scheduler = webhook.scheduler_name, "serving the admission webhook");
+        tasks.spawn(async move {
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "the webhook server stopped");
+            }
+        });
+    }
     tasks.spawn(crate::watch::nodes(client.clone(), extender.clone(), shutdown.clone()));
     tasks.spawn(crate::watch::pods(client, extender.clone(), shutdown.clone()));
     tasks.spawn(extender.clone().run_rebuilder(shutdown.clone()));
@@ -93,4 +208,56 @@ pub struct Args {
     /// Log filter (tracing), e.g. info or baleen_extender=debug.
     #[arg(long, default_value = "info")]
     pub log_level: String,
+    /// Also serve /healthz, /readyz and /metrics here (and only those), e.g. 0.0.0.0:9478 while
+    /// --listen is 127.0.0.1:8888 beside kube-scheduler.
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// The scheduler baleen's pods go to, where it is a second scheduler (the webhook sets it;
+    /// the Pod watcher counts and logs GPU pods that name another).
+    #[arg(long)]
+    pub scheduler_name: Option<String>,
+    /// Serve the admission webhook (TLS) here, e.g. 0.0.0.0:8443.
+    #[arg(long, requires_all = ["webhook_certificates", "scheduler_name"])]
+    pub webhook_listen: Option<SocketAddr>,
+    /// The webhook's certificate is made here and kept in this Secret (NAMESPACE/NAME).
+    #[arg(long, group = "webhook_certificates", requires_all = ["webhook_configuration", "webhook_dns_name"])]
+    pub webhook_secret: Option<String>,
+    /// The MutatingWebhookConfiguration whose caBundle the webhook publishes (with --webhook-secret).
+    #[arg(long)]
+    pub webhook_configuration: Option<String>,
+    /// A DNS name of the webhook's Service for its certificate (repeat for more).
+    #[arg(long)]
+    pub webhook_dns_name: Vec<String>,
+    /// The webhook's certificate is tls.crt and tls.key here (cert-manager's Secret, mounted).
+    #[arg(long, group = "webhook_certificates")]
+    pub webhook_cert_dir: Option<std::path::PathBuf>,
+}
+
+impl Args {
+    /// The webhook's settings from the flags, or what is wrong with them.
+    pub fn webhook(&self) -> Result<Option<WebhookConfig>, String> {
+        let Some(listen) = self.webhook_listen else { return Ok(None) };
+        let certificates = match (&self.webhook_secret, &self.webhook_cert_dir) {
+            (Some(secret), None) => {
+                let (namespace, name) = secret
+                    .split_once('/')
+                    .filter(|(n, s)| !n.is_empty() && !s.is_empty())
+                    .ok_or_else(|| format!("--webhook-secret {secret}: give NAMESPACE/NAME"))?;
+                Certificates::Own {
+                    namespace: namespace.to_owned(),
+                    secret: name.to_owned(),
+                    configuration: self
+                        .webhook_configuration
+                        .clone()
+                        .ok_or("--webhook-secret needs --webhook-configuration")?,
+                    dns_names: self.webhook_dns_name.clone(),
+                }
+            }
+            (None, Some(dir)) => Certificates::Directory(dir.clone()),
+            _ => return Err("--webhook-listen needs --webhook-secret or --webhook-cert-dir".into()),
+        };
+        let scheduler_name =
+            self.scheduler_name.clone().ok_or("--webhook-listen needs --scheduler-name")?;
+        Ok(Some(WebhookConfig { listen, scheduler_name, certificates }))
+    }
 }

@@ -25,6 +25,10 @@ pub struct Settings {
     pub target_window: usize,
     /// Rebuild the policy after this many new pods.
     pub rebuild_every: usize,
+    /// The second scheduler baleen's pods go to, if there is one: GPU pods the Pod watcher sees
+    /// pending under another scheduler are counted and logged (the webhook was down, or their
+    /// namespace opted out).
+    pub scheduler_name: Option<String>,
 }
 
 impl Default for Settings {
@@ -34,6 +38,7 @@ impl Default for Settings {
             policy: PolicyKind::Baleen,
             target_window: 5000,
             rebuild_every: 100,
+            scheduler_name: None,
         }
     }
 }
@@ -111,6 +116,10 @@ pub struct Extender {
     rebuild: tokio::sync::Notify,
     /// Whether the Node and the Pod watchers have each listed once (true when none runs).
     synced: [std::sync::atomic::AtomicBool; 2],
+    /// Whether watchers feed the view (then only they teach the target workload).
+    watched: std::sync::atomic::AtomicBool,
+    /// GPU pods first seen pending under another scheduler than `settings.scheduler_name`.
+    pub not_sent: prometheus::IntCounter,
 }
 
 /// Which watcher has listed.
@@ -140,11 +149,43 @@ impl Extender {
                 std::sync::atomic::AtomicBool::new(true),
                 std::sync::atomic::AtomicBool::new(true),
             ],
+            watched: std::sync::atomic::AtomicBool::new(false),
+            not_sent: prometheus::IntCounter::new(
+                "baleen_extender_pods_not_sent_total",
+                "Pods asking for a baleen resource first seen pending under another scheduler than baleen's (the webhook was down, or the namespace opted out).",
+            )
+            .unwrap_or_else(|_| unreachable_counter()),
         })
     }
 
+    /// Counts and logs `pod` if it asks for a baleen resource, is new to the view, pending, and
+    /// names another scheduler than baleen's second scheduler.
+    pub fn note_scheduler(&self, view: &ClusterView, pod: &crate::protocol::Pod, asks: bool) {
+        let Some(ours) = self.settings.scheduler_name.as_deref() else { return };
+        if !asks || pod.spec.node_name.as_deref().is_some_and(|n| !n.is_empty()) {
+            return;
+        }
+        if view.has_pod(&pod.metadata.uid) {
+            return;
+        }
+        let named = pod.spec.scheduler_name.as_deref().unwrap_or("default-scheduler");
+        if named != ours {
+            self.not_sent.inc();
+            tracing::warn!(
+                namespace = pod.metadata.namespace,
+                name = pod.metadata.name,
+                scheduler = named,
+                "a pod asking for a baleen resource goes to another scheduler than {ours}: the webhook was down or its namespace opted out; it may be placed where no GPU has room"
+            );
+        }
+    }
+
     /// From now on the verbs answer only once both watchers have listed ([`Self::listed`]).
+    /// The target workload is then learned from the Pod watcher only ([`Self::learn`]), never
+    /// from a call's pod: an unauthenticated caller could otherwise send made-up pods until the
+    /// target is theirs.
     pub fn await_watchers(&self) {
+        self.watched.store(true, std::sync::atomic::Ordering::SeqCst);
         for s in &self.synced {
             s.store(false, std::sync::atomic::Ordering::SeqCst);
         }
@@ -182,6 +223,11 @@ impl Extender {
                 (node.metadata.name.clone(), NodeEntry::of(&node, &key), i)
             })
             .collect()
+    }
+
+    /// The Pod watcher's pod `uid` with `demand`, for the target workload (once per pod).
+    pub fn learn(&self, uid: &str, demand: &Demand) {
+        self.see(uid, demand);
     }
 
     /// Records the pod for the target workload; wakes the rebuilder every `rebuild_every`.
@@ -324,7 +370,9 @@ impl Extender {
                 return (result, kinds);
             }
         };
-        self.see(&args.pod.metadata.uid, &demand);
+        if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
+            self.see(&args.pod.metadata.uid, &demand);
+        }
         let sent = self.sent_entries(args);
         let view = self.view();
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
@@ -483,4 +531,10 @@ fn remembered<K: PartialEq + Copy, V: Clone>(
 
 fn pod_name(args: &ExtenderArgs) -> String {
     format!("{}/{}", args.pod.metadata.namespace, args.pod.metadata.name)
+}
+
+/// The counter's options are constants that are valid: `IntCounter::new` cannot fail on them.
+fn unreachable_counter() -> prometheus::IntCounter {
+    prometheus::IntCounter::with_opts(prometheus::Opts::new("baleen_extender_unnamed", "-"))
+        .unwrap_or_else(|_| unreachable!("a valid constant name"))
 }

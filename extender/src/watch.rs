@@ -38,12 +38,18 @@ pub async fn nodes(client: kube::Client, extender: Arc<Extender>, shutdown: Canc
 /// Follows every Pod until `shutdown`.
 pub async fn pods(client: kube::Client, extender: Arc<Extender>, shutdown: CancellationToken) {
     let domain = extender.settings().domain.clone();
+    let noter = extender.clone();
     let kind = Kind {
         what: Watched::Pods,
         apply: move |view: &mut ClusterView, pod: &KubePod| {
             let pod: Pod = serde_json::to_value(pod).and_then(serde_json::from_value).ok()?;
             let uid = pod.metadata.uid.clone();
-            view.set_pod(&uid, PodEntry::of(&pod, &domain));
+            let entry = PodEntry::of(&pod, &domain);
+            noter.note_scheduler(view, &pod, !entry.demand.is_empty());
+            if !entry.finished {
+                noter.learn(&uid, &entry.demand);
+            }
+            view.set_pod(&uid, entry);
             Some(uid)
         },
         key: |pod: &KubePod| pod.metadata.uid.clone(),

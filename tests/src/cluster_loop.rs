@@ -230,7 +230,13 @@ pub async fn run_seed(
     let token = CancellationToken::new();
     let settings = Settings { rebuild_every: options.rebuild_every, ..Settings::default() };
     let running = start(
-        Config { listen: "127.0.0.1:0".parse()?, prefix: String::new(), settings },
+        Config {
+            listen: "127.0.0.1:0".parse()?,
+            prefix: String::new(),
+            settings,
+            metrics_listen: None,
+            webhook: None,
+        },
         client,
         prometheus::Registry::new(),
         token.clone(),

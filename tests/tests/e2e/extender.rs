@@ -79,6 +79,8 @@ async fn extender(api: &FakeApiServer) -> Result<(Running, CancellationToken)> {
         listen: "127.0.0.1:0".parse()?,
         prefix: String::new(),
         settings: Settings::default(),
+        metrics_listen: None,
+        webhook: None,
     };
     let running = start(config, client, prometheus::Registry::new(), token.clone()).await?;
     Ok((running, token))

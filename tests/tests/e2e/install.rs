@@ -1,10 +1,12 @@
-//! The install (`packaging/kustomize`), the image (`packaging/docker`) and the example pods
-//! (`packaging/examples/pods`), checked against the code so that they cannot drift from it:
-//! every overlay is rendered by the real `kubectl kustomize`, every object parsed strictly into
-//! the Kubernetes API types (a round trip that must give back the same document, so a misspelt
-//! or misplaced field fails), the DaemonSets' arguments parsed by the agent's own command line
-//! and its ConfigMap by the agent's own configuration loader, every host path the agent uses
-//! checked to be mounted at the same path, and RBAC checked against `kube_access::AGENT`.
+//! The install (the Helm chart `packaging/helm/baleen`, and the plain manifests rendered from
+//! it), the image (`packaging/docker`) and the example pods (`packaging/examples/pods`), checked
+//! against the code so that they cannot drift from it: the chart is rendered by the real `helm
+//! template` for its default values and every values file under its `ci/`, every object parsed
+//! strictly into the Kubernetes API types (a round trip that must give back the same document,
+//! so a misspelt or misplaced field fails), the DaemonSets' arguments parsed by the agent's own
+//! command line and its ConfigMap by the agent's own configuration loader, the extender's by its
+//! own, every host path the agent uses checked to be mounted at the same path, RBAC checked
+//! against `kube_access`, and the policies' CEL evaluated.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -18,7 +20,7 @@ use baleen_agent::inventory::simulated::SimulatedInventory;
 use baleen_agent::ledger::DeviceLedger;
 use clap::Parser;
 use k8s_openapi::api::admissionregistration::v1::{
-    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
@@ -29,31 +31,66 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-const OVERLAYS: [&str; 5] = ["default", "mig", "no-mps", "prometheus-operator", "extender"];
+/// The values the chart is checked with: its defaults, and each file under its `ci/`.
+const VALUES: [&str; 7] = [
+    "default",
+    "mig",
+    "no-mps",
+    "extender-service",
+    "prometheus-operator",
+    "cgroupfs",
+    "custom-domain",
+];
 const AGENT: &str = "baleen-agent";
 const MPS: &str = "baleen-mps";
+const CHART: &str = "packaging/helm/baleen";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The overlay rendered by kubectl's built-in kustomize.
-fn render(overlay: &str) -> Result<String> {
-    let dir = repo().join("packaging/kustomize/overlays").join(overlay);
-    let out = Command::new("kubectl").arg("kustomize").arg(&dir).output().map_err(|e| {
+/// The values file of `name`.
+fn values_file(name: &str) -> PathBuf {
+    let chart = repo().join(CHART);
+    if name == "default" {
+        chart.join("values.yaml")
+    } else {
+        chart.join(format!("ci/{name}-values.yaml"))
+    }
+}
+
+/// `helm` with `args`, its standard output.
+fn helm(args: &[&str]) -> Result<String> {
+    let out = Command::new("helm").args(args).current_dir(repo()).output().map_err(|e| {
         anyhow!(
-            "cannot run kubectl ({e}): these tests render the install with kubectl's built-in \
-             kustomize; put kubectl 1.27 or later on PATH (scripts/install-kube-tools.sh \
-             installs kubectl 1.34.5 and prints where)"
+            "cannot run helm ({e}): these tests render the chart with the real helm; put helm 3.8 \
+             or later on PATH (scripts/install-kube-tools.sh installs helm 4.1.4 and prints where)"
         )
     })?;
     ensure!(
         out.status.success(),
-        "kubectl kustomize {} failed: {}",
-        dir.display(),
+        "helm {}: {}",
+        args.join(" "),
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The chart rendered with the values `name`, as the plain manifests are (the namespace too).
+fn render(name: &str) -> Result<String> {
+    let values = values_file(name);
+    let values = values.to_str().context("path")?;
+    helm(&[
+        "template",
+        "baleen",
+        CHART,
+        "--namespace",
+        "baleen-system",
+        "--set",
+        "namespace.create=true",
+        "--values",
+        values,
+    ])
 }
 
 /// The documents of a YAML stream (empty ones skipped).
@@ -155,6 +192,9 @@ struct Install {
     deployments: Vec<Deployment>,
     admission_policies: Vec<ValidatingAdmissionPolicy>,
     policy_bindings: Vec<ValidatingAdmissionPolicyBinding>,
+    webhooks: Vec<MutatingWebhookConfiguration>,
+    /// cert-manager's and the Prometheus Operator's other objects, by kind (no typed crate).
+    custom: Vec<Value>,
     roles: Vec<(Option<String>, Vec<PolicyRule>)>,
     bindings: Vec<(String, String, Vec<String>)>,
 }
@@ -175,6 +215,8 @@ impl Install {
                 "ValidatingAdmissionPolicyBinding" => {
                     install.policy_bindings.push(strict(&doc)?);
                 }
+                "MutatingWebhookConfiguration" => install.webhooks.push(strict(&doc)?),
+                "PrometheusRule" | "Certificate" | "Issuer" => install.custom.push(doc),
                 "Role" => {
                     let r: Role = strict(&doc)?;
                     install.roles.push((r.metadata.name, r.rules.unwrap_or_default()));
@@ -199,11 +241,12 @@ impl Install {
         Ok(install)
     }
 
-    /// Every (API group, resource, verb) bound to service account `account`.
+    /// Every (API group, resource, verb) bound to service account `account` by the install's
+    /// own roles (the cluster's built-in roles it binds: [`Self::builtin_roles_of`]).
     fn granted_to(&self, account: &str) -> Result<BTreeSet<(String, String, String)>> {
         let mut granted = BTreeSet::new();
         for (kind, role, subjects) in &self.bindings {
-            if !subjects.iter().any(|s| s == account) {
+            if !subjects.iter().any(|s| s == account) || is_builtin(role) {
                 continue;
             }
             let rules = self
@@ -224,9 +267,23 @@ impl Install {
         Ok(granted)
     }
 
+    /// The cluster's built-in roles bound to `account`.
+    fn builtin_roles_of(&self, account: &str) -> BTreeSet<String> {
+        self.bindings
+            .iter()
+            .filter(|(_, role, subjects)| is_builtin(role) && subjects.iter().any(|s| s == account))
+            .map(|(_, role, _)| role.clone())
+            .collect()
+    }
+
     fn daemon_set(&self, name: &str) -> Option<&DaemonSet> {
         self.daemon_sets.iter().find(|d| d.metadata.name.as_deref() == Some(name))
     }
+}
+
+/// A role the cluster has built in (bound by the install, defined by Kubernetes).
+fn is_builtin(role: &str) -> bool {
+    role.starts_with("system:") || role == "extension-apiserver-authentication-reader"
 }
 
 fn pod_spec(ds: &DaemonSet) -> Result<&PodSpec> {
@@ -482,7 +539,7 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
             .and_then(|m| m.labels.clone())
             .unwrap_or_default();
         ensure!(
-            labels.get("awesome-ai-company.com/gpu-sharing").map(String::as_str)
+            labels.get(&format!("{}/gpu-sharing", a.views.domain)).map(String::as_str)
                 == Some("accounting-only"),
             "an install without MPS says so on its pods"
         );
@@ -555,7 +612,9 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
             )),
         "the Service's metrics port targets the container's"
     );
-    for monitor in &install.service_monitors {
+    for monitor in
+        install.service_monitors.iter().filter(|m| m.metadata.name.as_deref() == Some(AGENT))
+    {
         let wanted = monitor.spec.selector.match_labels.clone().unwrap_or_default();
         let svc_labels = service.metadata.labels.clone().unwrap_or_default();
         for (k, v) in &wanted {
@@ -568,36 +627,49 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
 }
 
 #[test]
-fn every_overlay_renders_into_valid_objects_that_match_the_agent() -> Result<()> {
+fn every_values_file_renders_into_valid_objects_that_match_the_agent() -> Result<()> {
     let scratch = tempfile::tempdir()?;
     let mut problems = Vec::new();
-    let mut mig = BTreeMap::new();
-    for overlay in OVERLAYS {
-        match check_overlay(overlay, scratch.path()) {
-            Ok(install) => {
-                let agent = install.daemon_set(AGENT).context("agent")?;
-                let spec = pod_spec(agent)?;
-                let (_, s) = settings_of(&install, spec, only_container(spec)?, scratch.path())?;
-                mig.insert(overlay, s.agent.views.mig);
-                ensure!(
-                    install.deployments.is_empty() == (overlay != "extender"),
-                    "{overlay}: the extender's Deployment only in the extender overlay"
-                );
-                if overlay == "extender" {
-                    check_extender(&install)?;
-                }
-                if overlay == "prometheus-operator" {
-                    ensure!(install.service_monitors.len() == 1, "one ServiceMonitor");
-                } else {
-                    ensure!(install.service_monitors.is_empty(), "{overlay}: no CRD needed");
-                }
+    let mut seen = BTreeMap::new();
+    for name in VALUES {
+        let checked = check_overlay(name, scratch.path()).and_then(|install| {
+            let agent = install.daemon_set(AGENT).context("agent")?;
+            let spec = pod_spec(agent)?;
+            let (_, s) = settings_of(&install, spec, only_container(spec)?, scratch.path())?;
+            check_scheduling(&install, &s.agent.views.domain)
+                .with_context(|| format!("{name}: the scheduler"))?;
+            let operator = name == "prometheus-operator";
+            ensure!(
+                install.service_monitors.is_empty() != operator,
+                "{name}: ServiceMonitors only with the Prometheus Operator"
+            );
+            let rules = install.custom.iter().filter(|d| d["kind"] == "PrometheusRule").count();
+            ensure!((rules == 1) == operator, "{name}: a PrometheusRule only with the operator");
+            Ok((s, install))
+        });
+        match checked {
+            Ok(found) => {
+                seen.insert(name, found);
             }
-            Err(e) => problems.push(format!("{overlay}: {e:#}")),
+            Err(e) => problems.push(format!("{name}: {e:#}")),
         }
     }
     ensure!(problems.is_empty(), "{}", problems.join("\n"));
-    // What distinguishes the overlays.
-    ensure!(mig["mig"] && !mig["default"] && !mig["no-mps"], "MIG views: {mig:?}");
+    // What distinguishes the values files.
+    let agent = |name: &str| &seen[name].0.agent;
+    ensure!(agent("mig").views.mig && !agent("default").views.mig, "MIG views");
+    ensure!(!agent("no-mps").mps.enabled && agent("default").mps.enabled, "MPS");
+    ensure!(
+        agent("cgroupfs").colocation.cgroup_driver
+            == baleen_agent::isolation::cgroups::Driver::Cgroupfs,
+        "the cgroupfs kubelet's driver"
+    );
+    ensure!(agent("custom-domain").views.domain == "gpus.example.org", "the custom domain");
+    let runtime = seen["cgroupfs"]
+        .1
+        .daemon_set(AGENT)
+        .and_then(|d| d.spec.as_ref()?.template.spec.as_ref()?.runtime_class_name.clone());
+    ensure!(runtime.as_deref() == Some("nvidia"), "runtimeClassName: {runtime:?}");
     Ok(())
 }
 
@@ -636,8 +708,9 @@ fn a_mount_at_another_path_or_a_path_not_mounted_is_caught() {
     assert!(check_host_paths("t", &extra, &used).is_err(), "host /etc mounted for nothing");
 }
 
-/// The resources the agent would advertise on the example nodes with every view on.
-fn advertised() -> Result<BTreeSet<String>> {
+/// The resources the agent would advertise on the example nodes with every view on, in
+/// `domain`.
+fn advertised(domain: &str) -> Result<BTreeSet<String>> {
     let mut names = BTreeSet::new();
     for entry in std::fs::read_dir(repo().join("packaging/examples"))? {
         let path = entry?.path();
@@ -645,7 +718,8 @@ fn advertised() -> Result<BTreeSet<String>> {
             continue;
         }
         let inventory = SimulatedInventory::from_file(&path)?.discover()?;
-        let config = baleen_agent::ledger::ViewConfig::default();
+        let config =
+            baleen_agent::ledger::ViewConfig { domain: domain.to_owned(), ..Default::default() };
         let ledger = DeviceLedger::new("node-a", &inventory, config.clone())?;
         names.extend(ledger.views().iter().map(|v| v.resource_name(&config.domain)));
     }
@@ -654,8 +728,8 @@ fn advertised() -> Result<BTreeSet<String>> {
 
 #[test]
 fn example_pods_are_valid_and_ask_for_what_the_agent_advertises() -> Result<()> {
-    let advertised = advertised()?;
-    let policy = tenant_policy()?;
+    let advertised = advertised(baleen_k8s::gpu_state::DEFAULT_DOMAIN)?;
+    let policy = tenant_policy("default")?;
     let dir = repo().join("packaging/examples/pods");
     let mut asked = BTreeSet::new();
     for entry in std::fs::read_dir(&dir)? {
@@ -776,16 +850,21 @@ fn calls<'a>(
         .collect()
 }
 
-/// The extender's Deployment, Service and RBAC, and kube-scheduler's configuration that calls
-/// it (`packaging/scheduler/kube-scheduler-config.yaml`).
-fn check_extender(install: &Install) -> Result<()> {
-    let deployment = install
-        .deployments
-        .iter()
-        .find(|d| d.metadata.name.as_deref() == Some("baleen-extender"))
-        .context("the extender's Deployment")?;
+/// The extender's Deployment (beside kube-scheduler in the second scheduler, or alone behind a
+/// Service), its Service and RBAC, the webhook, and the kube-scheduler configuration that calls
+/// it; nothing of it when the chart places no scheduler.
+fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
+    let Some(deployment) = install.deployments.first() else {
+        ensure!(install.webhooks.is_empty(), "a webhook without the extender");
+        return Ok(());
+    };
+    ensure!(install.deployments.len() == 1, "one Deployment");
+    let name = deployment.metadata.name.clone().context("name")?;
+    let second = name == "baleen-scheduler";
+    ensure!(second || name == "baleen-extender", "Deployment {name}");
     let spec = deployment.spec.as_ref().and_then(|s| s.template.spec.as_ref()).context("pod")?;
-    let c = only_container(spec)?;
+    ensure!(spec.containers.len() == if second { 2 } else { 1 }, "containers");
+    let c = spec.containers.iter().find(|c| c.name == "extender").context("the extender")?;
     let mut argv: Vec<String> = c.command.clone().unwrap_or_default();
     ensure!(
         argv.first().is_some_and(|b| b.ends_with("/baleen-extender")),
@@ -796,61 +875,142 @@ fn check_extender(install: &Install) -> Result<()> {
         baleen_extender::run::Args::try_parse_from(&argv).map_err(|e| anyhow!("{argv:?}: {e}"))?;
     ensure!(args.policy.parse::<baleen_scheduler_core::policy::PolicyKind>().is_ok(), "policy");
     ensure!(
+        args.domain == domain,
+        "the extender's domain {} is not the agent's {domain}",
+        args.domain
+    );
+    let webhook = args.webhook().map_err(|e| anyhow!(e))?;
+    ensure!(
         c.image.as_deref() == Some(format!("baleen:{}", env!("CARGO_PKG_VERSION")).as_str()),
         "one image for the agent and the extender"
     );
-    let port = c
-        .ports
-        .iter()
-        .flatten()
-        .find(|p| p.name.as_deref() == Some("http"))
-        .context("a port named http")?;
-    ensure!(i64::from(port.container_port) == i64::from(args.listen.port()), "the listen port");
+    let port_named = |name: &str| {
+        c.ports.iter().flatten().find(|p| p.name.as_deref() == Some(name)).map(|p| p.container_port)
+    };
+    // Filter and prioritize: on localhost beside kube-scheduler (no other caller reaches them),
+    // or on the pod's address behind the Service.
+    if second {
+        ensure!(
+            args.listen.ip().is_loopback(),
+            "beside kube-scheduler the verbs listen on localhost"
+        );
+        ensure!(port_named("http").is_none(), "no port for the verbs");
+    } else {
+        let port = port_named("http").context("a port named http")?;
+        ensure!(i64::from(port) == i64::from(args.listen.port()), "the listen port");
+    }
+    let metrics = args.metrics_listen.context("--metrics-listen: probes and Prometheus")?;
+    ensure!(
+        port_named("metrics").map(i64::from) == Some(i64::from(metrics.port())),
+        "the metrics port"
+    );
     for (probe, path) in [(&c.liveness_probe, "/healthz"), (&c.readiness_probe, "/readyz")] {
         let get = probe.as_ref().and_then(|p| p.http_get.as_ref()).context("an HTTP probe")?;
         ensure!(get.path.as_deref() == Some(path), "probe path {:?} is not {path}", get.path);
+        ensure!(
+            get.port
+                == k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                    "metrics".into()
+                ),
+            "probes reach the metrics listener"
+        );
     }
     let pod_security = spec.security_context.as_ref().context("pod securityContext")?;
     ensure!(pod_security.run_as_non_root == Some(true), "the extender runs as non-root");
-    let security = c.security_context.as_ref().context("securityContext")?;
-    ensure!(security.read_only_root_filesystem == Some(true));
-    ensure!(
-        security.capabilities.as_ref().and_then(|c| c.drop.clone()) == Some(vec!["ALL".to_owned()])
-    );
-    // RBAC: exactly what the extender calls.
+    for c in &spec.containers {
+        let security = c.security_context.as_ref().context("securityContext")?;
+        ensure!(security.read_only_root_filesystem == Some(true), "{}: read-only root", c.name);
+        ensure!(
+            security.capabilities.as_ref().and_then(|c| c.drop.clone())
+                == Some(vec!["ALL".to_owned()]),
+            "{}: no capabilities",
+            c.name
+        );
+    }
+    // RBAC: exactly what the extender calls (and, in the second scheduler, kube-scheduler's
+    // built-in roles and its own lease).
     let account = spec.service_account_name.clone().context("serviceAccountName")?;
-    let called = calls(
-        baleen_extender::kube_access::EXTENDER.iter().map(|r| (r.api_group, r.resource, r.verbs)),
+    let own_certificate = matches!(
+        webhook.as_ref().map(|w| &w.certificates),
+        Some(baleen_extender::run::Certificates::Own { .. })
     );
+    let mut rules: Vec<_> = baleen_extender::kube_access::EXTENDER.to_vec();
+    if own_certificate {
+        rules.extend_from_slice(baleen_extender::kube_access::WEBHOOK_OWN_CERTIFICATE);
+    }
+    let mut called = calls(rules.iter().map(|r| (r.api_group, r.resource, r.verbs)));
+    let builtin = install.builtin_roles_of(&account);
+    if second {
+        for verb in ["create", "get", "update"] {
+            called.insert(("coordination.k8s.io".into(), "leases".into(), verb.into()));
+        }
+        let wanted: BTreeSet<String> = [
+            "system:kube-scheduler",
+            "system:volume-scheduler",
+            "extension-apiserver-authentication-reader",
+        ]
+        .map(String::from)
+        .into();
+        ensure!(builtin == wanted, "built-in roles bound: {builtin:?}");
+    } else {
+        ensure!(builtin.is_empty(), "built-in roles bound: {builtin:?}");
+    }
     let granted = install.granted_to(&account)?;
-    ensure!(granted == called, "RBAC grants {granted:?}, the extender calls {called:?}");
-    // The Service kube-scheduler calls.
+    ensure!(granted == called, "RBAC grants {granted:?}, the code calls {called:?}");
+    // The Service.
     let service = install
         .services
         .iter()
         .find(|s| s.metadata.name.as_deref() == Some("baleen-extender"))
         .context("the extender's Service")?;
     let svc = service.spec.as_ref().context("spec")?;
-    let svc_port =
-        svc.ports.iter().flatten().find(|p| p.name.as_deref() == Some("http")).context("http")?;
-    ensure!(
-        svc_port.target_port
-            == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
-                "http".into()
-            ))
-    );
     let ns = service.metadata.namespace.clone().context("namespace")?;
-    // kube-scheduler's configuration names that Service, the verbs the extender serves, and
-    // every resource an agent advertises on the example nodes.
-    let text =
-        std::fs::read_to_string(repo().join("packaging/scheduler/kube-scheduler-config.yaml"))?;
+    let svc_port = |name: &str| {
+        svc.ports.iter().flatten().find(|p| p.name.as_deref() == Some(name)).map(|p| {
+            ensure!(
+                p.target_port
+                    == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                        name.into()
+                    )),
+                "Service port {name} targets the container's"
+            );
+            Ok(p.port)
+        })
+    };
+    svc_port("metrics").context("the Service's metrics port")??;
+    // kube-scheduler's configuration: the extender's address, the verbs it serves, and every
+    // resource an agent advertises on the example nodes.
+    let (map, key) = if second {
+        ("baleen-scheduler-config", "config.yaml")
+    } else {
+        ("baleen-kube-scheduler-config", "kube-scheduler-config.yaml")
+    };
+    let text = install
+        .config_maps
+        .iter()
+        .find(|m| m.metadata.name.as_deref() == Some(map))
+        .and_then(|m| m.data.as_ref()?.get(key).cloned())
+        .with_context(|| format!("ConfigMap {map}"))?;
     let config = documents(&text)?.into_iter().next().context("a document")?;
     ensure!(config["kind"] == "KubeSchedulerConfiguration");
     ensure!(config["apiVersion"] == "kubescheduler.config.k8s.io/v1");
     let extenders = config["extenders"].as_array().context("extenders")?;
     ensure!(extenders.len() == 1, "one extender");
     let e = &extenders[0];
-    let url = format!("http://baleen-extender.{ns}.svc:{}{}", svc_port.port, args.url_prefix);
+    let url = if second {
+        let profiles = config["profiles"].as_array().context("profiles")?;
+        ensure!(profiles.len() == 1, "one profile");
+        let scheduler = args.scheduler_name.clone().context("--scheduler-name")?;
+        ensure!(profiles[0]["schedulerName"] == scheduler.as_str(), "the profile is the webhook's");
+        ensure!(config["leaderElection"]["leaderElect"] == true, "leader elected");
+        ensure!(config["leaderElection"]["resourceName"] == scheduler.as_str(), "its own lease");
+        format!("http://{}{}", args.listen, args.url_prefix)
+    } else {
+        let port = svc_port("http").context("the Service's http port")??;
+        let ip =
+            svc.cluster_ip.clone().context("a fixed cluster IP for a host-network scheduler")?;
+        format!("http://{ip}:{port}{}", args.url_prefix)
+    };
     ensure!(e["urlPrefix"] == url.as_str(), "urlPrefix {} is not {url}", e["urlPrefix"]);
     ensure!(e["filterVerb"] == "filter" && e["prioritizeVerb"] == "prioritize");
     ensure!(e["nodeCacheCapable"] == true, "the extender keeps a node cache");
@@ -861,24 +1021,93 @@ fn check_extender(install: &Install) -> Result<()> {
         .iter()
         .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
         .collect();
-    let advertised = advertised()?;
+    let advertised = advertised(domain)?;
     for name in &managed {
         ensure!(advertised.contains(name), "{name} is managed but no agent advertises it");
     }
     for name in &advertised {
         ensure!(managed.contains(name), "{name} is advertised on an example node but not managed");
     }
+    // The webhook: the API server reaches it through the Service, over TLS with a certificate
+    // for the Service's name; an outage admits pods unchanged.
+    match (&webhook, install.webhooks.as_slice()) {
+        (None, []) => {}
+        (Some(w), [config]) => {
+            let hooks = config.webhooks.as_deref().unwrap_or_default();
+            ensure!(hooks.len() == 1, "one webhook");
+            let hook = &hooks[0];
+            ensure!(hook.failure_policy.as_deref() == Some("Ignore"), "an outage admits pods");
+            ensure!(hook.side_effects == "None", "no side effects");
+            let service_ref = hook.client_config.service.as_ref().context("a service")?;
+            ensure!(service_ref.name == "baleen-extender" && service_ref.namespace == ns);
+            ensure!(service_ref.path.as_deref() == Some("/mutate-pods"), "the path");
+            let port = svc_port("webhook").context("the Service's webhook port")??;
+            ensure!(service_ref.port == Some(port), "the Service's webhook port");
+            ensure!(
+                port_named("webhook").map(i64::from) == Some(i64::from(w.listen.port())),
+                "the container's webhook port is --webhook-listen"
+            );
+            let dns = format!("baleen-extender.{ns}.svc");
+            match &w.certificates {
+                baleen_extender::run::Certificates::Own { configuration, dns_names, .. } => {
+                    ensure!(
+                        config.metadata.name.as_ref() == Some(configuration),
+                        "caBundle target"
+                    );
+                    ensure!(dns_names == &[dns.clone()], "the certificate's names {dns_names:?}");
+                }
+                baleen_extender::run::Certificates::Directory(dir) => {
+                    let cert = install
+                        .custom
+                        .iter()
+                        .find(|d| d["kind"] == "Certificate")
+                        .context("cert-manager's Certificate")?;
+                    ensure!(cert["spec"]["dnsNames"] == serde_json::json!([dns]), "dnsNames");
+                    let secret = cert["spec"]["secretName"].as_str().context("secretName")?;
+                    let mount = c
+                        .volume_mounts
+                        .iter()
+                        .flatten()
+                        .find(|m| Path::new(&m.mount_path) == dir)
+                        .context("the certificate's directory is mounted")?;
+                    let volume = spec.volumes.iter().flatten().find(|v| v.name == mount.name);
+                    ensure!(
+                        volume.and_then(|v| v.secret.as_ref()?.secret_name.clone()).as_deref()
+                            == Some(secret),
+                        "the Certificate's Secret is what is mounted"
+                    );
+                    let inject = config.metadata.annotations.clone().unwrap_or_default();
+                    ensure!(
+                        inject.get("cert-manager.io/inject-ca-from")
+                            == Some(&format!(
+                                "{ns}/{}",
+                                cert["metadata"]["name"].as_str().unwrap_or_default()
+                            )),
+                        "cert-manager injects the CA"
+                    );
+                }
+            }
+        }
+        (w, hooks) => bail!("webhook flags {w:?} and {} configurations", hooks.len()),
+    }
     Ok(())
 }
 
 /// The install's tenant policy's two CEL expressions: whether a pod is matched, and whether it
 /// is admitted.
-fn tenant_policy() -> Result<(String, String)> {
-    let install = Install::parse(&render("default")?)?;
-    ensure!(install.admission_policies.len() == 1, "one ValidatingAdmissionPolicy");
-    let policy = &install.admission_policies[0];
+fn tenant_policy(values: &str) -> Result<(String, String)> {
+    let install = Install::parse(&render(values)?)?;
+    let policy = install
+        .admission_policies
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some("baleen-gpu-memory-non-root"))
+        .context("the tenant policy")?;
     let name = policy.metadata.name.clone().context("name")?;
-    let binding = install.policy_bindings.first().context("a binding")?;
+    let binding = install
+        .policy_bindings
+        .iter()
+        .find(|b| b.spec.as_ref().and_then(|s| s.policy_name.as_deref()) == Some(name.as_str()))
+        .context("a binding")?;
     let bound = binding.spec.as_ref().context("binding spec")?;
     ensure!(bound.policy_name.as_deref() == Some(name.as_str()), "the binding names the policy");
     ensure!(bound.validation_actions.as_deref() == Some(&["Deny".to_owned()][..]), "it denies");
@@ -903,7 +1132,7 @@ fn cel_true(expression: &str, pod: &serde_json::Value) -> Result<bool> {
 fn gpu_memory_pods_that_may_run_as_root_are_refused_by_the_install() -> Result<()> {
     // A root process in a gpu-memory container can connect to its GPU's MPS control socket
     // (root passes the socket's mode) and send `quit`: the API server must refuse the pod.
-    let (matched, valid) = tenant_policy()?;
+    let (matched, valid) = tenant_policy("default")?;
     let gpu_memory = serde_json::json!({"limits": {"awesome-ai-company.com/gpu-memory": "8"}});
     let pod = |pod_ctx: serde_json::Value, containers: serde_json::Value| {
         let mut pod = serde_json::json!({"spec": {"containers": containers}});
@@ -996,5 +1225,297 @@ fn gpu_memory_pods_that_may_run_as_root_are_refused_by_the_install() -> Result<(
     // An init container asking for gpu-memory is matched and held to the same rule.
     let init = serde_json::json!({"spec": {"containers": [{"name": "c"}], "initContainers": [{"name": "i", "resources": gpu_memory}]}});
     ensure!(cel_true(&matched, &init)? && !cel_true(&valid, &init)?, "an init container");
+    Ok(())
+}
+
+/// A CEL program's value with `vars` bound (each a JSON value) and `variables` (a
+/// ValidatingAdmissionPolicy's, already evaluated).
+fn cel_eval(
+    expression: &str,
+    vars: &[(&str, &Value)],
+    variables: &std::collections::HashMap<String, cel::Value>,
+) -> Result<cel::Value> {
+    let program = cel::Program::compile(expression).map_err(|e| anyhow!("{expression}: {e}"))?;
+    let mut context = cel::Context::default();
+    for (name, value) in vars {
+        context.add_variable_from_value(*name, cel::to_value(value)?);
+    }
+    context.add_variable_from_value("variables", cel::Value::from(variables.clone()));
+    program.execute(&context).map_err(|e| anyhow!("{expression}: {e}"))
+}
+
+#[test]
+fn the_tenant_policy_follows_a_custom_domain() -> Result<()> {
+    let (matched, valid) = tenant_policy("custom-domain")?;
+    let pod = |resource: &str| serde_json::json!({"spec": {"containers": [{"name": "c", "resources": {"limits": {resource: "8"}}}]}});
+    ensure!(cel_true(&matched, &pod("gpus.example.org/gpu-memory"))?, "the custom domain's");
+    ensure!(!cel_true(&valid, &pod("gpus.example.org/gpu-memory"))?, "refused as root");
+    ensure!(!cel_true(&matched, &pod("awesome-ai-company.com/gpu-memory"))?, "not the default's");
+    Ok(())
+}
+
+/// The agent's Node policy (`baleen-agent-own-node`) evaluated as the API server would: its
+/// match condition, then its variables, then every validation.
+fn node_policy_admits(
+    install: &Install,
+    request: &Value,
+    object: &Value,
+    old: &Value,
+) -> Result<Option<bool>> {
+    let policy = install
+        .admission_policies
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some("baleen-agent-own-node"))
+        .context("the node policy")?;
+    let spec = policy.spec.as_ref().context("spec")?;
+    ensure!(spec.failure_policy.as_deref() == Some("Fail"), "an error admits nothing");
+    let base = [("request", request), ("object", object), ("oldObject", old)];
+    let mut variables = std::collections::HashMap::new();
+    for condition in spec.match_conditions.iter().flatten() {
+        match cel_eval(&condition.expression, &base, &variables)? {
+            cel::Value::Bool(true) => {}
+            cel::Value::Bool(false) => return Ok(None),
+            other => bail!("match condition gave {other:?}"),
+        }
+    }
+    for variable in spec.variables.iter().flatten() {
+        let value = cel_eval(&variable.expression, &base, &variables)?;
+        variables.insert(variable.name.clone(), value);
+    }
+    for validation in spec.validations.iter().flatten() {
+        match cel_eval(&validation.expression, &base, &variables)? {
+            cel::Value::Bool(true) => {}
+            cel::Value::Bool(false) => return Ok(Some(false)),
+            other => bail!("validation gave {other:?}"),
+        }
+    }
+    Ok(Some(true))
+}
+
+#[test]
+fn the_agents_account_may_change_only_its_own_nodes_gpu_state() -> Result<()> {
+    let install = Install::parse(&render("default")?)?;
+    let agent = |node: &str| {
+        serde_json::json!({
+            "userInfo": {
+                "username": "system:serviceaccount:baleen-system:baleen-agent",
+                "extra": {"authentication.kubernetes.io/node-name": [node]}
+            }
+        })
+    };
+    let node = |name: &str, state: &str, label: &str| {
+        serde_json::json!({
+            "metadata": {
+                "name": name,
+                "labels": {"kubernetes.io/hostname": name, "tier": label},
+                "annotations": {"awesome-ai-company.com/gpu-state": state, "other": "x"}
+            },
+            "spec": {"podCIDR": "10.0.0.0/24"}
+        })
+    };
+    let old = node("gpu-1", "{\"v\":1}", "a");
+    let cases = [
+        ("its own node's gpu-state", agent("gpu-1"), node("gpu-1", "{\"v\":2}", "a"), Some(true)),
+        ("another node's gpu-state", agent("gpu-2"), node("gpu-1", "{\"v\":2}", "a"), Some(false)),
+        ("a label on its own node", agent("gpu-1"), node("gpu-1", "{\"v\":1}", "b"), Some(false)),
+        (
+            "a token without a node",
+            serde_json::json!({"userInfo": {"username": "system:serviceaccount:baleen-system:baleen-agent"}}),
+            node("gpu-1", "{\"v\":2}", "a"),
+            Some(false),
+        ),
+        (
+            "another user (not matched)",
+            serde_json::json!({"userInfo": {"username": "system:node:gpu-1"}}),
+            node("gpu-1", "{\"v\":2}", "b"),
+            None,
+        ),
+    ];
+    for (what, request, object, want) in cases {
+        let got = node_policy_admits(&install, &request, &object, &old)?;
+        ensure!(got == want, "{what}: {got:?}, not {want:?}");
+    }
+    // Another annotation, added or removed, and a change to the spec (a taint).
+    let mut added = node("gpu-1", "{\"v\":1}", "a");
+    added["metadata"]["annotations"]["sneaky"] = "1".into();
+    let mut removed = node("gpu-1", "{\"v\":1}", "a");
+    removed["metadata"]["annotations"].as_object_mut().context("map")?.remove("other");
+    let mut tainted = node("gpu-1", "{\"v\":1}", "a");
+    tainted["spec"]["taints"] = serde_json::json!([{"key": "k", "effect": "NoSchedule"}]);
+    for (what, object) in
+        [("an annotation added", added), ("one removed", removed), ("a taint", tainted)]
+    {
+        let got = node_policy_admits(&install, &agent("gpu-1"), &object, &old)?;
+        ensure!(got == Some(false), "{what}: {got:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_webhook_is_called_only_for_pods_asking_for_a_baleen_resource() -> Result<()> {
+    let install = Install::parse(&render("default")?)?;
+    let config = install.webhooks.first().context("the webhook")?;
+    let hook = config.webhooks.as_ref().and_then(|w| w.first()).context("a webhook")?;
+    let condition = hook.match_conditions.as_ref().and_then(|c| c.first()).context("condition")?;
+    let pod = |resources: Value, init: bool| {
+        let c = serde_json::json!([{"name": "c", "resources": resources}]);
+        if init {
+            serde_json::json!({"spec": {"containers": [{"name": "app"}], "initContainers": c}})
+        } else {
+            serde_json::json!({"spec": {"containers": c}})
+        }
+    };
+    let cases = [
+        (
+            "gpu-memory",
+            pod(serde_json::json!({"limits": {"awesome-ai-company.com/gpu-memory": "8"}}), false),
+            true,
+        ),
+        (
+            "a MIG slice, init",
+            pod(serde_json::json!({"limits": {"awesome-ai-company.com/mig-1g.10gb": "1"}}), true),
+            true,
+        ),
+        (
+            "requests only",
+            pod(serde_json::json!({"requests": {"awesome-ai-company.com/gpu": "1"}}), false),
+            true,
+        ),
+        (
+            "nvidia.com/gpu",
+            pod(serde_json::json!({"limits": {"nvidia.com/gpu": "1"}}), false),
+            false,
+        ),
+        ("cpu only", pod(serde_json::json!({"requests": {"cpu": "1"}}), false), false),
+        ("no resources", serde_json::json!({"spec": {"containers": [{"name": "c"}]}}), false),
+    ];
+    for (what, pod, want) in cases {
+        ensure!(cel_true(&condition.expression, &pod)? == want, "{what}: not {want}");
+    }
+    // Namespaces opt out by label; the control plane's and baleen's own are never sent.
+    let selector = hook.namespace_selector.as_ref().context("namespaceSelector")?;
+    let expressions = selector.match_expressions.as_deref().unwrap_or_default();
+    ensure!(
+        expressions.iter().any(|e| e.key == "awesome-ai-company.com/baleen-scheduler"
+            && e.operator == "NotIn"
+            && e.values.as_deref() == Some(&["disabled".to_owned()][..])),
+        "the opt-out label"
+    );
+    ensure!(
+        expressions.iter().any(|e| e.key == "kubernetes.io/metadata.name"
+            && e.values.iter().flatten().any(|v| v == "kube-system")
+            && e.values.iter().flatten().any(|v| v == "baleen-system")),
+        "kube-system and baleen's namespace left alone"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_plain_manifests_are_the_chart_rendered() -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let out = Command::new("bash")
+        .arg(repo().join("scripts/render-manifests.sh"))
+        .arg(scratch.path())
+        .output()?;
+    ensure!(out.status.success(), "render-manifests.sh: {}", String::from_utf8_lossy(&out.stderr));
+    let names = |dir: &Path| -> Result<BTreeSet<String>> {
+        std::fs::read_dir(dir)?.map(|e| Ok(e?.file_name().to_string_lossy().into_owned())).collect()
+    };
+    let committed = repo().join("packaging/manifests");
+    ensure!(names(&committed)? == names(scratch.path())?, "packaging/manifests holds other files");
+    for name in names(scratch.path())? {
+        let fresh = std::fs::read_to_string(scratch.path().join(&name))?;
+        let old = std::fs::read_to_string(committed.join(&name))?;
+        ensure!(
+            fresh == old,
+            "packaging/manifests/{name} is stale: run scripts/render-manifests.sh and commit"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn the_chart_lints_clean_and_its_version_is_the_binaries() -> Result<()> {
+    for name in VALUES {
+        let values = values_file(name);
+        let out = helm(&["lint", "--strict", CHART, "--values", values.to_str().context("path")?])?;
+        ensure!(out.contains("0 chart(s) failed"), "{name}: {out}");
+    }
+    let chart: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(repo().join(CHART).join("Chart.yaml"))?)?;
+    let version = env!("CARGO_PKG_VERSION");
+    ensure!(
+        chart["version"] == version && chart["appVersion"] == version,
+        "Chart.yaml is not {version}"
+    );
+    // A misspelt value is refused by the chart's schema, not ignored.
+    let err =
+        helm(&["template", "baleen", CHART, "--set", "schduler.mode=none"]).expect_err("typo");
+    ensure!(err.to_string().contains("schduler"), "{err}");
+    // The extender's policies in the schema are the ones it knows.
+    let schema: Value = serde_json::from_str(&std::fs::read_to_string(
+        repo().join(CHART).join("values.schema.json"),
+    )?)?;
+    let policies = schema["properties"]["extender"]["properties"]["policy"]["enum"]
+        .as_array()
+        .context("enum")?;
+    for p in policies {
+        let p = p.as_str().context("a name")?;
+        ensure!(p.parse::<baleen_scheduler_core::policy::PolicyKind>().is_ok(), "policy {p}");
+    }
+    Ok(())
+}
+
+/// Every leaf key of values.yaml, dotted (lists are leaves; `agent.config` is the agent's file,
+/// documented in docs/agent.md, and listed by its top-level sections).
+fn value_keys(value: &serde_yaml_ng::Value, path: &str, keys: &mut BTreeSet<String>) {
+    match value {
+        serde_yaml_ng::Value::Mapping(map)
+            if !map.is_empty() && path != "agent.config" && !is_leaf_map(path) =>
+        {
+            for (k, v) in map {
+                let k = k.as_str().unwrap_or_default();
+                let here = if path.is_empty() { k.to_owned() } else { format!("{path}.{k}") };
+                value_keys(v, &here, keys);
+            }
+        }
+        serde_yaml_ng::Value::Mapping(map) if path == "agent.config" => {
+            for k in map.keys() {
+                keys.insert(format!("{path}.{}", k.as_str().unwrap_or_default()));
+            }
+        }
+        _ => {
+            keys.insert(path.to_owned());
+        }
+    }
+}
+
+/// Maps given whole (Kubernetes objects, labels): one row each.
+fn is_leaf_map(path: &str) -> bool {
+    let last = path.rsplit('.').next().unwrap_or(path);
+    ["resources", "nodeSelector", "labels", "podAnnotations", "commonLabels", "affinity"]
+        .contains(&last)
+}
+
+#[test]
+fn the_values_table_in_the_install_docs_lists_every_value() -> Result<()> {
+    let values: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(values_file("default"))?)?;
+    let mut keys = BTreeSet::new();
+    value_keys(&values, "", &mut keys);
+    let docs = std::fs::read_to_string(repo().join("docs/install.md"))?;
+    let table: BTreeSet<String> = docs
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split_once('`'))
+        .map(|(k, _)| k.to_owned())
+        .filter(|k| !k.contains(' '))
+        .collect();
+    let missing: Vec<_> = keys.difference(&table).collect();
+    let extra: Vec<_> = table.difference(&keys).collect();
+    ensure!(
+        missing.is_empty() && extra.is_empty(),
+        "docs/install.md's values table: missing {missing:?}, not in values.yaml {extra:?}"
+    );
     Ok(())
 }

@@ -1,0 +1,336 @@
+//! The mutating admission webhook (`POST /mutate-pods`, AdmissionReview v1): a pod that asks for
+//! a baleen resource and names no scheduler (or the default one) is sent to baleen's scheduler
+//! (its `schedulerName` set by a JSON patch); a pod no node could serve is refused with the
+//! reason, before it waits Pending for ever:
+//!
+//! - gpu-memory (or any baleen resource) in requests only, or requests unequal to limits: the
+//!   API server would refuse it with a message about overcommit; said here in baleen's terms;
+//! - gpu-memory and whole GPUs in one container: one container gets memory of one shared GPU
+//!   or whole GPUs, not both;
+//! - more gpu-memory units than the largest GPU the extender knows of has (only once it has
+//!   seen a node's gpu-state).
+//!
+//! A body that is not an AdmissionReview is answered 400; a review the webhook cannot read is
+//! allowed unchanged with a warning (the webhook's `failurePolicy` is Ignore: it never stops
+//! pods it does not understand). [`tls`] serves it over TLS with its own certificate or
+//! cert-manager's.
+
+pub mod tls;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use prometheus::{IntCounterVec, Opts, Registry};
+use serde_json::Value;
+
+use crate::protocol::{Container, Pod};
+use crate::service::Extender;
+
+/// The largest AdmissionReview read: a Pod is at most about 1.5 MiB (etcd's object limit).
+pub const MAX_REVIEW_BYTES: usize = 3 << 20;
+
+/// What the webhook does with a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Asks for nothing of baleen's, or names another scheduler: unchanged.
+    Leave,
+    /// Sent to baleen's scheduler (`schedulerName` set).
+    Send,
+    /// Refused, with the reason the API server gives the user.
+    Refuse(String),
+}
+
+impl Verdict {
+    /// The metric label.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Leave => "left",
+            Self::Send => "sent",
+            Self::Refuse(_) => "refused",
+        }
+    }
+}
+
+/// The verdict on `pod`: resources in `domain`, baleen's scheduler named `scheduler`, the
+/// largest GPU known with `largest_units` gpu-memory units (`None` before any node is known).
+pub fn judge(pod: &Pod, domain: &str, scheduler: &str, largest_units: Option<u32>) -> Verdict {
+    let prefix = format!("{domain}/");
+    let containers =
+        pod.spec.containers.iter().flatten().chain(pod.spec.init_containers.iter().flatten());
+    let mut asks_ours = false;
+    for c in containers {
+        match container_problem(c, &prefix, largest_units) {
+            Ok(asks) => asks_ours |= asks,
+            Err(why) => return Verdict::Refuse(format!("container {}: {why}", c.name)),
+        }
+    }
+    if !asks_ours {
+        return Verdict::Leave;
+    }
+    match pod.spec.scheduler_name.as_deref() {
+        None | Some("" | "default-scheduler") => Verdict::Send,
+        // Baleen's already, or another scheduler chosen on purpose: not ours to override.
+        Some(s) => {
+            tracing::debug!(scheduler = s, own = scheduler, "a pod that names its scheduler");
+            Verdict::Leave
+        }
+    }
+}
+
+/// Whether `c` asks for a baleen resource, or why it cannot be served.
+fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Result<bool, String> {
+    let ours = |m: &Option<BTreeMap<String, Value>>| -> BTreeMap<String, Value> {
+        m.iter()
+            .flatten()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    };
+    let limits = ours(&c.resources.limits);
+    let requests = ours(&c.resources.requests);
+    for (name, request) in &requests {
+        match limits.get(name) {
+            None => {
+                return Err(format!(
+                    "{name} is set in requests only; a device resource is asked for in limits \
+                     (the request defaults to the limit): move it to resources.limits"
+                ));
+            }
+            Some(limit) if count(limit) != count(request) => {
+                return Err(format!(
+                    "{name} asks {} in requests and {} in limits; device resources cannot be \
+                     overcommitted: set one number in resources.limits",
+                    shown(request),
+                    shown(limit)
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    let memory = format!("{prefix}gpu-memory");
+    let gpu = format!("{prefix}gpu");
+    for (name, value) in &limits {
+        if count(value).is_none() {
+            return Err(format!("{name} = {} is not a whole positive number", shown(value)));
+        }
+    }
+    if limits.contains_key(&memory) && limits.contains_key(&gpu) {
+        return Err(format!(
+            "asks for both {memory} and {gpu}; a container gets memory of one shared GPU or \
+             whole GPUs, not both: ask for one, or split it into two containers"
+        ));
+    }
+    if let (Some(units), Some(largest)) = (limits.get(&memory).and_then(count), largest) {
+        if units > u64::from(largest) {
+            return Err(format!(
+                "asks for {units} units of {memory}, but the largest GPU in the cluster has \
+                 {largest}: a container's gpu-memory comes from one GPU; ask for at most \
+                 {largest}, or for whole GPUs ({gpu})"
+            ));
+        }
+    }
+    Ok(!limits.is_empty())
+}
+
+/// A device count: a whole positive number, as a string or a number.
+fn count(value: &Value) -> Option<u64> {
+    let milli = crate::demand::quantity_milli(value)?;
+    if milli <= 0 || milli % 1000 != 0 {
+        return None;
+    }
+    u64::try_from(milli / 1000).ok()
+}
+
+/// A value as the user wrote it, cut to a sane length for a message.
+fn shown(value: &Value) -> String {
+    let text = match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    if text.len() > 40 {
+        let cut = text.char_indices().nth(40).map_or(text.len(), |(i, _)| i);
+        format!("{}...", &text[..cut])
+    } else {
+        text
+    }
+}
+
+/// The webhook's metric families.
+#[derive(Clone)]
+pub struct WebhookMetrics {
+    reviews: IntCounterVec,
+}
+
+impl WebhookMetrics {
+    /// Registers the families in `registry`.
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let reviews = IntCounterVec::new(
+            Opts::new(
+                "baleen_webhook_reviews_total",
+                "Pods the admission webhook reviewed, by verdict: sent (schedulerName set), left, refused, unreadable (allowed unchanged).",
+            ),
+            &["verdict"],
+        )?;
+        registry.register(Box::new(reviews.clone()))?;
+        Ok(Self { reviews })
+    }
+}
+
+/// The webhook's state.
+pub struct Webhook {
+    extender: Arc<Extender>,
+    scheduler: String,
+    metrics: WebhookMetrics,
+}
+
+impl Webhook {
+    /// The webhook for `extender`'s cluster view, sending pods to `scheduler`.
+    pub fn new(extender: Arc<Extender>, scheduler: String, metrics: WebhookMetrics) -> Arc<Self> {
+        Arc::new(Self { extender, scheduler, metrics })
+    }
+
+    /// The gpu-memory units of the largest GPU any node's gpu-state shows.
+    fn largest_units(&self) -> Option<u32> {
+        let view = self.extender.cluster.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        view.states().flat_map(|s| s.gpus.iter()).map(|g| g.units_total).max()
+    }
+
+    /// The answer to one AdmissionReview body (JSON), or why the body is not one.
+    pub fn review(&self, body: &[u8]) -> Result<Vec<u8>, String> {
+        let review: AdmissionReview<DynamicObject> =
+            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
+        let request: AdmissionRequest<DynamicObject> =
+            review.try_into().map_err(|e| format!("an AdmissionReview without a request: {e}"))?;
+        let response = AdmissionResponse::from(&request);
+        let domain = &self.extender.settings().domain;
+        let pod = request
+            .object
+            .as_ref()
+            .ok_or_else(|| "the request has no object".to_owned())
+            .and_then(|o| serde_json::to_value(o).map_err(|e| e.to_string()))
+            .and_then(|v| serde_json::from_value::<Pod>(v).map_err(|e| e.to_string()));
+        let response = match pod {
+            Err(why) => {
+                self.metrics.reviews.with_label_values(&["unreadable"]).inc();
+                tracing::warn!(
+                    uid = request.uid,
+                    error = why,
+                    "a review whose pod cannot be read: allowed unchanged"
+                );
+                let mut r = response;
+                r.warnings = Some(vec![format!("baleen's webhook could not read the pod: {why}")]);
+                r
+            }
+            Ok(pod) => {
+                let verdict = judge(&pod, domain, &self.scheduler, self.largest_units());
+                self.metrics.reviews.with_label_values(&[verdict.as_str()]).inc();
+                match verdict {
+                    Verdict::Leave => response,
+                    Verdict::Refuse(why) => {
+                        tracing::info!(
+                            namespace = request.namespace.as_deref().unwrap_or_default(),
+                            name = request.name,
+                            reason = why,
+                            "refused a pod"
+                        );
+                        response.deny(why)
+                    }
+                    Verdict::Send => {
+                        let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
+                            {"op": "add", "path": "/spec/schedulerName", "value": self.scheduler}
+                        ]))
+                        .map_err(|e| e.to_string())?;
+                        response.with_patch(patch).map_err(|e| e.to_string())?
+                    }
+                }
+            }
+        };
+        serde_json::to_vec(&response.into_review()).map_err(|e| e.to_string())
+    }
+}
+
+/// The webhook's routes: `POST /mutate-pods`, and `/healthz` for the TLS port.
+pub fn router(webhook: Arc<Webhook>) -> Router {
+    Router::new()
+        .route("/mutate-pods", post(mutate))
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REVIEW_BYTES))
+        .with_state(webhook)
+}
+
+async fn mutate(State(webhook): State<Arc<Webhook>>, body: Bytes) -> Response {
+    match webhook.review(&body) {
+        Ok(answer) => {
+            (StatusCode::OK, [("content-type", "application/json")], answer).into_response()
+        }
+        Err(why) => {
+            webhook.metrics.reviews.with_label_values(&["unreadable"]).inc();
+            tracing::warn!(error = why, "not an admission review");
+            (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(containers: Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "n", "uid": "u"},
+            "spec": {"containers": containers}
+        }))
+        .expect("pod")
+    }
+
+    const D: &str = "awesome-ai-company.com";
+
+    #[test]
+    fn verdicts() {
+        let limits = |m: Value| serde_json::json!([{"name": "c", "resources": {"limits": m}}]);
+        let send = pod(limits(serde_json::json!({"awesome-ai-company.com/gpu-memory": "8"})));
+        assert_eq!(judge(&send, D, "baleen-scheduler", Some(140)), Verdict::Send);
+        assert_eq!(judge(&send, D, "baleen-scheduler", None), Verdict::Send);
+        let cpu = pod(limits(serde_json::json!({"cpu": "1"})));
+        assert_eq!(judge(&cpu, D, "baleen-scheduler", Some(140)), Verdict::Leave);
+        let too_big = pod(limits(serde_json::json!({"awesome-ai-company.com/gpu-memory": 141})));
+        let Verdict::Refuse(why) = judge(&too_big, D, "s", Some(140)) else { panic!() };
+        assert!(why.contains("141 units") && why.contains("has 140"), "{why}");
+        let both = pod(limits(serde_json::json!({
+            "awesome-ai-company.com/gpu-memory": "8", "awesome-ai-company.com/gpu": "1"
+        })));
+        assert!(matches!(judge(&both, D, "s", None), Verdict::Refuse(w) if w.contains("not both")));
+        let requests_only = pod(serde_json::json!([{"name": "c", "resources": {
+            "requests": {"awesome-ai-company.com/gpu-memory": "8"}}}]));
+        assert!(matches!(
+            judge(&requests_only, D, "s", None),
+            Verdict::Refuse(w) if w.contains("requests only")
+        ));
+        let unequal = pod(serde_json::json!([{"name": "c", "resources": {
+            "requests": {"awesome-ai-company.com/gpu-memory": "4"},
+            "limits": {"awesome-ai-company.com/gpu-memory": "8"}}}]));
+        assert!(
+            matches!(judge(&unequal, D, "s", None), Verdict::Refuse(w) if w.contains("4 in requests"))
+        );
+        let fraction =
+            pod(limits(serde_json::json!({"awesome-ai-company.com/gpu-memory": "500m"})));
+        assert!(matches!(judge(&fraction, D, "s", None), Verdict::Refuse(_)));
+        // A scheduler chosen on purpose is kept; baleen's own is left as it is.
+        let mut named = send.clone();
+        named.spec.scheduler_name = Some("volcano".into());
+        assert_eq!(judge(&named, D, "baleen-scheduler", None), Verdict::Leave);
+        named.spec.scheduler_name = Some("default-scheduler".into());
+        assert_eq!(judge(&named, D, "baleen-scheduler", None), Verdict::Send);
+        // Another domain's resources are not baleen's.
+        let other = pod(limits(serde_json::json!({"nvidia.com/gpu": "1"})));
+        assert_eq!(judge(&other, D, "s", None), Verdict::Leave);
+    }
+}

@@ -1,0 +1,252 @@
+{{/* The chart's labels on every object: part-of and the release's. */}}
+{{- define "baleen.labels" -}}
+app.kubernetes.io/part-of: baleen
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The image of every baleen container. */}}
+{{- define "baleen.image" -}}
+{{ printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The agent's configuration file: agent.config with what the chart's own values decide. */}}
+{{- define "baleen.agentConfig" -}}
+{{- $config := deepCopy .Values.agent.config -}}
+{{- $_ := set $config "domain" .Values.domain -}}
+{{- $resources := default dict (get $config "resources") -}}
+{{- $_ := set $resources "mig" .Values.mig.enabled -}}
+{{- $_ := set $config "resources" $resources -}}
+{{- $mps := default dict (get $config "mps") -}}
+{{- $_ := set $mps "enabled" .Values.mps.enabled -}}
+{{- if .Values.mps.enabled }}
+{{- $_ := set $mps "daemons" .Values.mps.daemons -}}
+{{- else }}
+{{- $_ := unset $mps "daemons" -}}
+{{- $paths := default dict (get $config "paths") -}}
+{{- $_ := unset $paths "mpsRoot" -}}
+{{- end }}
+{{- $_ := set $config "mps" $mps -}}
+{{ toYaml $config }}
+{{- end }}
+
+{{/* The agent's metrics port, from agent.config.metrics.address (host:port). */}}
+{{- define "baleen.metricsPort" -}}
+{{- $address := dig "metrics" "address" "0.0.0.0:9477" .Values.agent.config -}}
+{{ splitList ":" $address | last }}
+{{- end }}
+
+{{/* Whether the MPS daemons run in their own DaemonSet. */}}
+{{- define "baleen.mpsExternal" -}}
+{{- if and .Values.mps.enabled (eq .Values.mps.daemons "external") }}true{{ end }}
+{{- end }}
+
+{{/* The resource names the scheduler sends to the extender. */}}
+{{- define "baleen.managedResources" -}}
+{{- $domain := .Values.domain -}}
+- name: {{ $domain }}/gpu-memory
+  ignoredByScheduler: false
+- name: {{ $domain }}/gpu
+  ignoredByScheduler: false
+{{- range (dig "resources" "nvlinkGroupSizes" (list) .Values.agent.config) }}
+- name: {{ $domain }}/nvlink-group-{{ . }}
+  ignoredByScheduler: false
+{{- end }}
+{{- range .Values.mig.profiles }}
+- name: {{ $domain }}/mig-{{ . }}
+  ignoredByScheduler: false
+{{- end }}
+{{- end }}
+
+{{/* The pods of the agent and the MPS daemons: where they run. */}}
+{{- define "baleen.nodePlacement" -}}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* kube-scheduler's extenders entry for baleen, after its urlPrefix. */}}
+{{- define "baleen.extenderStanza" -}}
+filterVerb: filter
+prioritizeVerb: prioritize
+# Extender scores (0-10) are multiplied by the weight: high enough that the GPU packing
+# decides among the nodes that fit, as in the replay.
+weight: {{ .Values.scheduler.extenderWeight }}
+# Sends node names, not whole Nodes: the extender keeps its own cache from its watches.
+nodeCacheCapable: true
+enableHTTPS: false
+httpTimeout: 5s
+# Not ignorable: a GPU pod is not placed without the extender (it would risk a node where no
+# single GPU has room and fail at admission).
+ignorable: false
+# Only pods asking for one of these are sent to the extender (MIG: mig.profiles).
+managedResources:
+  {{- include "baleen.managedResources" . | nindent 2 }}
+{{- end }}
+
+{{/* The extender's RBAC for service account .account: what extender/src/kube_access.rs calls. */}}
+{{- define "baleen.extenderRbac" -}}
+{{- $root := .root -}}
+# The extender lists and watches Nodes (their gpu-state annotation) and Pods (where they are
+# bound, what they ask); with the webhook's own certificate it keeps that certificate in one
+# Secret and publishes its CA in the webhook's configuration (extender/src/kube_access.rs).
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: baleen-extender
+  labels:
+    {{- include "baleen.labels" $root | nindent 4 }}
+rules:
+  - apiGroups: [""]
+    resources: ["nodes", "pods"]
+    verbs: ["list", "watch"]
+  {{- if .self }}
+  - apiGroups: ["admissionregistration.k8s.io"]
+    resources: ["mutatingwebhookconfigurations"]
+    resourceNames: ["baleen-scheduler-name"]
+    verbs: ["get", "patch"]
+  {{- end }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: baleen-extender
+  labels:
+    {{- include "baleen.labels" $root | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: baleen-extender
+subjects:
+  - kind: ServiceAccount
+    name: {{ .account }}
+    namespace: {{ $root.Release.Namespace }}
+{{- if .self }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: baleen-extender-webhook-certificate
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "baleen.labels" $root | nindent 4 }}
+rules:
+  - apiGroups: [""]
+    resources: ["secrets"]
+    verbs: ["create"]
+  - apiGroups: [""]
+    resources: ["secrets"]
+    resourceNames: ["baleen-webhook-tls"]
+    verbs: ["get"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: baleen-extender-webhook-certificate
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "baleen.labels" $root | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: baleen-extender-webhook-certificate
+subjects:
+  - kind: ServiceAccount
+    name: {{ .account }}
+    namespace: {{ $root.Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* The extender's container; .listen is where filter and prioritize are served. */}}
+{{- define "baleen.extenderContainer" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+{{- $webhook := and $v.webhook.enabled (eq $v.scheduler.mode "second-scheduler") -}}
+- name: extender
+  image: {{ include "baleen.image" $root }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command:
+    - /usr/local/bin/baleen-extender
+  args:
+    - --listen={{ .listen }}
+    - --metrics-listen=0.0.0.0:9478
+    - --policy={{ $v.extender.policy }}
+    - --domain={{ $v.domain }}
+    - --log-level={{ $v.extender.logLevel }}
+    {{- if eq $v.scheduler.mode "second-scheduler" }}
+    - --scheduler-name={{ $v.scheduler.name }}
+    {{- end }}
+    {{- if $webhook }}
+    - --webhook-listen=0.0.0.0:8443
+    {{- if eq $v.webhook.certificates "self" }}
+    - --webhook-secret={{ $root.Release.Namespace }}/baleen-webhook-tls
+    - --webhook-configuration=baleen-scheduler-name
+    - --webhook-dns-name=baleen-extender.{{ $root.Release.Namespace }}.svc
+    {{- else }}
+    - --webhook-cert-dir=/etc/baleen-webhook
+    {{- end }}
+    {{- end }}
+  ports:
+    {{- if ne .listen "127.0.0.1:8888" }}
+    - name: http
+      containerPort: {{ splitList ":" .listen | last }}
+      protocol: TCP
+    {{- end }}
+    - name: metrics
+      containerPort: 9478
+      protocol: TCP
+    {{- if $webhook }}
+    - name: webhook
+      containerPort: 8443
+      protocol: TCP
+    {{- end }}
+  livenessProbe:
+    httpGet:
+      path: /healthz
+      port: metrics
+    periodSeconds: 10
+  # Ready once its watchers have listed every node and pod.
+  readinessProbe:
+    httpGet:
+      path: /readyz
+      port: metrics
+    periodSeconds: 5
+  resources:
+    {{- toYaml $v.extender.resources | nindent 4 }}
+  securityContext:
+    allowPrivilegeEscalation: false
+    privileged: false
+    readOnlyRootFilesystem: true
+    capabilities:
+      drop:
+        - ALL
+  {{- if and $webhook (eq $v.webhook.certificates "cert-manager") }}
+  volumeMounts:
+    - name: webhook-tls
+      mountPath: /etc/baleen-webhook
+      readOnly: true
+  {{- end }}
+{{- end }}
