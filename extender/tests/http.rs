@@ -388,3 +388,194 @@ async fn a_grant_published_without_its_pod_is_not_counted_twice() {
     let (result, _) = extender.filter(&args);
     assert_eq!(result.node_names, Some(vec![]), "{result:?}");
 }
+
+/// An AdmissionReview of `pod` as the API server sends it (upstream's v1 shape).
+fn review(pod: &Value) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": "",
+            "namespace": "team-a",
+            "operation": "CREATE",
+            "userInfo": {"username": "admin", "uid": "014fbff9a07c", "groups": ["system:authenticated"]},
+            "object": pod,
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
+        }
+    })
+}
+
+/// The webhook over TLS with a certificate made as the extender makes its own, in a directory
+/// as cert-manager mounts it; the address and the CA's PEM file.
+async fn serve_webhook(
+    extender: Arc<Extender>,
+    dir: &std::path::Path,
+) -> (SocketAddr, std::path::PathBuf) {
+    use baleen_extender::webhook::{Webhook, WebhookMetrics, router as hook_router, tls};
+    let material = tls::Material::generate(&["baleen-extender.baleen-system.svc".to_owned()])
+        .expect("certificate");
+    std::fs::write(dir.join("tls.crt"), &material.cert_pem).expect("write");
+    std::fs::write(dir.join("tls.key"), &material.key_pem).expect("write");
+    std::fs::write(dir.join("ca.crt"), &material.ca_pem).expect("write");
+    let resolver = Arc::new(tls::DirectoryCertificate::load(dir).expect("load"));
+    let config = tls::server_config(resolver).expect("tls");
+    let hook = Webhook::new(
+        extender,
+        "baleen-scheduler".into(),
+        WebhookMetrics::new(&prometheus::Registry::new()).expect("metrics"),
+    );
+    let (address, server) = baleen_extender::http::bind_tls(
+        "127.0.0.1:0".parse().expect("loopback"),
+        hook_router(hook),
+        config,
+        CancellationToken::new(),
+    )
+    .await
+    .expect("bind");
+    tokio::spawn(server);
+    (address, dir.join("ca.crt"))
+}
+
+/// curl (OpenSSL: a client independent of the server's rustls) posting `body` to the webhook
+/// by the Service's name; its exit code, the HTTP status and the body.
+async fn curl(address: SocketAddr, ca: &std::path::Path, host: &str, body: &str) -> (i32, String) {
+    let mut command = tokio::process::Command::new("curl");
+    command
+        .args(["--silent", "--show-error", "--max-time", "10", "--cacert"])
+        .arg(ca)
+        .arg("--resolve")
+        .arg(format!("{host}:{}:127.0.0.1", address.port()))
+        .args([
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            "@-",
+            "-w",
+            "\n%{http_code}",
+        ])
+        .arg(format!("https://{host}:{}/mutate-pods", address.port()))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = command
+        .spawn()
+        .expect("curl runs (the webhook's TLS test needs curl: apt-get install -y curl)");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(body.as_bytes()).await.expect("write");
+    drop(stdin);
+    let out = child.wait_with_output().await.expect("curl");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[tokio::test]
+async fn the_webhook_sends_gpu_pods_to_baleen_and_refuses_what_cannot_run_over_real_tls() {
+    let extender = Extender::new(Settings::default());
+    let n: Node = serde_json::from_value(node("a", &[140, 140])).expect("node");
+    extender.cluster.write().expect("lock").set_node("a", NodeEntry::of(&n, KEY));
+    let dir = tempfile::tempdir().expect("dir");
+    let (address, ca) = serve_webhook(extender, dir.path()).await;
+    let host = "baleen-extender.baleen-system.svc";
+    let answer = |text: &str| -> (Value, String) {
+        let (body, status) = text.rsplit_once('\n').expect("status line");
+        (serde_json::from_str(body).unwrap_or(Value::Null), status.to_owned())
+    };
+
+    // A gpu-memory pod naming the default scheduler: allowed, patched to baleen's.
+    let (code, text) = curl(address, &ca, host, &review(&pod(8)).to_string()).await;
+    assert_eq!(code, 0, "{text}");
+    let (review_out, status) = answer(&text);
+    assert_eq!(status, "200", "{text}");
+    assert_eq!(review_out["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(review_out["kind"], "AdmissionReview");
+    let response = &review_out["response"];
+    assert_eq!(response["uid"], "705ab4f5-6393-11e8-b7cc-42010a800002");
+    assert_eq!(response["allowed"], true);
+    assert_eq!(response["patchType"], "JSONPatch");
+    let patch = base64::Engine::decode(
+        &base64::engine::general_purpose::STANDARD,
+        response["patch"].as_str().expect("patch"),
+    )
+    .expect("base64");
+    let patch: Value = serde_json::from_slice(&patch).expect("JSON patch");
+    assert_eq!(
+        patch,
+        json!([{"op": "add", "path": "/spec/schedulerName", "value": "baleen-scheduler"}])
+    );
+
+    // More units than the largest GPU the cluster has: refused with the reason.
+    let (_, text) = curl(address, &ca, host, &review(&pod(141)).to_string()).await;
+    let (out, _) = answer(&text);
+    assert_eq!(out["response"]["allowed"], false, "{text}");
+    let message = out["response"]["status"]["message"].as_str().expect("message");
+    assert!(message.contains("141 units") && message.contains("has 140"), "{message}");
+
+    // A CPU-only pod: allowed, unchanged.
+    let mut cpu = pod(1);
+    cpu["spec"]["containers"][0]["resources"] = json!({"requests": {"cpu": "1"}});
+    let (_, text) = curl(address, &ca, host, &review(&cpu).to_string()).await;
+    let (out, _) = answer(&text);
+    assert_eq!(out["response"]["allowed"], true);
+    assert!(out["response"].get("patch").is_none(), "{text}");
+
+    // Bad input: not JSON, JSON but not a review, a review without a request: 400, said.
+    for bad in ["{", "[1,2]", r#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#] {
+        let (_, text) = curl(address, &ca, host, bad).await;
+        let (_, status) = answer(&text);
+        assert_eq!(status, "400", "{bad}: {text}");
+    }
+    // A pod the webhook cannot read (containers not a list): allowed unchanged, with a warning.
+    let mut odd = pod(8);
+    odd["spec"]["containers"] = json!("nope");
+    let (_, text) = curl(address, &ca, host, &review(&odd).to_string()).await;
+    let (out, _) = answer(&text);
+    assert_eq!(out["response"]["allowed"], true, "{text}");
+    assert!(out["response"]["warnings"][0].as_str().is_some_and(|w| w.contains("could not read")));
+
+    // The certificate is for the Service's name only: another name fails verification.
+    let (code, text) = curl(address, &ca, "evil.example.com", &review(&pod(8)).to_string()).await;
+    assert_ne!(code, 0, "a certificate for another name was accepted: {text}");
+}
+
+#[tokio::test]
+async fn a_body_past_the_bound_is_refused_and_slow_headers_are_cut() {
+    let extender = Extender::new(Settings::default());
+    let (address, _token) = serve(extender).await;
+    let names: Vec<String> = (0..300_000).map(|i| format!("made-up-node-{i:07}")).collect();
+    let body = json!({"Pod": pod(8), "NodeNames": names}).to_string();
+    assert!(body.len() > baleen_extender::http::MAX_BODY_BYTES, "{}", body.len());
+    // The answer comes before the body is read whole: the write may then fail, the read not.
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let head = format!(
+        "POST /baleen/filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("headers");
+    let _ = stream.write_all(body.as_bytes()).await;
+    let mut answer = vec![0u8; 64];
+    let n =
+        tokio::time::timeout(WAIT, stream.read(&mut answer)).await.expect("in time").expect("read");
+    let status = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(status.starts_with("HTTP/1.1 413"), "a body past the bound: {status}");
+    // A client that sends no headers is cut after the header timeout.
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    stream.write_all(b"POST /baleen/filter HTTP/1.1\r\n").await.expect("write");
+    let started = std::time::Instant::now();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(15), stream.read_to_end(&mut rest)).await;
+    assert!(read.is_ok(), "the connection was not closed");
+    let waited = started.elapsed();
+    assert!(
+        waited >= baleen_extender::http::HEADER_TIMEOUT - Duration::from_millis(500)
+            && waited < baleen_extender::http::HEADER_TIMEOUT + Duration::from_secs(3),
+        "closed after {waited:?}"
+    );
+}

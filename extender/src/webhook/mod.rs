@@ -128,14 +128,14 @@ fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Resul
              whole GPUs, not both: ask for one, or split it into two containers"
         ));
     }
-    if let (Some(units), Some(largest)) = (limits.get(&memory).and_then(count), largest) {
-        if units > u64::from(largest) {
-            return Err(format!(
-                "asks for {units} units of {memory}, but the largest GPU in the cluster has \
+    if let (Some(units), Some(largest)) = (limits.get(&memory).and_then(count), largest)
+        && units > u64::from(largest)
+    {
+        return Err(format!(
+            "asks for {units} units of {memory}, but the largest GPU in the cluster has \
                  {largest}: a container's gpu-memory comes from one GPU; ask for at most \
                  {largest}, or for whole GPUs ({gpu})"
-            ));
-        }
+        ));
     }
     Ok(!limits.is_empty())
 }
@@ -253,7 +253,18 @@ impl Webhook {
                 }
             }
         };
-        serde_json::to_vec(&response.into_review()).map_err(|e| e.to_string())
+        // kube writes the patch as an array of byte values; upstream's documents and examples
+        // send it base64-encoded (Go's []byte), which is what is sent here.
+        let mut out = serde_json::to_value(response.into_review()).map_err(|e| e.to_string())?;
+        if let Some(patch) = out.pointer_mut("/response/patch") {
+            let bytes: Vec<u8> =
+                serde_json::from_value(patch.clone()).map_err(|e| e.to_string())?;
+            *patch = Value::String(base64::Engine::encode(
+                &base64::engine::general_purpose::STANDARD,
+                bytes,
+            ));
+        }
+        serde_json::to_vec(&out).map_err(|e| e.to_string())
     }
 }
 

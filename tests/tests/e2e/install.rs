@@ -1054,7 +1054,10 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
                         config.metadata.name.as_ref() == Some(configuration),
                         "caBundle target"
                     );
-                    ensure!(dns_names == &[dns.clone()], "the certificate's names {dns_names:?}");
+                    ensure!(
+                        dns_names == std::slice::from_ref(&dns),
+                        "the certificate's names {dns_names:?}"
+                    );
                 }
                 baleen_extender::run::Certificates::Directory(dir) => {
                     let cert = install
