@@ -1,5 +1,5 @@
 //! Every Kubernetes API call the agent makes, declared once: the install's RBAC
-//! (`packaging/kustomize`) grants exactly these to the agent's service account, and a test
+//! (the Helm chart, `packaging/helm/baleen`) grants exactly these to the agent's service account, and a test
 //! (`tests/tests/e2e/install.rs`) fails when the two differ. A subsystem that starts calling the API
 //! adds its rule here in the same change.
 //!

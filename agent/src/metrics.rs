@@ -729,16 +729,65 @@ pub async fn bind(
     endpoint: Arc<Endpoint>,
     shutdown: CancellationToken,
 ) -> Result<(SocketAddr, impl Future<Output = Result<(), MetricsError>>), MetricsError> {
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .map_err(|source| MetricsError::Bind { address, source })?;
-    let bound = listener.local_addr().map_err(|source| MetricsError::Bind { address, source })?;
     let refused = endpoint.metrics.connections_refused.clone();
     let app = Router::new()
         .route("/metrics", get(scrape))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .with_state(endpoint);
+    serve_bounded(address, app, refused, shutdown).await
+}
+
+/// What the agent is waiting for before it serves, shown by the start-up endpoint.
+pub type StartPhase = Arc<std::sync::Mutex<String>>;
+
+/// The endpoint of the agent's first seconds, on the metrics address until the full one
+/// replaces it: `/healthz` answers (the agent is alive, so a liveness probe does not kill it while
+/// it waits for the kubelet or the lock), `/readyz` 503 with what it waits for, `/metrics`
+/// `baleen_agent_starting 1` (node-labelled like every family).
+pub async fn bind_starting(
+    address: SocketAddr,
+    node: String,
+    phase: StartPhase,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, impl Future<Output = Result<(), MetricsError>>), MetricsError> {
+    let refused = IntCounter::new("baleen_metrics_connections_refused_total", "-")
+        .map_err(MetricsError::Register)?;
+    let text = format!(
+        "# HELP baleen_agent_starting 1 while the agent starts (before it serves its resources).\n\
+         # TYPE baleen_agent_starting gauge\nbaleen_agent_starting{{node=\"{}\"}} 1\n",
+        node.replace('\\', "\\\\").replace('"', "\\\"")
+    );
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let text = text.clone();
+                async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text) }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok (starting)\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let phase = phase.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+                async move { (StatusCode::SERVICE_UNAVAILABLE, format!("starting: {phase}\n")) }
+            }),
+        );
+    serve_bounded(address, app, refused, shutdown).await
+}
+
+/// Binds `address` and serves `app` until `shutdown`, within the bounds of [`bind`].
+async fn serve_bounded(
+    address: SocketAddr,
+    app: Router,
+    refused: IntCounter,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, impl Future<Output = Result<(), MetricsError>>), MetricsError> {
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|source| MetricsError::Bind { address, source })?;
+    let bound = listener.local_addr().map_err(|source| MetricsError::Bind { address, source })?;
     let serve = async move {
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let mut connections = tokio::task::JoinSet::new();

@@ -4,6 +4,7 @@
 //! memory out of proportion to its input) on any bytes; `tests/tests/e2e/fuzz_seeds.rs` runs every
 //! body over its seeds and thousands of mutations of them on stable Rust in `cargo test`.
 
+use serde::Deserialize as _;
 use std::path::{Path, PathBuf};
 
 /// A fuzz target: its name and its body.
@@ -134,10 +135,10 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
     };
     let mut out: Vec<Vec<u8>> = inline.into_iter().map(<[u8]>::to_vec).collect();
     match target {
+        // The agent's configuration in each rendered install (its ConfigMap's agent.yaml).
         "config" => {
-            out.extend(files("packaging/kustomize/base", &agent_yaml));
-            for overlay in ["mig", "default", "extender"] {
-                out.extend(files(&format!("packaging/kustomize/overlays/{overlay}"), &agent_yaml));
+            for manifest in files("packaging/manifests", &yaml) {
+                out.extend(agent_configs(&manifest));
             }
         }
         "topology" => out.extend(files("packaging/examples", &yaml)),
@@ -150,6 +151,17 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
 }
 
 /// The node-state documents or checkpoints the agent writes for `topologies`, two grants each.
+/// The `agent.yaml` of every `baleen-agent-config` ConfigMap in a YAML stream.
+fn agent_configs(stream: &[u8]) -> Vec<Vec<u8>> {
+    let Some(t) = text(stream) else { return Vec::new() };
+    serde_yaml_ng::Deserializer::from_str(t)
+        .filter_map(|doc| serde_yaml_ng::Value::deserialize(doc).ok())
+        .filter(|doc| doc["kind"].as_str() == Some("ConfigMap"))
+        .filter(|doc| doc["metadata"]["name"].as_str() == Some("baleen-agent-config"))
+        .filter_map(|doc| doc["data"]["agent.yaml"].as_str().map(|s| s.as_bytes().to_vec()))
+        .collect()
+}
+
 fn written(target: &str, topologies: &[Vec<u8>]) -> Vec<Vec<u8>> {
     use baleen_agent::inventory::GpuInventory as _;
     use baleen_agent::ledger::{DeviceLedger, View};

@@ -319,10 +319,43 @@ impl Agent {
         deps: Dependencies,
         shutdown: CancellationToken,
     ) -> Result<Self, AgentError> {
+        // Alive from the first second: the metrics address answers while the agent waits for
+        // its lock and for the kubelet, /readyz saying for what.
+        let phase: crate::metrics::StartPhase = Default::default();
+        let set_phase = |text: String| {
+            *phase.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = text;
+        };
+        let starting = if config.metrics.enabled {
+            let stop = shutdown.child_token();
+            let (_, serve) = crate::metrics::bind_starting(
+                config.metrics.address,
+                config.node_name.clone(),
+                phase.clone(),
+                stop.clone(),
+            )
+            .await?;
+            Some((stop, tokio::spawn(serve)))
+        } else {
+            None
+        };
+        set_phase(format!(
+            "waiting for the state directory's lock ({})",
+            config.state_dir.display()
+        ));
         let Some(lock) = lock::acquire(&config.state_dir, &shutdown).await? else {
             return Err(AgentError::StoppedBeforeStart);
         };
+        set_phase(format!(
+            "restoring allocations: waiting for the kubelet's pod-resources API at {}",
+            config.pod_resources_socket.display()
+        ));
         let resources = startup::restore(&config, &deps, &shutdown).await?;
+        set_phase("starting the device plugins".into());
+        // The full endpoint takes the address over.
+        if let Some((stop, task)) = starting {
+            stop.cancel();
+            let _ = task.await;
+        }
         if shutdown.is_cancelled() {
             // Stopped during start-up (waiting for pod-resources): start nothing more, not even
             // an MPS daemon.

@@ -20,6 +20,9 @@ use crate::resources::NodeResources;
 
 /// How long the first pod-resources `List` may take.
 const FIRST_LIST_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a wait for the kubelet says it still waits.
+pub const STILL_WAITING_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Time between tries while waiting for pod-resources.
 const RETRY: Duration = Duration::from_secs(1);
 
@@ -149,7 +152,8 @@ pub async fn restore(
     // Without a trusted checkpoint the ledger knows nothing of the containers running on the
     // node (after a reboot the kubelet restarts them without calling Allocate): serving now
     // could hand their GPUs out again through another view. Wait for pod-resources first.
-    let mut waiting_logged = false;
+    let mut waiting_since: Option<std::time::Instant> = None;
+    let mut said_at = std::time::Instant::now();
     loop {
         // The kubelet may have just started too: nothing it listed before is released here.
         let witness = crate::reconcile::Witness::settling();
@@ -169,12 +173,25 @@ pub async fn restore(
                 break;
             }
             Err(ReconcileFailure::Unreachable(e)) => {
-                if !waiting_logged {
-                    tracing::warn!(
-                        error = %Chain(&e),
-                        "waiting for the kubelet's pod-resources API before serving: without a trusted checkpoint it is the only record of running containers"
-                    );
-                    waiting_logged = true;
+                match waiting_since {
+                    None => {
+                        tracing::warn!(
+                            error = %Chain(&e),
+                            "no kubelet answers at {}: start the kubelet (or, on a simulated node, the fake kubelet: cargo run -p baleen-tests --example fake-kubelet -- --help); the agent waits for its pod-resources API before serving, since without a trusted checkpoint it is the only record of running containers",
+                            config.pod_resources_socket.display()
+                        );
+                        waiting_since = Some(std::time::Instant::now());
+                        said_at = std::time::Instant::now();
+                    }
+                    Some(since) if said_at.elapsed() >= STILL_WAITING_EVERY => {
+                        tracing::warn!(
+                            "still waiting for the kubelet at {} ({} s)",
+                            config.pod_resources_socket.display(),
+                            since.elapsed().as_secs()
+                        );
+                        said_at = std::time::Instant::now();
+                    }
+                    Some(_) => {}
                 }
                 if !crate::retry::sleep_or_stop(RETRY, shutdown).await {
                     break;

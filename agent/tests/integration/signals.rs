@@ -81,3 +81,62 @@ fn a_log_written_to_a_file_has_no_colour_codes() {
     assert!(!text.contains('\u{1b}'), "escape codes in a file: {text:?}");
     assert!(text.contains("shutting down"), "{text}");
 }
+
+/// One HTTP GET to the agent; the status code and the body.
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::Write as _;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let code = text.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()))
+}
+
+#[test]
+fn an_agent_waiting_for_the_kubelet_is_alive_and_says_why_it_is_not_ready() {
+    // Issue 24, item 5: before, the metrics port served nothing until the kubelet answered, so
+    // a pod's liveness probe killed the waiting agent with "connection refused".
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let log = dir.path().join("log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baleen-agent"))
+        .args(["--simulated", TOPOLOGY, "--no-mps", "--node-name", "n1"])
+        .arg("--metrics-address")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--device-plugin-dir")
+        .arg(dir.path().join("device-plugins"))
+        .arg("--pod-resources-socket")
+        .arg(dir.path().join("pod-resources.sock"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log).expect("log")))
+        .spawn()
+        .expect("the agent binary");
+    let started = Instant::now();
+    let ready = loop {
+        assert!(started.elapsed() < Duration::from_secs(20), "no answer on the metrics port");
+        match get(port, "/readyz") {
+            Some((code, body)) if body.contains("pod-resources") => break (code, body),
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    assert_eq!(ready.0, 503, "{ready:?}");
+    assert!(ready.1.contains("pod-resources.sock"), "says where it waits: {}", ready.1);
+    let alive = get(port, "/healthz").expect("healthz");
+    assert_eq!(alive.0, 200, "{alive:?}");
+    let metrics = get(port, "/metrics").expect("metrics");
+    assert!(metrics.1.contains("baleen_agent_starting{node=\"n1\"} 1"), "{}", metrics.1);
+    // The log says what to start, the OS's reason once.
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(text.contains("start the kubelet"), "{text}");
+    let line = text.lines().find(|l| l.contains("no kubelet answers")).expect("the wait line");
+    assert!(line.matches("os error 2").count() <= 1, "the OS error twice: {line}");
+    let status = interrupt(&mut child);
+    assert!(status.success(), "{status:?}");
+}

@@ -1,4 +1,4 @@
-//! The alert rules in `packaging/prometheus/` are valid and do what their tests say, checked by
+//! The alert rules in `packaging/helm/baleen/files/` (the chart's PrometheusRule) are valid and do what their tests say, checked by
 //! Debian's `promtool` (the `prometheus` package, which `.ci/run` installs).
 
 use std::path::{Path, PathBuf};
@@ -8,7 +8,7 @@ use anyhow::{Result, ensure};
 use baleen_tests::tools::promtool;
 
 fn rules_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/prometheus")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/helm/baleen/files")
 }
 
 #[test]
