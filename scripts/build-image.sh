@@ -25,7 +25,7 @@
 #
 # Tools: podman, debootstrap (only while the base is not cached), runc (on hybrid cgroup hosts,
 # see below), objcopy/strip (binutils). A missing one is an error naming its apt package; the
-# script installs them with apt-get only when BALEEN_INSTALL_TOOLS=1 (CI sets it; a developer's
+# script installs them with apt-get only when BALEEN_INSTALL_TOOLS=1 (a developer's
 # machine is not changed behind their back).
 #
 # Environment (all optional):

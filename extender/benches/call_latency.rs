@@ -57,7 +57,8 @@ fn node(name: &str, free: &[u32]) -> Value {
         unnamed: vec![],
     };
     json!({"metadata": {"name": name, "annotations": {KEY: state.to_json()}},
-           "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"}}})
+           "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},
+                      "capacity": {"awesome-ai-company.com/gpu-memory": (free.len() * 140).to_string()}}})
 }
 
 fn pod(i: usize, units: u32) -> Value {

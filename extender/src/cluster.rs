@@ -34,6 +34,8 @@ impl NodeEntry {
                 Err(format!("{key} describes node {}, not this one", s.node))
             }
         });
+        let domain = key.strip_suffix("/gpu-state").unwrap_or(key);
+        let state = state.and_then(|s| believable(&s, node, domain).map(|()| s));
         let alloc = node.status.allocatable.as_ref();
         let get = |r: &str| {
             alloc
@@ -43,6 +45,58 @@ impl NodeEntry {
         };
         Self { state, allocatable: (get("cpu"), get("memory").div_ceil(1000)) }
     }
+}
+
+/// The most GPUs, and gpu-memory units, a node can have (the agent's own limits: 64 GPUs, the
+/// kubelet's 4 MiB message of device IDs).
+pub const MAX_GPUS: usize = 64;
+/// See [`MAX_GPUS`].
+pub const MAX_UNITS: u64 = 32_768;
+
+/// Whether `state` can be true of `node`: the agent's document is believed only as far as the
+/// kubelet's own count of the node's devices (the Node's `capacity`) bears it out, so that a
+/// node's credentials cannot make it look larger or emptier than it is (a document claiming
+/// 4,294,967,295 free units per GPU once passed and scored 10). The reason, if not.
+pub fn believable(state: &NodeGpuState, node: &Node, domain: &str) -> Result<(), String> {
+    let refuse = |why: String| Err(format!("refused: {why}"));
+    if state.gpus.len() > MAX_GPUS {
+        return refuse(format!("{} GPUs (at most {MAX_GPUS})", state.gpus.len()));
+    }
+    let mut units = 0u64;
+    for g in &state.gpus {
+        if g.units_free > g.units_total {
+            return refuse(format!(
+                "GPU {} has {} free of {} units",
+                g.index, g.units_free, g.units_total
+            ));
+        }
+        if g.shares_offered {
+            units += u64::from(g.units_total);
+        }
+    }
+    if units > MAX_UNITS {
+        return refuse(format!("{units} gpu-memory units (at most {MAX_UNITS})"));
+    }
+    let capacity = |name: &str| {
+        node.status
+            .capacity
+            .as_ref()
+            .and_then(|c| c.get(&format!("{domain}/{name}")))
+            .and_then(quantity_milli)
+            .map_or(0, |m| u64::try_from(m / 1000).unwrap_or(0))
+    };
+    let has = capacity("gpu-memory");
+    if units > has {
+        return refuse(format!(
+            "the document offers {units} gpu-memory units, the kubelet counts {has} on the Node"
+        ));
+    }
+    let whole = state.gpus.iter().filter(|g| g.mig.is_empty()).count() as u64;
+    let gpus = capacity("gpu");
+    if gpus > 0 && whole > gpus {
+        return refuse(format!("the document has {whole} GPUs, the kubelet counts {gpus}"));
+    }
+    Ok(())
 }
 
 /// One pod as last seen.
@@ -228,5 +282,69 @@ impl ClusterView {
             cpu_used_milli: cpu,
             memory_used_bytes: memory,
         }
+    }
+}
+
+#[cfg(test)]
+mod believing {
+    use super::*;
+    use baleen_k8s::gpu_state::{GpuEntry, GpuMode, VERSION};
+
+    fn gpu(index: u32, total: u32, free: u32) -> GpuEntry {
+        GpuEntry {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: "H200".into(),
+            memory_bytes: 140 << 30,
+            numa_node: None,
+            nvlink_peers: vec![],
+            mode: GpuMode::Shared,
+            healthy: true,
+            shares_offered: true,
+            units_total: total,
+            units_free: free,
+            compute_free_milli: 0,
+            mig: vec![],
+            pods: vec![],
+        }
+    }
+
+    fn node(gpus: Vec<GpuEntry>, capacity: &str) -> Node {
+        let state = NodeGpuState {
+            version: VERSION,
+            node: "a".into(),
+            generation: 1,
+            memory_unit_bytes: 1 << 30,
+            resources: vec![],
+            gpus,
+            nvlink_groups: vec![],
+            unnamed: vec![],
+        };
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "a", "annotations": {"d.io/gpu-state": state.to_json()}},
+            "status": {"capacity": {"d.io/gpu-memory": capacity, "d.io/gpu": "2"}}
+        }))
+        .expect("node")
+    }
+
+    #[test]
+    fn hostile_documents_are_refused_and_honest_ones_kept() {
+        let entry = |n: &Node| NodeEntry::of(n, "d.io/gpu-state").state;
+        assert!(entry(&node(vec![gpu(0, 140, 100), gpu(1, 140, 140)], "280")).is_ok());
+        // Free units past the total (the 4,294,967,295 free units of one attack).
+        let e = entry(&node(vec![gpu(0, 140, u32::MAX)], "280")).expect_err("free > total");
+        assert!(e.contains("free of 140"), "{e}");
+        // More units than the kubelet counts on the Node.
+        let e = entry(&node(vec![gpu(0, u32::MAX, u32::MAX)], "280")).expect_err("units");
+        assert!(e.starts_with("refused:"), "{e}");
+        let three = vec![gpu(0, 140, 140), gpu(1, 140, 140), gpu(2, 140, 140)];
+        let e = entry(&node(three, "1000")).expect_err("GPUs");
+        assert!(e.contains("3 GPUs"), "{e}");
+        // No devices counted at all (the Node has no such capacity).
+        let e = entry(&node(vec![gpu(0, 140, 140)], "0")).expect_err("nothing counted");
+        assert!(e.contains("counts 0"), "{e}");
+        // Past the agent's own limits.
+        let many: Vec<GpuEntry> = (0..65).map(|i| gpu(i, 1, 1)).collect();
+        assert!(entry(&node(many, "100000")).is_err());
     }
 }

@@ -167,6 +167,8 @@ pub struct Node {
 pub struct NodeStatus {
     /// What pods may use.
     pub allocatable: Option<BTreeMap<String, Value>>,
+    /// What the node has (the kubelet's count of every device a plugin advertises).
+    pub capacity: Option<BTreeMap<String, Value>>,
 }
 
 #[cfg(test)]

@@ -95,6 +95,7 @@ pub async fn start(
     extender.await_watchers();
     let metrics = Metrics::new(registry.clone())?;
     registry.register(Box::new(extender.not_sent.clone()))?;
+    registry.register(Box::new(extender.refused_documents.clone()))?;
     let (address, serve) = bind(
         config.listen,
         router(extender.clone(), metrics.clone(), &config.prefix),

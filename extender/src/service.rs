@@ -120,6 +120,8 @@ pub struct Extender {
     watched: std::sync::atomic::AtomicBool,
     /// GPU pods first seen pending under another scheduler than `settings.scheduler_name`.
     pub not_sent: prometheus::IntCounter,
+    /// gpu-state documents refused as not believable ([`crate::cluster::believable`]).
+    pub refused_documents: prometheus::IntCounter,
 }
 
 /// Which watcher has listed.
@@ -153,6 +155,11 @@ impl Extender {
             not_sent: prometheus::IntCounter::new(
                 "baleen_extender_pods_not_sent_total",
                 "Pods asking for a baleen resource first seen pending under another scheduler than baleen's (the webhook was down, or the namespace opted out).",
+            )
+            .unwrap_or_else(|_| unreachable_counter()),
+            refused_documents: prometheus::IntCounter::new(
+                "baleen_extender_documents_refused_total",
+                "gpu-state documents refused because the Node's own device counts do not bear them out (more units or GPUs than the kubelet counts, more free than total, past the agent's limits).",
             )
             .unwrap_or_else(|_| unreachable_counter()),
         })

@@ -20,12 +20,25 @@ use crate::service::{Extender, Watched};
 /// Follows every Node until `shutdown`.
 pub async fn nodes(client: kube::Client, extender: Arc<Extender>, shutdown: CancellationToken) {
     let key = extender.settings().annotation();
+    let counter = extender.clone();
     let kind = Kind {
         what: Watched::Nodes,
         apply: move |view: &mut ClusterView, node: &KubeNode| {
             let node: Node = serde_json::to_value(node).and_then(serde_json::from_value).ok()?;
             let name = node.metadata.name.clone();
-            view.set_node(&name, NodeEntry::of(&node, &key));
+            let entry = NodeEntry::of(&node, &key);
+            if let Err(why) = &entry.state
+                && why.starts_with("refused:")
+                && view.node(&name).and_then(|e| e.state.as_ref().err()) != Some(why)
+            {
+                counter.refused_documents.inc();
+                tracing::warn!(
+                    node = name,
+                    reason = why,
+                    "a gpu-state document not believed: the node is left out until its document and the kubelet's counts agree"
+                );
+            }
+            view.set_node(&name, entry);
             Some(name)
         },
         key: |node: &KubeNode| node.metadata.name.clone(),

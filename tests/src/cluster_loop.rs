@@ -113,7 +113,14 @@ fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
 fn node_json(spec: &NodeSpec) -> Value {
     json!({
         "metadata": {"name": spec.name},
-        "status": {"allocatable": {"cpu": format!("{}m", spec.cpu.0), "memory": format!("{}Mi", spec.memory.0)}}
+        "status": {
+            "allocatable": {"cpu": format!("{}m", spec.cpu.0), "memory": format!("{}Mi", spec.memory.0)},
+            // What the kubelet counts once the node's agent has registered its devices.
+            "capacity": {
+                "awesome-ai-company.com/gpu-memory": (spec.gpus.len() as u64 * UNITS_PER_GPU).to_string(),
+                "awesome-ai-company.com/gpu": spec.gpus.len().to_string()
+            }
+        }
     })
 }
 

@@ -118,7 +118,6 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         paths.iter().filter_map(|p| std::fs::read(p).ok()).collect()
     };
     let yaml = |p: &Path| p.extension().is_some_and(|e| e == "yaml");
-    let agent_yaml = |p: &Path| p.file_name().is_some_and(|n| n == "agent.yaml");
     let inline: Vec<&[u8]> = match target {
         "quantity" => vec![b"1GiB", b"500m", b"23034MiB", b"1.5", b"2e3", b"30s", b"-1", b"7Ei"],
         "mps_log" => vec![

@@ -55,7 +55,8 @@ fn state(name: &str, free: &[u32], pods: &[&str]) -> String {
 fn node(name: &str, free: &[u32]) -> Value {
     json!({
         "metadata": {"name": name, "annotations": {KEY: state(name, free, &[])}},
-        "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"}}
+        "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},
+                   "capacity": {"awesome-ai-company.com/gpu-memory": (free.len() * 140).to_string()}}
     })
 }
 
@@ -161,6 +162,10 @@ async fn the_agent_publishes_and_the_extender_places_on_what_it_published() -> R
     // The agent's real publisher writes to the fake API server, whose watch feeds the extender.
     let api = Arc::new(FakeApiServer::start(&["node-a"]).await?);
     let (running, token) = extender(&api).await?;
+    // The kubelet's count of the node's devices, which the extender holds the document to.
+    api.put_node(json!({"metadata": {"name": "node-a"},
+        "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},
+                   "capacity": {"awesome-ai-company.com/gpu-memory": "140"}}}));
     let client = baleen_agent::kube_api::KubeNodeApi::at(&api.url())?;
     use baleen_agent::kube_api::NodeApi as _;
     client.annotate("node-a", KEY, &state("node-a", &[10], &[])).await?;
