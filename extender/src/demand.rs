@@ -140,6 +140,16 @@ impl Demand {
     }
 }
 
+/// A count of devices as a pod asks it: a whole positive number that fits a `u32`, as a string
+/// or a number (the filter and the webhook read counts with this one rule).
+pub fn device_count(value: &Value) -> Option<u32> {
+    let milli = quantity_milli(value)?;
+    if milli % 1000 != 0 || milli <= 0 {
+        return None;
+    }
+    u32::try_from(milli / 1000).ok()
+}
+
 /// A container's baleen asks: limits, else requests (extended resources must be equal in both).
 fn asks_of(c: &Container, domain: &str) -> Result<Vec<Ask>, DemandError> {
     let prefix = format!("{domain}/");
@@ -149,16 +159,11 @@ fn asks_of(c: &Container, domain: &str) -> Result<Vec<Ask>, DemandError> {
     for (name, value) in merged {
         let Some(kind) = name.strip_prefix(&prefix) else { continue };
         let count = || {
-            let bad = || DemandError::Count {
+            device_count(value).ok_or_else(|| DemandError::Count {
                 container: c.name.clone(),
                 resource: name.clone(),
                 value: value.to_string(),
-            };
-            let milli = quantity_milli(value).ok_or_else(bad)?;
-            if milli % 1000 != 0 || milli <= 0 {
-                return Err(bad());
-            }
-            u32::try_from(milli / 1000).map_err(|_| bad())
+            })
         };
         let ask = if kind == "gpu-memory" {
             Ask::GpuMemory(count()?)

@@ -232,13 +232,10 @@ impl Extender {
             .collect()
     }
 
-    /// The Pod watcher's pod `uid` with `demand`, for the target workload (once per pod).
-    pub fn learn(&self, uid: &str, demand: &Demand) {
-        self.see(uid, demand);
-    }
-
-    /// Records the pod for the target workload; wakes the rebuilder every `rebuild_every`.
-    fn see(&self, pod_uid: &str, demand: &Demand) {
+    /// Records the pod `pod_uid` with `demand` for the target workload (once per pod; from the
+    /// Pod watcher, or from the filter's pod where no watcher runs); wakes the rebuilder every
+    /// `rebuild_every`.
+    pub fn learn(&self, pod_uid: &str, demand: &Demand) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         if demand.is_empty() || (!pod_uid.is_empty() && !seen.uids.insert(pod_uid.to_owned())) {
             return;
@@ -378,7 +375,7 @@ impl Extender {
             }
         };
         if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
-            self.see(&args.pod.metadata.uid, &demand);
+            self.learn(&args.pod.metadata.uid, &demand);
         }
         let sent = self.sent_entries(args);
         let view = self.view();

@@ -31,6 +31,7 @@ use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview
 use prometheus::{IntCounterVec, Opts, Registry};
 use serde_json::Value;
 
+use crate::demand::device_count;
 use crate::protocol::{Container, Pod};
 use crate::service::Extender;
 
@@ -104,7 +105,7 @@ fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Resul
                      (the request defaults to the limit): move it to resources.limits"
                 ));
             }
-            Some(limit) if count(limit) != count(request) => {
+            Some(limit) if device_count(limit) != device_count(request) => {
                 return Err(format!(
                     "{name} asks {} in requests and {} in limits; device resources cannot be \
                      overcommitted: set one number in resources.limits",
@@ -118,7 +119,7 @@ fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Resul
     let memory = format!("{prefix}gpu-memory");
     let gpu = format!("{prefix}gpu");
     for (name, value) in &limits {
-        if count(value).is_none() {
+        if device_count(value).is_none() {
             return Err(format!("{name} = {} is not a whole positive number", shown(value)));
         }
     }
@@ -128,8 +129,8 @@ fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Resul
              whole GPUs, not both: ask for one, or split it into two containers"
         ));
     }
-    if let (Some(units), Some(largest)) = (limits.get(&memory).and_then(count), largest)
-        && units > u64::from(largest)
+    if let (Some(units), Some(largest)) = (limits.get(&memory).and_then(device_count), largest)
+        && units > largest
     {
         return Err(format!(
             "asks for {units} units of {memory}, but the largest GPU in the cluster has \
@@ -138,15 +139,6 @@ fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Resul
         ));
     }
     Ok(!limits.is_empty())
-}
-
-/// A device count: a whole positive number, as a string or a number.
-fn count(value: &Value) -> Option<u64> {
-    let milli = crate::demand::quantity_milli(value)?;
-    if milli <= 0 || milli % 1000 != 0 {
-        return None;
-    }
-    u64::try_from(milli / 1000).ok()
 }
 
 /// A value as the user wrote it, cut to a sane length for a message.

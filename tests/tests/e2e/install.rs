@@ -1122,10 +1122,7 @@ fn tenant_policy(values: &str) -> Result<(String, String)> {
 }
 
 fn cel_true(expression: &str, pod: &serde_json::Value) -> Result<bool> {
-    let program = cel::Program::compile(expression).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut context = cel::Context::default();
-    context.add_variable_from_value("object", cel::to_value(pod)?);
-    match program.execute(&context).map_err(|e| anyhow::anyhow!("{e}"))? {
+    match cel_eval(expression, &[("object", pod)], &std::collections::HashMap::new())? {
         cel::Value::Bool(b) => Ok(b),
         other => bail!("{expression} gave {other:?}, not a bool"),
     }
