@@ -32,7 +32,8 @@ pub fn agent_config(root: &Path, node: &str, views: ViewConfig, mps_control: &Pa
 /// The agent binary `binary` as its own process for node `node` on the simulated `topology`,
 /// laid out under `root` as [`AgentConfig::for_root`] lays it out (device plugins,
 /// pod-resources, state), MPS off, its output dropped; the caller adds the rest (metrics
-/// address, memory unit, log level) and spawns it.
+/// address, memory unit, log level) and spawns it. The device-plugin directory is made, as the
+/// kubelet makes it on a node (the agent refuses one that does not exist).
 pub fn agent_process(
     binary: &Path,
     topology: &Path,
@@ -40,6 +41,9 @@ pub fn agent_process(
     node: &str,
 ) -> std::process::Command {
     let layout = AgentConfig::for_root(root);
+    if let Err(e) = std::fs::create_dir_all(&layout.device_plugin_dir) {
+        panic!("cannot make {}: {e}", layout.device_plugin_dir.display());
+    }
     let mut command = std::process::Command::new(binary);
     command
         .arg("--simulated")

@@ -179,7 +179,7 @@ mod tests {
         assert_eq!(err.exit_code(), EXIT_CONFIG);
         let text = err.to_string();
         assert!(
-            text.contains("memory unit") && text.contains("log format") && text.contains("domain"),
+            text.contains("memoryUnit") && text.contains("log.format") && text.contains("domain"),
             "{text}"
         );
         let help = Cli::command().render_long_help().to_string();

@@ -153,8 +153,8 @@ impl Environment {
 pub fn parse_memory_unit(text: &str) -> Result<u64, String> {
     match parse_quantity(text) {
         Ok(b) if b >= defaults::MEMORY_UNIT_MIN_BYTES => Ok(b),
-        Ok(_) => Err(format!("memory unit {text:?} is below 1MiB")),
-        Err(e) => Err(format!("memory unit: {e}")),
+        Ok(_) => Err(format!("memoryUnit {text:?} is below 1MiB")),
+        Err(e) => Err(format!("memoryUnit {text:?}: {e}")),
     }
 }
 
@@ -215,11 +215,13 @@ fn resolve_with(
     let inventory = sections::inventory::resolve(&src, node_name.clone(), &mut problems);
     if !problems.is_empty() {
         let located = problems.located(text.map(|(t, _)| t));
-        let shown = |line: Option<usize>| match (text, line) {
-            (Some((_, path)), Some(line)) => format!("{}:{line}: ", path.display()),
+        let shown = |p: &crate::yaml::Located| match (text, p.line, p.column) {
+            (Some((_, path)), Some(line), Some(column)) => {
+                format!("{}:{line}:{column}: ", path.display())
+            }
             _ => String::new(),
         };
-        let problems = located.into_iter().map(|p| format!("{}{}", shown(p.line), p.message));
+        let problems = located.iter().map(|p| format!("{}{}", shown(p), p.message));
         return Err(ConfigError { problems: problems.collect() });
     }
     let agent = AgentConfig {
@@ -321,7 +323,7 @@ mod tests {
         let err = resolve(&args, &Environment::default()).expect_err("invalid");
         let text = err.to_string();
         for expected in
-            ["domain", "memory unit", "group size 1", "interval", "log format", "/nonexistent.yaml"]
+            ["domain", "memoryUnit", "nvlinkGroupSizes[0] 1", "interval", "log.format", "/nonexistent.yaml"]
         {
             assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
         }
@@ -347,7 +349,7 @@ mod tests {
         .expect("write");
         let err = resolve(&args, &Environment::default()).expect_err("three problems");
         let text = err.to_string();
-        for expected in ["deviceListStrategy \"all\"", "cdi.enabled is replaced", "CDI kind"] {
+        for expected in ["deviceListStrategy \"all\"", "cdi.enabled is replaced", "cdi.kind"] {
             assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
         }
         assert_eq!(err.problems.len(), 3, "{text}");
@@ -367,12 +369,12 @@ mod tests {
         let err = resolve(&args, &Environment::default()).expect_err("a file");
         let text = err.to_string();
         assert!(
-            text.contains(&format!("agent.yaml:3: {at} (stateDir) is not a directory")),
+            text.contains(&format!("agent.yaml:3:3: paths.stateDir {at} is not a directory")),
             "{text}"
         );
         let flag = RunArgs { device_plugin_dir: Some(not_a_dir.clone()), ..args };
         let text = resolve(&flag, &Environment::default()).expect_err("two").to_string();
-        assert!(text.contains(&format!("{at} (devicePluginDir) is not a directory")), "{text}");
+        assert!(text.contains(&format!("paths.devicePluginDir {at} is not a directory")), "{text}");
     }
 
     #[test]
@@ -384,13 +386,14 @@ mod tests {
             resolve(&RunArgs { config: Some(file), ..RunArgs::default() }, &Environment::default())
                 .expect_err("unknown field");
         let text = err.to_string();
-        assert!(text.contains("agent.yaml:3") && text.contains("devicePluginDirectory"), "{text}");
+        assert!(text.contains("agent.yaml:3:3: unknown key paths.devicePluginDirectory"), "{text}");
     }
 
-    /// Issue 23, step 2: every problem of the file at once, each with its line, in line order;
+    /// Issue 23, step 2: every problem of the file at once, each with its line and column (issue 24,
+    /// item 5) and named by its key path, in line order;
     /// every unknown key among them; a flag's problem without a line; `version: 1` read.
     #[test]
-    fn every_problem_comes_with_its_line_and_every_unknown_key_at_once() {
+    fn every_problem_comes_with_its_line_column_and_key_path_and_every_unknown_key_at_once() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("agent.yaml");
         std::fs::write(
@@ -406,14 +409,16 @@ mod tests {
         let err = resolve(&args, &Environment::default()).expect_err("five problems");
         let shown = file.display().to_string();
         let expected = [
-            format!("{shown}:4: unknown key mps.probeTimout"),
-            format!("{shown}:5: mps threadPercentage 150 is not between 1 and 100"),
-            format!("{shown}:6: unknown key watchdgo"),
-            format!("{shown}:9: metrics interval: \"soon\" is not a duration like 30s, 500ms, 5m"),
+            format!("{shown}:4:3: unknown key mps.probeTimout"),
+            format!("{shown}:5:3: mps.threadPercentage 150 is not between 1 and 100"),
+            format!("{shown}:6:1: unknown key watchdgo"),
             format!(
-                "{shown}:11: colocation cgroupDriver \"yes-please\" is not systemd or cgroupfs"
+                "{shown}:9:3: metrics.interval: \"soon\" is not a duration like 30s, 500ms, 5m"
             ),
-            "log format \"xml\" is not text or json".to_owned(),
+            format!(
+                "{shown}:11:3: colocation.cgroupDriver \"yes-please\" is not systemd or cgroupfs"
+            ),
+            "log.format \"xml\" is not text or json".to_owned(),
         ];
         assert_eq!(err.problems, expected, "{err}");
         // The same file fixed parses, with its version.
@@ -424,7 +429,7 @@ mod tests {
         let err = resolve(&fine, &Environment::default()).expect_err("a later version");
         assert_eq!(
             err.problems,
-            [format!("{shown}:2: version 2 is not one this agent reads: it reads version 1")]
+            [format!("{shown}:2:1: version 2 is not one this agent reads: it reads version 1")]
         );
     }
 
@@ -455,7 +460,7 @@ mod tests {
         write("nodeName: n\nwatchdog:\n  enabled: true\npaths:\n  procRoot: /host/proc\n");
         let err = resolve(&args, &Environment::default()).expect_err("kill needs the host /proc");
         assert!(
-            err.to_string().contains("watchdog action kill (the default) needs the host's /proc"),
+            err.to_string().contains("watchdog.action kill (the default) needs the host's /proc"),
             "{err}"
         );
         write("nodeName: n\nwatchdog:\n  enabled: true\n");
@@ -564,7 +569,7 @@ mod tests {
         assert_eq!(told.agent.annotation.min_interval, Duration::from_millis(250));
         std::fs::write(&file, "nodeName: n\nannotation:\n  minInterval: 0s\n").expect("write");
         let err = resolve(&args, &in_pod).expect_err("zero");
-        assert!(err.to_string().contains("annotation minInterval must be above zero"), "{err}");
+        assert!(err.to_string().contains("annotation.minInterval must be above zero"), "{err}");
     }
 
     #[test]

@@ -20,7 +20,10 @@ const RETRY: Duration = Duration::from_millis(500);
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     /// The state directory cannot be created.
-    #[error("cannot create the state directory {}", dir.display())]
+    #[error(
+        "cannot create the state directory {} (paths.stateDir, --state-dir)",
+        dir.display()
+    )]
     StateDir {
         /// The state directory.
         dir: PathBuf,

@@ -221,6 +221,15 @@ pub enum AgentError {
         /// The paths.
         paths: Vec<PathBuf>,
     },
+    /// The device-plugin directory does not exist (a configuration error: exit code 64).
+    #[error(
+        "the device-plugin directory {} does not exist (paths.devicePluginDir, --device-plugin-dir): the kubelet creates it, /var/lib/kubelet/device-plugins on most nodes; fix the path, or on a simulated node create it (mkdir -p) or start the fake kubelet first",
+        dir.display()
+    )]
+    NoDevicePluginDir {
+        /// The directory.
+        dir: PathBuf,
+    },
     /// The node's agent lock cannot be taken.
     #[error(transparent)]
     Lock(#[from] lock::LockError),
@@ -251,6 +260,8 @@ impl AgentError {
             AgentError::Inventory(InventoryError::Topology(_))
                 | AgentError::HeldDevicesChanged { .. }
                 | AgentError::SocketPathsTooLong { .. }
+                | AgentError::NoDevicePluginDir { .. }
+                | AgentError::Lock(lock::LockError::StateDir { .. })
                 | AgentError::Ledger(
                     BuildError::ZeroUnit
                         | BuildError::TooManyUnits { .. }
@@ -319,6 +330,11 @@ impl Agent {
         deps: Dependencies,
         shutdown: CancellationToken,
     ) -> Result<Self, AgentError> {
+        // The kubelet makes the device-plugin directory: one that does not exist is a wrong
+        // path (or no kubelet on this node), and waiting for a socket in it would wait forever.
+        if !config.device_plugin_dir.is_dir() {
+            return Err(AgentError::NoDevicePluginDir { dir: config.device_plugin_dir.clone() });
+        }
         // Alive from the first second: the metrics address answers while the agent waits for
         // its lock and for the kubelet, /readyz saying for what.
         let phase: crate::metrics::StartPhase = Default::default();

@@ -23,12 +23,14 @@ pub(crate) enum Seg {
 
 const PROBE_MARKER: &str = "baleen-yaml-probe";
 
-/// The line (1-based) of the node at `path` in the YAML `text`, or `None` when the path does not
-/// lead to a node (the problem is then reported without a line).
-pub(crate) fn locate(text: &str, path: &[Seg]) -> Option<usize> {
+/// The line and column (both 1-based) of the node at `path` in the YAML `text`, or `None` when
+/// the path does not lead to a node (the problem is then reported without a place).
+pub(crate) fn locate(text: &str, path: &[Seg]) -> Option<(usize, usize)> {
     let deserializer = serde_yaml_ng::Deserializer::from_str(text);
     match (Probe { path }).deserialize(deserializer) {
-        Err(err) if err.to_string().contains(PROBE_MARKER) => err.location().map(|l| l.line()),
+        Err(err) if err.to_string().contains(PROBE_MARKER) => {
+            err.location().map(|l| (l.line(), l.column()))
+        }
         _ => None,
     }
 }
@@ -169,10 +171,11 @@ gpus:                        # 2
 ";
 
     #[test]
-    fn keys_and_indices_lead_to_their_line() {
-        assert_eq!(locate(YAML, &[Seg::Key("node")]), Some(1));
-        assert_eq!(locate(YAML, &[Seg::Key("gpus"), Seg::Index(0), Seg::Key("model")]), Some(4));
-        assert_eq!(locate(YAML, &[Seg::Key("gpus"), Seg::Index(1), Seg::Key("model")]), Some(5));
+    fn keys_and_indices_lead_to_their_line_and_column() {
+        assert_eq!(locate(YAML, &[Seg::Key("node")]), Some((1, 1)));
+        let model = |i| locate(YAML, &[Seg::Key("gpus"), Seg::Index(i), Seg::Key("model")]);
+        assert_eq!(model(0), Some((4, 5)));
+        assert_eq!(model(1), Some((5, 16)), "a flow mapping's key, at its column");
         let instance = [
             Seg::Key("gpus"),
             Seg::Index(2),
@@ -181,9 +184,10 @@ gpus:                        # 2
             Seg::Index(0),
             Seg::Key("profile"),
         ];
-        assert_eq!(locate(YAML, &instance), Some(9));
+        assert_eq!(locate(YAML, &instance), Some((9, 11)));
         // A block collection is located at its key, not at its first entry.
-        assert_eq!(locate(YAML, &[Seg::Key("gpus"), Seg::Index(2), Seg::Key("mig")]), Some(7));
+        let mig = locate(YAML, &[Seg::Key("gpus"), Seg::Index(2), Seg::Key("mig")]);
+        assert_eq!(mig, Some((7, 5)));
     }
 
     #[test]

@@ -14,6 +14,8 @@ use serde::de::DeserializeOwned;
 pub(crate) struct Located {
     /// The line (1-based).
     pub(crate) line: Option<usize>,
+    /// The column (1-based) on that line.
+    pub(crate) column: Option<usize>,
     /// What is wrong.
     pub(crate) message: String,
 }
@@ -48,12 +50,12 @@ impl Problems {
             .0
             .into_iter()
             .filter(|(at, message)| seen.insert((at.clone(), message.clone())))
-            .map(|(at, message)| Located {
-                line: text.filter(|_| !at.is_empty()).and_then(|t| locate(t, &at)),
-                message,
+            .map(|(at, message)| {
+                let place = text.filter(|_| !at.is_empty()).and_then(|t| locate(t, &at));
+                Located { line: place.map(|p| p.0), column: place.map(|p| p.1), message }
             })
             .collect();
-        located.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
+        located.sort_by_key(|p| (p.line.unwrap_or(usize::MAX), p.column.unwrap_or(0)));
         located
     }
 }
@@ -126,8 +128,12 @@ mod tests {
         assert_eq!(
             located,
             [
-                Located { line: Some(3), message: "unknown key mps.probeIntervl".into() },
-                Located { line: Some(5), message: "unknown key watchdgo".into() },
+                Located {
+                    line: Some(3),
+                    column: Some(3),
+                    message: "unknown key mps.probeIntervl".into()
+                },
+                Located { line: Some(5), column: Some(1), message: "unknown key watchdgo".into() },
             ]
         );
     }

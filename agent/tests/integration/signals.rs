@@ -12,6 +12,7 @@ const TOPOLOGY: &str =
 
 /// The agent on the simulated L4 node under `dir`, waiting for a kubelet, its stderr `stderr`.
 fn agent(dir: &Path, stderr: Stdio) -> Child {
+    std::fs::create_dir_all(dir.join("device-plugins")).expect("the kubelet's directory");
     Command::new(env!("CARGO_BIN_EXE_baleen-agent"))
         .args(["--simulated", TOPOLOGY, "--no-mps", "--metrics-address", "127.0.0.1:0"])
         .args(["--node-name", "n1"])
@@ -104,6 +105,7 @@ fn an_agent_waiting_for_the_kubelet_is_alive_and_says_why_it_is_not_ready() {
         .expect("a free port")
         .port();
     let log = dir.path().join("log");
+    std::fs::create_dir_all(dir.path().join("device-plugins")).expect("the kubelet's directory");
     let mut child = Command::new(env!("CARGO_BIN_EXE_baleen-agent"))
         .args(["--simulated", TOPOLOGY, "--no-mps", "--node-name", "n1"])
         .arg("--metrics-address")
@@ -139,4 +141,65 @@ fn an_agent_waiting_for_the_kubelet_is_alive_and_says_why_it_is_not_ready() {
     assert!(line.matches("os error 2").count() <= 1, "the OS error twice: {line}");
     let status = interrupt(&mut child);
     assert!(status.success(), "{status:?}");
+}
+
+/// Runs the agent to its end with `device_plugin_dir` and `state_dir`; its exit code and stderr.
+fn run_to_exit(dir: &Path, device_plugin_dir: &Path, state_dir: &Path) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_baleen-agent"))
+        .args(["--simulated", TOPOLOGY, "--no-mps", "--node-name", "n1"])
+        .args(["--metrics-address", "127.0.0.1:0"])
+        .arg("--device-plugin-dir")
+        .arg(device_plugin_dir)
+        .arg("--pod-resources-socket")
+        .arg(dir.join("pod-resources.sock"))
+        .arg("--state-dir")
+        .arg(state_dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the agent binary");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the agent waited instead of exiting");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    child.stderr.take().expect("stderr").read_to_string(&mut stderr).expect("read stderr");
+    (status.code(), stderr)
+}
+
+#[test]
+fn a_missing_device_plugin_dir_or_an_unmakeable_state_dir_exits_64_with_one_line() {
+    // Issue 24, item 5: before, a device-plugin directory that does not exist was waited on
+    // forever (no kubelet can ever listen there), and a state directory that cannot be created
+    // exited 1 like a crash.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plugins = dir.path().join("device-plugins");
+    let (code, stderr) = run_to_exit(dir.path(), &plugins, &dir.path().join("state"));
+    assert_eq!(code, Some(64), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("baleen-agent:")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    let expected = format!("the device-plugin directory {} does not exist", plugins.display());
+    assert!(errors[0].contains(&expected) && errors[0].contains("kubelet"), "{stderr}");
+
+    std::fs::create_dir_all(&plugins).expect("the kubelet's directory");
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").expect("write");
+    let (code, stderr) = run_to_exit(dir.path(), &plugins, &file.join("state"));
+    assert_eq!(code, Some(64), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("baleen-agent:")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("cannot create the state directory"), "{stderr}");
+    assert!(errors[0].contains("Not a directory"), "the OS's reason: {stderr}");
+
+    let (code, stderr) = run_to_exit(dir.path(), &plugins, &file);
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains(&format!("paths.stateDir {} is not a directory", file.display())));
 }

@@ -31,6 +31,7 @@ fn run_with(plant: impl FnOnce(&Path), expect: &str) -> (String, u64, f64) {
     let state = dir.path().join("state");
     std::fs::create_dir_all(&state).expect("state dir");
     plant(&state);
+    std::fs::create_dir_all(dir.path().join("device-plugins")).expect("the kubelet's directory");
     let log = dir.path().join("log");
     let mut child = Command::new(env!("CARGO_BIN_EXE_baleen-agent"))
         .args(["--simulated", TOPOLOGY, "--no-mps", "--metrics-address", "127.0.0.1:0"])

@@ -27,7 +27,7 @@ pub(in crate::config) fn resolve(
     let min_interval = duration(
         problems,
         &[Seg::Key("annotation"), Seg::Key("minInterval")],
-        "annotation minInterval",
+        "annotation.minInterval",
         file.min_interval.as_ref(),
         defaults::ANNOTATION_MIN_INTERVAL,
     );

@@ -53,7 +53,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
     let resync = duration(
         problems,
         &at("resync"),
-        "colocation resync",
+        "colocation.resync",
         file.resync.as_ref(),
         defaults::COLOCATION_RESYNC,
     );
@@ -64,7 +64,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
             problems.add(
                 &at("identifyWait"),
                 format!(
-                    "colocation identifyWait {d:?} is above {:?}: each Allocate of a gpu-memory share may wait this long",
+                    "colocation.identifyWait {d:?} is above {:?}: each Allocate of a gpu-memory share may wait this long",
                     defaults::IDENTIFY_WAIT_MAX
                 ),
             );
@@ -72,7 +72,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         }
         Some(Ok(d)) => d,
         Some(Err(e)) => {
-            problems.add(&at("identifyWait"), format!("colocation identifyWait: {e}"));
+            problems.add(&at("identifyWait"), format!("colocation.identifyWait: {e}"));
             defaults::IDENTIFY_WAIT
         }
     };
@@ -82,7 +82,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         other => {
             problems.add(
                 &at("cgroupDriver"),
-                format!("colocation cgroupDriver {other:?} is not systemd or cgroupfs"),
+                format!("colocation.cgroupDriver {other:?} is not systemd or cgroupfs"),
             );
             Driver::Systemd
         }
@@ -94,7 +94,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
             other => {
                 problems.add(
                     &at("defaultClass"),
-                    format!("colocation defaultClass {other:?} is not training or inference"),
+                    format!("colocation.defaultClass {other:?} is not training or inference"),
                 );
                 Class::Training
             }
@@ -102,7 +102,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
     if file.training_cpu_weight.is_some() {
         problems.add(
             &at("trainingCpuWeight"),
-            "colocation trainingCpuWeight is removed: training pods keep the kubelet's weight (their requests), so that no pod is pushed below the CPU it requested; delete the key",
+            "colocation.trainingCpuWeight is removed: training pods keep the kubelet's weight (their requests), so that no pod is pushed below the CPU it requested; delete the key",
         );
     }
     let class_from = match file.class_from.as_deref().unwrap_or("namespace") {
@@ -111,7 +111,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         other => {
             problems.add(
                 &at("classFrom"),
-                format!("colocation classFrom {other:?} is not namespace or pod"),
+                format!("colocation.classFrom {other:?} is not namespace or pod"),
             );
             ClassSource::Namespace
         }
@@ -122,7 +122,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         Some(w) => {
             problems.add(
                 &at("inferenceCpuWeight"),
-                format!("colocation inferenceCpuWeight {w} is not between 1 and 10000"),
+                format!("colocation.inferenceCpuWeight {w} is not between 1 and 10000"),
             );
             defaults::INFERENCE_CPU_WEIGHT
         }

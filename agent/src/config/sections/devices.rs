@@ -48,7 +48,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
     if vendor.is_empty() || class.is_empty() || class.contains('/') || cdi_kind.contains('=') {
         problems.add(
             &[Seg::Key("cdi"), Seg::Key("kind")],
-            format!("CDI kind {cdi_kind:?} must look like vendor.com/class"),
+            format!("cdi.kind {cdi_kind:?} must look like vendor.com/class"),
         );
     }
     DeviceListConfig {

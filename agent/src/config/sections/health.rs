@@ -37,7 +37,7 @@ pub(in crate::config) fn resolve(
     let probe_interval = duration(
         problems,
         &at("probeInterval"),
-        "health probeInterval",
+        "health.probeInterval",
         file.probe_interval.as_ref(),
         defaults::HEALTH_PROBE_INTERVAL,
     );
@@ -47,7 +47,7 @@ pub(in crate::config) fn resolve(
         Some(n) => {
             problems.add(
                 &at("recoveryProbes"),
-                format!("health recoveryProbes {n} is not between 1 and 100"),
+                format!("health.recoveryProbes {n} is not between 1 and 100"),
             );
             defaults::HEALTH_RECOVERY_PROBES
         }
@@ -65,7 +65,7 @@ pub(in crate::config) fn resolve(
                 problems.add(
                     &at("mpsClientProbe"),
                     format!(
-                        "health mpsClientProbe: the agent's own binary (the probe's client) cannot be found: {e}"
+                        "health.mpsClientProbe: the agent's own binary (the probe's client) cannot be found: {e}"
                     ),
                 );
                 None

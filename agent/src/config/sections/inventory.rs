@@ -38,7 +38,7 @@ pub(in crate::config) fn resolve(
     {
         problems.add(
             place(args.simulated.is_some(), &[Seg::Key("inventory"), Seg::Key("simulated")]),
-            format!("simulated topology {} does not exist", path.display()),
+            format!("inventory.simulated {} does not exist", path.display()),
         );
     }
     InventorySource {

@@ -31,7 +31,7 @@ pub(in crate::config) fn resolve(
             other => {
                 problems.add(
                     place(args.log_format.is_some(), &[Seg::Key("log"), Seg::Key("format")]),
-                    format!("log format {other:?} is not text or json"),
+                    format!("log.format {other:?} is not text or json"),
                 );
                 LogFormat::Text
             }
@@ -41,7 +41,7 @@ pub(in crate::config) fn resolve(
     if let Err(e) = level.parse::<tracing_subscriber::EnvFilter>() {
         problems.add(
             place(args.log_level.is_some(), &[Seg::Key("log"), Seg::Key("level")]),
-            format!("log level {level:?}: {e}"),
+            format!("log.level {level:?}: {e}"),
         );
     }
     (format, level)

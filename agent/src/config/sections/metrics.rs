@@ -25,7 +25,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
     let interval = duration(
         problems,
         &[Seg::Key("metrics"), Seg::Key("interval")],
-        "metrics interval",
+        "metrics.interval",
         file.interval.as_ref(),
         defaults::METRICS_INTERVAL,
     );
@@ -35,7 +35,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         Some(text) => text.parse().unwrap_or_else(|e| {
             problems.add(
                 place(flag.is_some(), &[Seg::Key("metrics"), Seg::Key("address")]),
-                format!("metrics address {text:?} is not an IP address and port: {e}"),
+                format!("metrics.address {text:?} is not an IP address and port: {e}"),
             );
             defaults::METRICS_ADDRESS
         }),

@@ -45,14 +45,14 @@ pub(in crate::config) fn resolve(
     let probe_interval = duration(
         problems,
         &at("probeInterval"),
-        "mps probeInterval",
+        "mps.probeInterval",
         file.probe_interval.as_ref(),
         defaults::MPS_PROBE_INTERVAL,
     );
     let probe_timeout = duration(
         problems,
         &at("probeTimeout"),
-        "mps probeTimeout",
+        "mps.probeTimeout",
         file.probe_timeout.as_ref(),
         defaults::MPS_PROBE_TIMEOUT,
     );
@@ -65,7 +65,7 @@ pub(in crate::config) fn resolve(
         "agent" => DaemonPlacement::Agent,
         "external" => DaemonPlacement::External,
         other => {
-            problems.add(&at("daemons"), format!("mps daemons {other:?} is not agent or external"));
+            problems.add(&at("daemons"), format!("mps.daemons {other:?} is not agent or external"));
             DaemonPlacement::Agent
         }
     };
@@ -94,10 +94,10 @@ fn thread_percentage(value: Option<&serde_yaml_ng::Value>) -> Result<ThreadPerce
         Some(Value::String(s)) if s == "none" => Ok(ThreadPercentage::None),
         Some(Value::Number(n)) => match n.as_u64().and_then(|n| u8::try_from(n).ok()) {
             Some(p @ 1..=100) => Ok(ThreadPercentage::Fixed(p)),
-            _ => Err(format!("mps threadPercentage {n} is not between 1 and 100")),
+            _ => Err(format!("mps.threadPercentage {n} is not between 1 and 100")),
         },
         Some(other) => {
-            Err(format!("mps threadPercentage {other:?} is not proportional, none or a percentage"))
+            Err(format!("mps.threadPercentage {other:?} is not proportional, none or a percentage"))
         }
     }
 }

@@ -70,7 +70,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         if dir.exists() && !dir.is_dir() {
             problems.add(
                 place(flag, &[Seg::Key("paths"), Seg::Key(key)]),
-                format!("{} ({key}) is not a directory", dir.display()),
+                format!("paths.{key} {} is not a directory", dir.display()),
             );
         }
     }

@@ -34,21 +34,21 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
     let interval = duration(
         problems,
         &at("interval"),
-        "reconcile interval",
+        "reconcile.interval",
         file.interval.as_ref(),
         defaults::RECONCILE_INTERVAL,
     );
     let grace = duration(
         problems,
         &at("grace"),
-        "reconcile grace",
+        "reconcile.grace",
         file.grace.as_ref(),
         defaults::RECONCILE_GRACE,
     );
     let settle = duration(
         problems,
         &at("kubeletSettle"),
-        "reconcile kubeletSettle",
+        "reconcile.kubeletSettle",
         file.kubelet_settle.as_ref(),
         defaults::RECONCILE_SETTLE,
     );
@@ -56,7 +56,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         problems.add(
             &at("kubeletSettle"),
             format!(
-                "reconcile kubeletSettle {settle:?} is above {:?}: after every kubelet restart, allocations of ended pods would be held this long where the API cannot confirm",
+                "reconcile.kubeletSettle {settle:?} is above {:?}: after every kubelet restart, allocations of ended pods would be held this long where the API cannot confirm",
                 defaults::RECONCILE_SETTLE_MAX
             ),
         );
@@ -65,7 +65,7 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         problems.add(
             &at("grace"),
             format!(
-                "reconcile grace {grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
+                "reconcile.grace {grace:?} is below {:?}: allocations the kubelet has not listed yet would be released",
                 defaults::RECONCILE_GRACE_MIN
             ),
         );

@@ -45,7 +45,7 @@ pub(in crate::config) fn resolve(
         if !(2..=64).contains(&n) {
             problems.add(
                 &[Seg::Key("resources"), Seg::Key("nvlinkGroupSizes"), Seg::Index(i)],
-                format!("NVLink group size {n} is not between 2 and 64"),
+                format!("resources.nvlinkGroupSizes[{i}] {n} is not between 2 and 64"),
             );
         }
     }

@@ -34,14 +34,14 @@ pub(in crate::config) fn resolve(
     let interval = duration(
         problems,
         &at("interval"),
-        "watchdog interval",
+        "watchdog.interval",
         file.interval.as_ref(),
         defaults::WATCHDOG_INTERVAL,
     );
     let grace = duration(
         problems,
         &at("grace"),
-        "watchdog grace",
+        "watchdog.grace",
         file.grace.as_ref(),
         defaults::WATCHDOG_GRACE,
     );
@@ -52,7 +52,7 @@ pub(in crate::config) fn resolve(
         "log" => WatchdogAction::Log,
         "kill" => WatchdogAction::Kill,
         other => {
-            problems.add(&at("action"), format!("watchdog action {other:?} is not log or kill"));
+            problems.add(&at("action"), format!("watchdog.action {other:?} is not log or kill"));
             WatchdogAction::Log
         }
     };
@@ -61,7 +61,7 @@ pub(in crate::config) fn resolve(
         problems.add(
             &[Seg::Key("paths"), Seg::Key("procRoot")],
             format!(
-                "watchdog action kill (the default) needs the host's /proc at {} (paths.procRoot is {}): the PIDs it kills must be the agent's own namespace's; or set watchdog.action: log",
+                "watchdog.action kill (the default) needs the host's /proc at {} (paths.procRoot is {}): the PIDs it kills must be the agent's own namespace's; or set watchdog.action: log",
                 defaults::PROC_ROOT,
                 proc_root.display()
             ),

@@ -324,6 +324,7 @@ async fn socket_paths_too_long_are_a_configuration_error() -> Result<()> {
     let node = TestNode::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     let mut config = node.config.clone();
     config.device_plugin_dir = node.config.device_plugin_dir.join("d".repeat(80));
+    std::fs::create_dir_all(&config.device_plugin_dir)?;
     let err = tokio::time::timeout(
         WAIT,
         Agent::start(
