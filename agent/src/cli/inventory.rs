@@ -1,35 +1,31 @@
 //! `baleen-agent inventory`: discovers the node's GPUs and prints them with the resources the
-//! agent would advertise for them, as a table (for people) or JSON (for programs).
+//! agent would advertise for them, as a table (for people) or JSON (for programs). It takes the
+//! agent's own flags and configuration file and resolves them as the agent does (the node name
+//! that seeds simulated UUIDs, the domain, the memory unit, the views, MPS on or off), so that it
+//! answers "what will this configuration advertise on this node".
 
 use std::io::Write;
 
 use clap::{Args, ValueEnum};
 
 use super::CliError;
-use crate::config::InventorySource;
 use crate::inventory::{GIB, Inventory, MigState};
+use crate::isolation::mps::MpsConfig;
 
-/// Flags of `baleen-agent inventory`.
+/// Flags of `baleen-agent inventory`: the agent's, and how to print.
 #[derive(Debug, Args)]
 pub struct InventoryArgs {
-    /// Where the GPUs come from.
+    /// The agent's flags (`--config`, `--node-name`, `--simulated`, `--no-mps`, `--domain`,
+    /// `--memory-unit`, ...), resolved with the file and the environment as the agent does.
     #[command(flatten)]
-    pub source: InventorySource,
+    pub agent: crate::config::RunArgs,
+    /// Where sysfs is mounted; NVML GPUs' NUMA nodes are read from
+    /// DIR/bus/pci/devices/BUS_ID/numa_node [default: the file's inventory.sysfsRoot, or /sys].
+    #[arg(long, value_name = "DIR")]
+    pub sysfs_root: Option<std::path::PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
-    /// Resource domain of the resources listed [default: awesome-ai-company.com].
-    #[arg(long, value_name = "DOMAIN")]
-    pub domain: Option<String>,
-    /// Size of one gpu-memory unit for the resources listed [default: 1GiB].
-    #[arg(long, value_name = "SIZE")]
-    pub memory_unit: Option<String>,
-    /// Host directory of the per-GPU MPS pipe directories probed.
-    #[arg(long, value_name = "DIR", default_value = crate::defaults::MPS_ROOT)]
-    pub mps_root: std::path::PathBuf,
-    /// The MPS control binary the probes run.
-    #[arg(long, value_name = "PATH", default_value = crate::defaults::MPS_CONTROL_BINARY)]
-    pub mps_control_binary: std::path::PathBuf,
 }
 
 /// Whether the MPS daemon of a shared GPU answers, and if not, why (its units are not offered
@@ -51,10 +47,18 @@ pub fn mps_status(
     root: &std::path::Path,
     binary: &std::path::Path,
 ) -> Vec<MpsStatus> {
-    use crate::isolation::mps::MpsConfig;
+    let config = MpsConfig {
+        root: root.to_path_buf(),
+        control_binary: binary.to_path_buf(),
+        ..MpsConfig::default()
+    };
+    probe_daemons(gpus, &config)
+}
+
+/// Probes the MPS daemon of each GPU in `gpus` once, as `config` says (root, binary, timeout).
+fn probe_daemons(gpus: &[String], config: &MpsConfig) -> Vec<MpsStatus> {
     use crate::isolation::mps::control::{CommandControl, MpsControl as _};
-    let config = MpsConfig { root: root.to_path_buf(), ..MpsConfig::default() };
-    let control = CommandControl::new(binary.to_path_buf());
+    let control = CommandControl::new(config.control_binary.clone());
     let probe_all = async {
         let mut out = Vec::new();
         for gpu in gpus {
@@ -96,9 +100,13 @@ pub struct ResourceSummary {
     pub name: String,
     /// How many devices it advertises.
     pub devices: usize,
+    /// How many of them are offered (healthy in ListAndWatch, so counted in the node's
+    /// allocatable): a shared GPU's units only while its MPS daemon answers, when MPS is on.
+    pub offered: usize,
 }
 
-/// The resources `inventory` would be advertised as, with the given domain and unit.
+/// The resources `inventory` would be advertised as, with the given domain and unit, every
+/// device offered.
 pub fn resources_of(
     inventory: &Inventory,
     domain: Option<&str>,
@@ -112,64 +120,117 @@ pub fn resources_of(
         views.memory_unit_bytes = crate::config::parse_memory_unit(unit)
             .map_err(|problem| crate::config::ConfigError { problems: vec![problem] })?;
     }
-    let state = crate::ledger::DeviceLedger::new("inventory", inventory, views)?;
-    Ok(state
+    let ledger = crate::ledger::DeviceLedger::new("inventory", inventory, views)?;
+    Ok(summarise(&ledger))
+}
+
+fn summarise(ledger: &crate::ledger::DeviceLedger) -> Vec<ResourceSummary> {
+    ledger
         .views()
         .iter()
-        .map(|v| ResourceSummary {
-            name: v.resource_name(&state.config().domain),
-            devices: state.devices(v).len(),
+        .map(|v| {
+            let devices = ledger.devices(v);
+            ResourceSummary {
+                name: v.resource_name(&ledger.config().domain),
+                devices: devices.len(),
+                offered: devices.iter().filter(|d| d.healthy).count(),
+            }
         })
-        .collect())
+        .collect()
+}
+
+/// What `inventory` found: the GPUs, what they would be advertised as, and the MPS daemons.
+struct Report {
+    node: String,
+    inventory: Inventory,
+    resources: Vec<ResourceSummary>,
+    /// MPS on (`None`: off, the units accounting only).
+    mps: Option<Vec<MpsStatus>>,
+}
+
+/// Resolves the agent's configuration, discovers the GPUs and, with MPS on, probes the daemons
+/// of the shared GPUs: a GPU's units are offered only while its daemon answers, as in the agent.
+fn report(args: &InventoryArgs) -> Result<Report, CliError> {
+    let mut settings =
+        crate::config::resolve(&args.agent, &crate::config::Environment::of_process())?;
+    if let Some(root) = &args.sysfs_root {
+        settings.inventory.sysfs_root = root.clone();
+    }
+    let inventory = settings.inventory.open()?.discover()?;
+    let node = settings.agent.node_name.clone();
+    let mut ledger =
+        crate::ledger::DeviceLedger::new(&node, &inventory, settings.agent.views.clone())?;
+    let mps = settings.agent.mps.enabled.then(|| {
+        ledger.require_enforced_shares();
+        let status = probe_daemons(&ledger.shared_gpus(), &settings.agent.mps);
+        for daemon in status.iter().filter(|d| d.answering) {
+            ledger.set_shares_enforced(&daemon.gpu, true);
+        }
+        status
+    });
+    Ok(Report { node, resources: summarise(&ledger), inventory, mps })
 }
 
 /// `baleen-agent inventory`: discovers the GPUs and prints them.
 pub fn run(args: &InventoryArgs, out: &mut dyn Write) -> Result<(), CliError> {
-    let backend = args.source.open()?;
-    let inventory = backend.discover()?;
-    let resources = resources_of(&inventory, args.domain.as_deref(), args.memory_unit.as_deref())?;
-    let shared = crate::ledger::DeviceLedger::new(
-        "inventory",
-        &inventory,
-        crate::ledger::ViewConfig::default(),
-    )?
-    .shared_gpus();
-    let mps = mps_status(&shared, &args.mps_root, &args.mps_control_binary);
+    let report = report(args)?;
     match args.output {
-        OutputFormat::Table => {
-            out.write_all(render_table(&inventory).as_bytes())?;
-            writeln!(out, "\nRESOURCE{:pad$}  DEVICES", "", pad = 40 - 8)?;
-            for r in &resources {
-                writeln!(out, "{:<40}  {}", r.name, r.devices)?;
-            }
-            if !mps.is_empty() {
-                writeln!(out, "\nMPS DAEMON OF GPU{:pad$}  STATUS", "", pad = 40 - 17)?;
-                for m in &mps {
-                    let status = match &m.reason {
-                        None => "answering".to_owned(),
-                        Some(why) => format!("not answering (units not offered): {why}"),
-                    };
-                    writeln!(out, "{:<40}  {status}", m.gpu)?;
-                }
-            }
-        }
+        OutputFormat::Table => out.write_all(render_report(&report).as_bytes())?,
         OutputFormat::Json => {
             #[derive(serde::Serialize)]
             struct Printed<'a> {
+                node: &'a str,
                 #[serde(flatten)]
                 inventory: &'a Inventory,
                 resources: &'a [ResourceSummary],
+                mps_enabled: bool,
                 mps: &'a [MpsStatus],
             }
             serde_json::to_writer_pretty(
                 &mut *out,
-                &Printed { inventory: &inventory, resources: &resources, mps: &mps },
+                &Printed {
+                    node: &report.node,
+                    inventory: &report.inventory,
+                    resources: &report.resources,
+                    mps_enabled: report.mps.is_some(),
+                    mps: report.mps.as_deref().unwrap_or_default(),
+                },
             )?;
             out.write_all(b"\n")?;
         }
     }
     out.flush()?;
     Ok(())
+}
+
+/// The table: the GPUs, the resources with how many devices each offers, and the MPS daemons
+/// (or that MPS is off).
+fn render_report(report: &Report) -> String {
+    let mut text = format!("node {}, ", report.node);
+    text.push_str(&render_table(&report.inventory));
+    text.push_str(&format!("\nRESOURCE{:pad$}  DEVICES  OFFERED\n", "", pad = 40 - 8));
+    for r in &report.resources {
+        text.push_str(&format!("{:<40}  {:<7}  {}\n", r.name, r.devices, r.offered));
+    }
+    let shares = report.resources.iter().any(|r| r.name.ends_with("/gpu-memory"));
+    match &report.mps {
+        None if !shares => {}
+        None => text.push_str(
+            "\nMPS off (mps.enabled: false, --no-mps): gpu-memory units are offered as accounting only, no limit is enforced\n",
+        ),
+        Some(daemons) if !daemons.is_empty() => {
+            text.push_str(&format!("\nMPS DAEMON OF GPU{:pad$}  STATUS\n", "", pad = 40 - 17));
+            for m in daemons {
+                let status = match &m.reason {
+                    None => "answering".to_owned(),
+                    Some(why) => format!("not answering, its units not offered: {why}"),
+                };
+                text.push_str(&format!("{:<40}  {status}\n", m.gpu));
+            }
+        }
+        Some(_) => {}
+    }
+    text
 }
 
 /// The inventory as a text table: a summary line, then one row per GPU (index, UUID, name,

@@ -4,14 +4,15 @@
 //!
 //! Subcommands so far:
 //! - `inventory` ([`inventory`]): print the node's GPUs from NVML or from a simulated topology,
-//!   and the resources the agent would advertise, as a table or JSON.
+//!   and the resources the agent would advertise, as a table or JSON; it takes the agent's flags
+//!   and file ([`crate::config::RunArgs`]) and resolves them as the agent does.
 //! - `mps` runs only the MPS daemons; `mps-client-probe` (hidden) is the client the agent runs
 //!   as a child to probe an unhealthy GPU through its MPS daemon
 //!   (`crate::isolation::mps::client_probe`).
 //!
-//! New subcommands add a variant to [`Command`], an arm to [`run`] and a module here;
-//! `crate::config::InventorySource` is the set of flags that choose a GPU backend, to be
-//! flattened into any subcommand that needs one.
+//! New subcommands add a variant to [`Command`], an arm to [`run`] and a module here; one that
+//! needs the GPUs or the configuration flattens [`crate::config::RunArgs`] and calls
+//! [`crate::config::resolve`], so that it sees the node as the agent does.
 
 pub mod inventory;
 
@@ -334,7 +335,15 @@ mod tests {
             run_args(&["baleen-agent", "inventory", "--simulated", &file, "--output", "json"])
                 .expect("runs");
         let printed: Inventory = serde_json::from_str(&json).expect("JSON inventory");
-        let expected = SimulatedInventory::from_file(Path::new(&file))
+        // Seeded by the node name the agent resolves (this host's, here), as the agent seeds.
+        let node = crate::config::resolve(
+            &crate::config::RunArgs { simulated: Some(file.clone().into()), ..Default::default() },
+            &crate::config::Environment::with_node_name(None),
+        )
+        .expect("resolves")
+        .agent
+        .node_name;
+        let expected = SimulatedInventory::from_file_for_node(Path::new(&file), Some(&node))
             .expect("example loads")
             .discover()
             .expect("simulated discovery");
@@ -350,7 +359,7 @@ mod tests {
             run_args(&["baleen-agent", "inventory", "--simulated", &file, "--mps-root", &mps_root])
                 .expect("runs");
         let lines: Vec<&str> = table.lines().collect();
-        assert_eq!(lines[0], "driver 550.127.05, 4 GPUs");
+        assert!(lines[0].ends_with(", driver 550.127.05, 4 GPUs"), "{table}");
         assert!(lines[1].starts_with("INDEX  UUID"), "{table}");
         // 4 GPUs + 4 MIG instances, a blank line, then the resources: gpu, gpu-memory, three
         // MIG profiles and one NVLink pair (GPUs 0 and 1; 2 and 3 are in MIG mode); then the
@@ -358,20 +367,18 @@ mod tests {
         assert_eq!(lines.len(), 2 + 4 + 4 + 1 + 1 + 6 + 1 + 1 + 2, "{table}");
         assert_eq!(lines[10], "", "{table}");
         assert!(lines[11].starts_with("RESOURCE"), "{table}");
-        let resources: Vec<(&str, &str)> = lines[12..18]
-            .iter()
-            .filter_map(|l| l.split_once(char::is_whitespace))
-            .map(|(name, count)| (name, count.trim()))
-            .collect();
+        let resources: Vec<Vec<&str>> =
+            lines[12..18].iter().map(|l| l.split_whitespace().collect()).collect();
+        // The units of the two shared GPUs are not offered: their MPS daemons do not answer.
         assert_eq!(
             resources,
             [
-                ("awesome-ai-company.com/gpu", "2"),
-                ("awesome-ai-company.com/gpu-memory", "160"),
-                ("awesome-ai-company.com/mig-1g.10gb", "2"),
-                ("awesome-ai-company.com/mig-3g.40gb", "1"),
-                ("awesome-ai-company.com/mig-7g.80gb", "1"),
-                ("awesome-ai-company.com/nvlink-group-2", "1"),
+                ["awesome-ai-company.com/gpu", "2", "2"],
+                ["awesome-ai-company.com/gpu-memory", "160", "0"],
+                ["awesome-ai-company.com/mig-1g.10gb", "2", "2"],
+                ["awesome-ai-company.com/mig-3g.40gb", "1", "1"],
+                ["awesome-ai-company.com/mig-7g.80gb", "1", "1"],
+                ["awesome-ai-company.com/nvlink-group-2", "1", "1"],
             ],
             "{table}"
         );
@@ -385,7 +392,7 @@ mod tests {
         assert!(lines[5].ends_with("gi 2 ci 0"), "{table}");
         assert!(lines[19].starts_with("MPS DAEMON OF GPU"), "{table}");
         assert!(lines[20].starts_with("GPU-3f1c7a52-8d0e-4b6a-9c21-5e7f0a1b2c30"), "{table}");
-        assert!(lines[20].contains("not answering (units not offered)"), "{table}");
+        assert!(lines[20].contains("not answering, its units not offered"), "{table}");
     }
 
     #[test]

@@ -47,7 +47,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE", help = format!("The kernel boot ID file [default: {}]", defaults::BOOT_ID_FILE))]
     pub boot_id_file: Option<PathBuf>,
     /// Read GPUs from this simulated topology (YAML) instead of NVML.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "nvml_lib")]
     pub simulated: Option<PathBuf>,
     /// The NVML library.
     #[arg(long, value_name = "PATH", help = format!("The NVML library [default: {}]", defaults::NVML_LIBRARY))]

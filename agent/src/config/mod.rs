@@ -1,15 +1,13 @@
 //! The agent's configuration: defaults (`crate::defaults`), then a YAML file ([`file`]: what the
 //! node offers; unknown fields rejected), then the environment (`NODE_NAME`, set from the
 //! downward API in the DaemonSet), then flags ([`RunArgs`]: how to run). [`resolve`] reports
-//! every problem at once; the binary exits with code 64 on any of them. Also the flags that
-//! choose the GPU inventory backend ([`InventorySource`]), shared by the run mode and
-//! `baleen-agent inventory`. Configuration only: the command line and the process bootstrap live
+//! every problem at once; the binary exits with code 64 on any of them. The run mode, `mps` and
+//! `baleen-agent inventory` all resolve the same flags and file, so that `inventory` describes the
+//! agent it is given; [`InventorySource`] is the GPU backend they resolve to. Configuration only: the command line and the process bootstrap live
 //! in `crate::cli` and `crate::bootstrap`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-use clap::Args;
 
 use crate::defaults;
 use crate::inventory::nvml::{NvmlConfig, NvmlInventory};
@@ -27,23 +25,21 @@ mod sections;
 pub use file::*;
 pub use flags::RunArgs;
 
-/// The flags that choose the GPU inventory backend: NVML (default) or a simulated topology.
-#[derive(Debug, Clone, Args)]
+/// The GPU inventory backend resolved from the flags and the file: NVML (default) or a
+/// simulated topology.
+#[derive(Debug, Clone)]
 pub struct InventorySource {
     /// Read the GPUs from this simulated YAML topology file instead of NVML (see
     /// docs/inventory.md and packaging/examples/).
-    #[arg(long, value_name = "FILE", conflicts_with = "nvml_lib")]
     pub simulated: Option<PathBuf>,
-    /// The NVML library to load, a path or a name for the dynamic loader.
-    #[arg(long, value_name = "PATH", help = format!("The NVML library to load, a path or a name for the dynamic loader [default: {}]", defaults::NVML_LIBRARY))]
+    /// The NVML library to load, a path or a name for the dynamic loader (default
+    /// `libnvidia-ml.so.1`).
     pub nvml_lib: Option<PathBuf>,
     /// Where sysfs is mounted; NVML GPUs' NUMA nodes are read from
     /// DIR/bus/pci/devices/BUS_ID/numa_node.
-    #[arg(long, value_name = "DIR", default_value = defaults::SYSFS_ROOT)]
     pub sysfs_root: PathBuf,
-    /// Node name that seeds the UUIDs generated for simulated GPUs without one
-    /// [default: the topology file's `node`].
-    #[arg(long, value_name = "NAME", requires = "simulated")]
+    /// The node name that seeds the UUIDs generated for simulated GPUs without one (the
+    /// agent's resolved node name; `None`: the topology file's `node`).
     pub node_name: Option<String>,
 }
 

@@ -28,6 +28,7 @@ use crate::support::{
 mod allocation;
 mod colocation;
 mod health;
+mod inventory;
 mod metrics;
 mod mps;
 mod node_state;
