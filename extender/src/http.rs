@@ -164,6 +164,16 @@ pub async fn bind_tls(
     bind_with(address, router, Some(tokio_rustls::TlsAcceptor::from(config)), shutdown).await
 }
 
+/// [`bind`], over TLS when `config` is given (filter and prioritize behind a Service).
+pub async fn bind_maybe_tls(
+    address: SocketAddr,
+    router: Router,
+    config: Option<Arc<rustls::ServerConfig>>,
+    shutdown: CancellationToken,
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+    bind_with(address, router, config.map(tokio_rustls::TlsAcceptor::from), shutdown).await
+}
+
 async fn bind_with(
     address: SocketAddr,
     router: Router,

@@ -37,6 +37,7 @@ fn main() -> ExitCode {
             return ExitCode::from(64);
         }
     };
+    let tls = args.verbs_tls();
     let settings = Settings {
         domain: args.domain,
         policy,
@@ -49,6 +50,7 @@ fn main() -> ExitCode {
         prefix: args.url_prefix,
         settings,
         metrics_listen: args.metrics_listen,
+        tls,
         webhook,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

@@ -26,6 +26,17 @@ pub struct Config {
     pub metrics_listen: Option<SocketAddr>,
     /// The admission webhook, if it runs.
     pub webhook: Option<WebhookConfig>,
+    /// TLS of `listen` (behind a Service), if any: plain HTTP without.
+    pub tls: Option<VerbsTls>,
+}
+
+/// TLS of filter and prioritize (`--tls-cert-dir`, `--client-ca`).
+#[derive(Debug, Clone)]
+pub struct VerbsTls {
+    /// `tls.crt` and `tls.key` here, read again when they change.
+    pub cert_dir: std::path::PathBuf,
+    /// Only clients with a certificate signed by a CA in this PEM file (mutual TLS).
+    pub client_ca: Option<std::path::PathBuf>,
 }
 
 /// The admission webhook's settings.
@@ -96,13 +107,18 @@ pub async fn start(
     let metrics = Metrics::new(registry.clone())?;
     registry.register(Box::new(extender.not_sent.clone()))?;
     registry.register(Box::new(extender.refused_documents.clone()))?;
-    let (address, serve) = bind(
-        config.listen,
-        router(extender.clone(), metrics.clone(), &config.prefix),
-        shutdown.clone(),
-    )
-    .await
-    .map_err(|e| StartError::Listen(config.listen, e))?;
+    let verbs = router(extender.clone(), metrics.clone(), &config.prefix);
+    let tls = match &config.tls {
+        None => None,
+        Some(tls) => {
+            let resolver =
+                Arc::new(crate::webhook::tls::DirectoryCertificate::load(&tls.cert_dir)?);
+            Some(crate::webhook::tls::verbs_server_config(resolver, tls.client_ca.as_deref())?)
+        }
+    };
+    let (address, serve) = crate::http::bind_maybe_tls(config.listen, verbs, tls, shutdown.clone())
+        .await
+        .map_err(|e| StartError::Listen(config.listen, e))?;
     let mut tasks = JoinSet::new();
     if let Some(at) = config.metrics_listen {
         let (bound, serve) = bind(
@@ -171,7 +187,13 @@ pub async fn start(
             tracing::error!(error = %e, "the HTTP server stopped");
         }
     });
-    tracing::info!(%address, prefix = config.prefix, "serving filter and prioritize");
+    tracing::info!(
+        %address,
+        prefix = config.prefix,
+        tls = config.tls.is_some(),
+        client_certificates = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
+        "serving filter and prioritize"
+    );
     Ok(Running { address, extender, tasks })
 }
 
@@ -232,9 +254,24 @@ pub struct Args {
     /// The webhook's certificate is tls.crt and tls.key here (cert-manager's Secret, mounted).
     #[arg(long, group = "webhook_certificates")]
     pub webhook_cert_dir: Option<std::path::PathBuf>,
+    /// Serve filter and prioritize over TLS (kube-scheduler's enableHTTPS) with tls.crt and
+    /// tls.key here, read again when they change: for the extender behind a Service.
+    #[arg(long)]
+    pub tls_cert_dir: Option<std::path::PathBuf>,
+    /// With --tls-cert-dir: answer only clients whose certificate a CA in this PEM file signed
+    /// (mutual TLS: kube-scheduler's tlsConfig certFile and keyFile).
+    #[arg(long, requires = "tls_cert_dir")]
+    pub client_ca: Option<std::path::PathBuf>,
 }
 
 impl Args {
+    /// TLS of filter and prioritize from the flags.
+    pub fn verbs_tls(&self) -> Option<VerbsTls> {
+        self.tls_cert_dir
+            .clone()
+            .map(|cert_dir| VerbsTls { cert_dir, client_ca: self.client_ca.clone() })
+    }
+
     /// The webhook's settings from the flags, or what is wrong with them.
     pub fn webhook(&self) -> Result<Option<WebhookConfig>, String> {
         let Some(listen) = self.webhook_listen else { return Ok(None) };

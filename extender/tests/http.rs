@@ -581,3 +581,141 @@ async fn a_body_past_the_bound_is_refused_and_slow_headers_are_cut() {
         "closed after {waited:?}"
     );
 }
+
+/// A CA that can sign (the test keeps its key, unlike the webhook's `Material`).
+struct TestCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    fn new(name: &str) -> Self {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
+        params.key_usages =
+            vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+        let key = rcgen::KeyPair::generate().expect("key");
+        Self { issuer: rcgen::CertifiedIssuer::self_signed(params, key).expect("CA") }
+    }
+
+    /// A certificate for `name` with `usage`, and its key, as PEM.
+    fn sign(&self, name: &str, usage: rcgen::ExtendedKeyUsagePurpose) -> (String, String) {
+        let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).expect("params");
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages = vec![usage];
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = params.signed_by(&key, &self.issuer).expect("sign");
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+/// curl posting `body` to `path` over TLS by `host`, with `client` (certificate, key) if any;
+/// curl's exit code and what it printed.
+async fn curl_verb(
+    address: SocketAddr,
+    dir: &std::path::Path,
+    host: &str,
+    client: Option<(&std::path::Path, &std::path::Path)>,
+    path: &str,
+    body: &str,
+) -> (i32, String) {
+    let mut command = tokio::process::Command::new("curl");
+    command
+        .args(["--silent", "--show-error", "--max-time", "10", "--cacert"])
+        .arg(dir.join("ca.crt"))
+        .arg("--resolve")
+        .arg(format!("{host}:{}:127.0.0.1", address.port()));
+    if let Some((cert, key)) = client {
+        command.arg("--cert").arg(cert).arg("--key").arg(key);
+    }
+    let out = command
+        .args([
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            body,
+            "-w",
+            "\n%{http_code}",
+        ])
+        .arg(format!("https://{host}:{}{path}", address.port()))
+        .output()
+        .await
+        .expect("curl runs (the extender's TLS test needs curl: apt-get install -y curl)");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// Issue 24, item 9: behind a Service, filter and prioritize answer only over TLS and only to a
+/// client holding a certificate of the configured CA (kube-scheduler's `tlsConfig`); a client
+/// without one, or with one of another CA, or speaking plain HTTP, gets nothing. The client is
+/// curl (OpenSSL), independent of the server's rustls.
+#[tokio::test]
+async fn behind_a_service_only_the_scheduler_with_its_client_certificate_is_answered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let host = "baleen-extender.baleen-system.svc";
+    let ca = TestCa::new("baleen extender CA");
+    let (cert, key) = ca.sign(host, rcgen::ExtendedKeyUsagePurpose::ServerAuth);
+    std::fs::write(dir.path().join("tls.crt"), cert).expect("write");
+    std::fs::write(dir.path().join("tls.key"), key).expect("write");
+    std::fs::write(dir.path().join("ca.crt"), ca.issuer.pem()).expect("write");
+    let write_client = |name: &str, of: &TestCa| {
+        let (cert, key) = of.sign(name, rcgen::ExtendedKeyUsagePurpose::ClientAuth);
+        let (c, k) =
+            (dir.path().join(format!("{name}.crt")), dir.path().join(format!("{name}.key")));
+        std::fs::write(&c, cert).expect("write");
+        std::fs::write(&k, key).expect("write");
+        (c, k)
+    };
+    let scheduler = write_client("kube-scheduler", &ca);
+    let stranger = write_client("stranger", &TestCa::new("someone else's CA"));
+
+    let extender = Extender::new(Settings::default());
+    let resolver = Arc::new(
+        baleen_extender::webhook::tls::DirectoryCertificate::load(dir.path()).expect("load"),
+    );
+    let tls = baleen_extender::webhook::tls::verbs_server_config(
+        resolver,
+        Some(&dir.path().join("ca.crt")),
+    )
+    .expect("tls");
+    let metrics = Metrics::new(prometheus::Registry::new()).expect("metrics");
+    let (address, server) = baleen_extender::http::bind_maybe_tls(
+        "127.0.0.1:0".parse().expect("loopback"),
+        router(extender, metrics, ""),
+        Some(tls),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("bind");
+    tokio::spawn(server);
+    let args = json!({"Pod": pod(8), "Nodes": {"items": [node("a", &[20, 20])]}}).to_string();
+
+    let client = Some((scheduler.0.as_path(), scheduler.1.as_path()));
+    let (code, text) = curl_verb(address, dir.path(), host, client, "/filter", &args).await;
+    assert_eq!(code, 0, "{text}");
+    assert!(text.ends_with("\n200"), "{text}");
+    assert!(text.contains("\"a\""), "node a kept: {text}");
+
+    let (code, text) = curl_verb(address, dir.path(), host, None, "/filter", &args).await;
+    assert_ne!(code, 0, "no client certificate, no answer: {text}");
+    assert!(!text.contains("200"), "{text}");
+    let client = Some((stranger.0.as_path(), stranger.1.as_path()));
+    let (code, text) = curl_verb(address, dir.path(), host, client, "/prioritize", &args).await;
+    assert_ne!(code, 0, "another CA's certificate, no answer: {text}");
+    assert!(!text.contains("200"), "{text}");
+    // Plain HTTP to the TLS port: no HTTP answer at all.
+    let plain = tokio::time::timeout(WAIT, async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        stream
+            .write_all(b"POST /filter HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            .await?;
+        let mut response = Vec::new();
+        let _ = stream.read_to_end(&mut response).await;
+        std::io::Result::Ok(response)
+    })
+    .await
+    .expect("in time")
+    .expect("connect");
+    assert!(!String::from_utf8_lossy(&plain).contains("HTTP/1.1 200"), "{plain:?}");
+}

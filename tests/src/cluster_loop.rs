@@ -243,6 +243,7 @@ pub async fn run_seed(
             settings,
             metrics_listen: None,
             webhook: None,
+            tls: None,
         },
         client,
         prometheus::Registry::new(),

@@ -318,9 +318,14 @@ mod tests {
         };
         let err = resolve(&args, &Environment::default()).expect_err("invalid");
         let text = err.to_string();
-        for expected in
-            ["domain", "memoryUnit", "nvlinkGroupSizes[0] 1", "interval", "log.format", "/nonexistent.yaml"]
-        {
+        for expected in [
+            "domain",
+            "memoryUnit",
+            "nvlinkGroupSizes[0] 1",
+            "interval",
+            "log.format",
+            "/nonexistent.yaml",
+        ] {
             assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
         }
         assert_eq!(err.problems.len(), 6, "{text}");

@@ -1,4 +1,6 @@
-//! The webhook's certificate and its TLS server.
+//! The webhook's certificate and its TLS server; also the TLS of filter and prioritize where
+//! the extender runs behind a Service ([`verbs_server_config`]: a mounted certificate and, for
+//! mutual TLS, the CA of kube-scheduler's client certificate).
 //!
 //! Two sources of the certificate:
 //!
@@ -48,6 +50,9 @@ pub enum TlsError {
     /// The API server refused or could not be reached.
     #[error("the Secret {0}: {1}")]
     Api(String, kube::Error),
+    /// rustls refused the configuration.
+    #[error("the TLS configuration: {0}")]
+    Config(String),
 }
 
 /// The certificate a Secret holds (or is to hold): PEM texts.
@@ -296,6 +301,42 @@ pub fn server_config(
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
         .with_cert_resolver(resolver);
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The TLS server configuration of filter and prioritize behind a Service (`--tls-cert-dir`):
+/// `resolver`'s certificate and, with `client_ca` (`--client-ca`, a PEM file of one or more
+/// CA certificates, read once at start), only clients whose certificate one of them signed:
+/// the kube-scheduler given the client certificate, nothing else that reaches the Service.
+pub fn verbs_server_config(
+    resolver: Arc<dyn ResolvesServerCert>,
+    client_ca: Option<&Path>,
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let refused = |path: &Path, reason: String| TlsError::File { path: path.to_owned(), reason };
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?;
+    let mut config = match client_ca {
+        None => builder.with_no_client_auth().with_cert_resolver(resolver),
+        Some(path) => {
+            let pem = std::fs::read(path).map_err(|e| refused(path, e.to_string()))?;
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(&pem) {
+                let cert = cert.map_err(|e| refused(path, format!("the certificate: {e}")))?;
+                roots.add(cert).map_err(|e| refused(path, format!("a CA certificate: {e}")))?;
+            }
+            if roots.is_empty() {
+                return Err(refused(path, "no CA certificate in the PEM text".into()));
+            }
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
+                    .build()
+                    .map_err(|e| refused(path, e.to_string()))?;
+            builder.with_client_cert_verifier(verifier).with_cert_resolver(resolver)
+        }
+    };
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

@@ -82,6 +82,7 @@ async fn extender(api: &FakeApiServer) -> Result<(Running, CancellationToken)> {
         settings: Settings::default(),
         metrics_listen: None,
         webhook: None,
+        tls: None,
     };
     let running = start(config, client, prometheus::Registry::new(), token.clone()).await?;
     Ok((running, token))

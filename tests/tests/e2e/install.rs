@@ -193,6 +193,7 @@ struct Install {
     admission_policies: Vec<ValidatingAdmissionPolicy>,
     policy_bindings: Vec<ValidatingAdmissionPolicyBinding>,
     webhooks: Vec<MutatingWebhookConfiguration>,
+    network_policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
     /// cert-manager's and the Prometheus Operator's other objects, by kind (no typed crate).
     custom: Vec<Value>,
     roles: Vec<(Option<String>, Vec<PolicyRule>)>,
@@ -216,6 +217,7 @@ impl Install {
                     install.policy_bindings.push(strict(&doc)?);
                 }
                 "MutatingWebhookConfiguration" => install.webhooks.push(strict(&doc)?),
+                "NetworkPolicy" => install.network_policies.push(strict(&doc)?),
                 "PrometheusRule" | "Certificate" | "Issuer" => install.custom.push(doc),
                 "Role" => {
                     let r: Role = strict(&doc)?;
@@ -1011,7 +1013,17 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
             svc.cluster_ip.clone().context("a fixed cluster IP for a host-network scheduler")?;
         format!("http://{ip}:{port}{}", args.url_prefix)
     };
+    let url = if args.verbs_tls().is_some() { url.replacen("http:", "https:", 1) } else { url };
     ensure!(e["urlPrefix"] == url.as_str(), "urlPrefix {} is not {url}", e["urlPrefix"]);
+    ensure!(
+        e["enableHTTPS"] == args.verbs_tls().is_some(),
+        "enableHTTPS {} while the extender's TLS is {:?}",
+        e["enableHTTPS"],
+        args.verbs_tls()
+    );
+    if !second {
+        check_verbs_reach(install, &args, e, spec, c, &ns)?;
+    }
     ensure!(e["filterVerb"] == "filter" && e["prioritizeVerb"] == "prioritize");
     ensure!(e["nodeCacheCapable"] == true, "the extender keeps a node cache");
     ensure!(e["weight"].as_i64().is_some_and(|w| w >= 1), "a weight");
@@ -1093,6 +1105,115 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
         }
         (w, hooks) => bail!("webhook flags {w:?} and {} configurations", hooks.len()),
     }
+    Ok(())
+}
+
+/// Behind a Service (issue 24, item 9), only kube-scheduler reaches filter and prioritize: the
+/// NetworkPolicy opens the verbs' port to ipBlocks only, and with TLS the extender demands a
+/// client certificate of the CA in its serving Secret (`--client-ca` there), the scheduler's
+/// configuration verifies the Service's name and presents a client certificate, and
+/// cert-manager's Certificates (when used) are for that name and client authentication, from
+/// one issuer.
+fn check_verbs_reach(
+    install: &Install,
+    args: &baleen_extender::run::Args,
+    stanza: &Value,
+    spec: &PodSpec,
+    c: &Container,
+    ns: &str,
+) -> Result<()> {
+    let pod_labels = install
+        .deployments
+        .first()
+        .and_then(|d| d.spec.as_ref()?.template.metadata.as_ref()?.labels.clone())
+        .unwrap_or_default();
+    let open = |port: &str| -> Result<Option<Vec<String>>> {
+        let mut found = None;
+        for policy in &install.network_policies {
+            let spec = policy.spec.as_ref().context("NetworkPolicy spec")?;
+            let selects = spec
+                .pod_selector
+                .as_ref()
+                .and_then(|s| s.match_labels.clone())
+                .unwrap_or_default()
+                .iter()
+                .all(|(k, v)| pod_labels.get(k) == Some(v));
+            if !selects {
+                continue;
+            }
+            for rule in spec.ingress.iter().flatten() {
+                let named = rule.ports.iter().flatten().any(|p| {
+                    p.port
+                        == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                            port.into(),
+                        ))
+                });
+                if !named {
+                    continue;
+                }
+                let from = rule.from.clone().unwrap_or_default();
+                ensure!(!from.is_empty(), "the NetworkPolicy opens port {port} to anyone");
+                let mut cidrs = Vec::new();
+                for peer in from {
+                    ensure!(
+                        peer.pod_selector.is_none() && peer.namespace_selector.is_none(),
+                        "port {port} is open to pods, not only to the scheduler's addresses"
+                    );
+                    cidrs.push(peer.ip_block.context("an ipBlock")?.cidr);
+                }
+                found = Some(cidrs);
+            }
+        }
+        Ok(found)
+    };
+    let cidrs = open("http")?.context("no NetworkPolicy limits who reaches the verbs")?;
+    ensure!(!cidrs.is_empty(), "the verbs' port is reachable from nowhere");
+    let Some(tls) = args.verbs_tls() else { return Ok(()) };
+    let dns = format!("baleen-extender.{ns}.svc");
+    let client_ca = tls.client_ca.clone().context("TLS without client certificates")?;
+    ensure!(
+        client_ca.parent() == Some(tls.cert_dir.as_path()),
+        "the client CA {} is the serving Secret's ca.crt",
+        client_ca.display()
+    );
+    let tls_config = &stanza["tlsConfig"];
+    ensure!(tls_config["serverName"] == dns.as_str(), "the scheduler verifies {dns}");
+    ensure!(tls_config["insecure"].is_null(), "no insecure TLS");
+    for key in ["caFile", "certFile", "keyFile"] {
+        ensure!(tls_config[key].is_string(), "tlsConfig.{key}: the scheduler's client certificate");
+    }
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| Path::new(&m.mount_path) == tls.cert_dir)
+        .context("the extender's certificate directory is mounted")?;
+    let secret = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .and_then(|v| v.secret.as_ref()?.secret_name.clone())
+        .context("a Secret at the certificate directory")?;
+    let certificates: Vec<&Value> =
+        install.custom.iter().filter(|d| d["kind"] == "Certificate").collect();
+    if certificates.is_empty() {
+        return Ok(()); // The operator's own Secret (extender.tls.certificates: secret).
+    }
+    let serving = certificates
+        .iter()
+        .find(|d| d["spec"]["secretName"] == secret.as_str())
+        .context("cert-manager's Certificate for the mounted Secret")?;
+    ensure!(serving["spec"]["dnsNames"] == serde_json::json!([dns]), "the serving dnsNames");
+    ensure!(serving["spec"]["usages"] == serde_json::json!(["server auth"]), "server auth");
+    let client = certificates
+        .iter()
+        .find(|d| d["spec"]["usages"] == serde_json::json!(["client auth"]))
+        .context("a client Certificate for kube-scheduler")?;
+    ensure!(
+        client["spec"]["issuerRef"] == serving["spec"]["issuerRef"],
+        "one issuer signs the serving and the client certificate, so ca.crt verifies the client"
+    );
     Ok(())
 }
 

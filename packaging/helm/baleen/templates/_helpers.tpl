@@ -97,7 +97,6 @@ prioritizeVerb: prioritize
 weight: {{ .Values.scheduler.extenderWeight }}
 # Sends node names, not whole Nodes: the extender keeps its own cache from its watches.
 nodeCacheCapable: true
-enableHTTPS: false
 httpTimeout: 5s
 # Not ignorable: a GPU pod is not placed without the extender (it would risk a node where no
 # single GPU has room and fail at admission).
@@ -185,6 +184,7 @@ subjects:
 {{- $root := .root -}}
 {{- $v := $root.Values -}}
 {{- $webhook := and $v.webhook.enabled (eq $v.scheduler.mode "second-scheduler") -}}
+{{- $tls := and $v.extender.tls.enabled (eq $v.scheduler.mode "extender-service") -}}
 - name: extender
   image: {{ include "baleen.image" $root }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -208,6 +208,10 @@ subjects:
     {{- else }}
     - --webhook-cert-dir=/etc/baleen-webhook
     {{- end }}
+    {{- end }}
+    {{- if $tls }}
+    - --tls-cert-dir=/etc/baleen-extender-tls
+    - --client-ca=/etc/baleen-extender-tls/ca.crt
     {{- end }}
   ports:
     {{- if ne .listen "127.0.0.1:8888" }}
@@ -247,6 +251,12 @@ subjects:
   volumeMounts:
     - name: webhook-tls
       mountPath: /etc/baleen-webhook
+      readOnly: true
+  {{- end }}
+  {{- if $tls }}
+  volumeMounts:
+    - name: extender-tls
+      mountPath: /etc/baleen-extender-tls
       readOnly: true
   {{- end }}
 {{- end }}

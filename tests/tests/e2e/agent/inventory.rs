@@ -41,10 +41,11 @@ async fn inventory_prints_what_the_agent_with_the_same_configuration_advertises(
     let advertised = async {
         kubelet.wait_registered(GPU, 1).await?;
         kubelet.wait_registered(MEM, 1).await?;
-        kubelet.wait_for("both device lists", WAIT, |v| {
-            !v.devices_of(GPU).is_empty() && !v.devices_of(MEM).is_empty()
-        })
-        .await
+        kubelet
+            .wait_for("both device lists", WAIT, |v| {
+                !v.devices_of(GPU).is_empty() && !v.devices_of(MEM).is_empty()
+            })
+            .await
     }
     .await;
     let _ = nix::sys::signal::kill(
@@ -67,7 +68,8 @@ async fn inventory_prints_what_the_agent_with_the_same_configuration_advertises(
         .iter()
         .filter_map(|g| g["uuid"].as_str().map(str::to_owned))
         .collect();
-    let served: BTreeSet<String> = advertised.devices_of(GPU).iter().map(|d| d.id.clone()).collect();
+    let served: BTreeSet<String> =
+        advertised.devices_of(GPU).iter().map(|d| d.id.clone()).collect();
     assert_eq!(uuids.len(), 4, "{json}");
     assert_eq!(uuids, served, "the same UUIDs in inventory and in the agent's device list");
     let resource = |name: &str| {
