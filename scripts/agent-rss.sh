@@ -24,6 +24,7 @@ echo "rss-measurement-boot" > "$T/boot_id"
 flags=("$@")
 # A simulated node has no GPU to run MPS on: its gpu-memory units are accounting only.
 [ ${#flags[@]} -gt 0 ] || flags=(--simulated packaging/examples/h200-8x-nvswitch.yaml --no-mps)
+mkdir -p "$T/dp"  # the kubelet makes it on a node; the agent refuses one that is missing
 "$AGENT" "${flags[@]}" --node-name rss-node --device-plugin-dir "$T/dp" \
   --pod-resources-socket "$T/pr.sock" --state-dir "$T/state" --boot-id-file "$T/boot_id" \
   --log-level info 2> "$OUT/agent.log" &

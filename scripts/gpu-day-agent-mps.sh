@@ -67,6 +67,7 @@ run_as_container() {
 }
 
 step "A. the agent on real NVML; it starts the MPS daemon itself"
+mkdir -p "$T/dp"  # the kubelet makes it on a node; the agent refuses one that is missing
 "$BIN/baleen-agent" --config "$T/agent.yaml" --node-name gpu-node --device-plugin-dir "$T/dp" \
   --pod-resources-socket "$T/pr.sock" --state-dir "$T/state" --boot-id-file "$T/boot_id" \
   --mps-root "$T/mps" --log-format text ${AGENT_FLAGS:-} 2> "$OUT/agent.log" &
