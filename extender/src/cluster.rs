@@ -125,35 +125,74 @@ impl PodEntry {
     }
 }
 
+/// One node's place in the view: its name, its entry (none while it is gone) and its stamp.
+/// A name keeps its slot for the view's life, so that the verbs' memos can be indexed by slot.
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    entry: Option<NodeEntry>,
+    stamp: u64,
+}
+
+/// A node as a verb finds it by name: its slot (the memos' index), its entry if it is known,
+/// and its stamp.
+#[derive(Debug, Clone, Copy)]
+pub struct Found<'a> {
+    /// The node's slot.
+    pub slot: usize,
+    /// Its entry (`None`: unknown, or gone).
+    pub entry: Option<&'a NodeEntry>,
+    /// [`ClusterView::stamp`].
+    pub stamp: u64,
+}
+
 /// Nodes and pods.
 #[derive(Debug, Default)]
 pub struct ClusterView {
-    nodes: HashMap<String, NodeEntry>,
+    /// Per node name, its slot: one hash of the name per node per call (foldhash: node names
+    /// are not chosen by whoever calls the verbs, and the extender holds at most the cluster's).
+    ids: HashMap<String, usize, foldhash::fast::RandomState>,
+    slots: Vec<Slot>,
+    live_nodes: usize,
     pods: HashMap<String, PodEntry>,
     /// Per node, the UIDs of the live pods bound to it.
     by_node: HashMap<String, BTreeSet<String>>,
     /// When a node was last added, changed or removed.
     pub updated: Option<Instant>,
-    /// Per node, the change count when it or a pod bound to it last changed (what a cached
-    /// score is valid for).
-    stamps: HashMap<String, u64>,
     changes: u64,
 }
 
 impl ClusterView {
+    /// The slot of `name`, made if it has none.
+    fn slot_of(&mut self, name: &str) -> usize {
+        if let Some(&i) = self.ids.get(name) {
+            return i;
+        }
+        let i = self.slots.len();
+        self.slots.push(Slot { name: name.to_owned(), entry: None, stamp: 0 });
+        self.ids.insert(name.to_owned(), i);
+        i
+    }
+
     /// Adds or replaces a node.
     pub fn set_node(&mut self, name: &str, entry: NodeEntry) {
-        self.nodes.insert(name.to_owned(), entry);
+        let i = self.slot_of(name);
+        if self.slots[i].entry.replace(entry).is_none() {
+            self.live_nodes += 1;
+        }
         self.updated = Some(Instant::now());
         self.touch(name);
     }
 
     /// Forgets a node.
     pub fn remove_node(&mut self, name: &str) {
-        self.nodes.remove(name);
+        let Some(&i) = self.ids.get(name) else { return };
+        if self.slots[i].entry.take().is_some() {
+            self.live_nodes -= 1;
+        }
         self.updated = Some(Instant::now());
-        // A node that comes back gets a new, higher stamp; nothing of the old one is kept.
-        self.stamps.remove(name);
+        // A node that comes back is judged afresh: its stamp moves on.
+        self.touch(name);
         if self.by_node.get(name).is_some_and(BTreeSet::is_empty) {
             self.by_node.remove(name);
         }
@@ -161,17 +200,35 @@ impl ClusterView {
 
     fn touch(&mut self, node: &str) {
         self.changes += 1;
-        self.stamps.insert(node.to_owned(), self.changes);
+        let i = self.slot_of(node);
+        self.slots[i].stamp = self.changes;
     }
 
     /// A number that changes whenever `node` or a pod bound to it changes.
     pub fn stamp(&self, node: &str) -> u64 {
-        self.stamps.get(node).copied().unwrap_or(0)
+        self.ids.get(node).map_or(0, |&i| self.slots[i].stamp)
+    }
+
+    /// `name`'s slot, entry and stamp in one lookup; `None` if the view never heard of it.
+    pub fn find(&self, name: &str) -> Option<Found<'_>> {
+        let &slot = self.ids.get(name)?;
+        let s = &self.slots[slot];
+        Some(Found { slot, entry: s.entry.as_ref(), stamp: s.stamp })
+    }
+
+    /// How many slots there are (one past the highest [`Found::slot`]).
+    pub fn slots(&self) -> usize {
+        self.slots.len()
     }
 
     /// Keeps only the nodes `keep` names (after a watcher's fresh list).
     pub fn retain_nodes(&mut self, keep: impl Fn(&str) -> bool) {
-        let gone: Vec<String> = self.nodes.keys().filter(|n| !keep(n)).cloned().collect();
+        let gone: Vec<String> = self
+            .slots
+            .iter()
+            .filter(|s| s.entry.is_some() && !keep(&s.name))
+            .map(|s| s.name.clone())
+            .collect();
         for name in gone {
             self.remove_node(&name);
         }
@@ -187,22 +244,22 @@ impl ClusterView {
 
     /// A node.
     pub fn node(&self, name: &str) -> Option<&NodeEntry> {
-        self.nodes.get(name)
+        self.find(name)?.entry
     }
 
     /// Every node.
     pub fn nodes(&self) -> impl Iterator<Item = (&String, &NodeEntry)> {
-        self.nodes.iter()
+        self.slots.iter().filter_map(|s| Some((&s.name, s.entry.as_ref()?)))
     }
 
     /// How many nodes.
     pub fn node_count(&self) -> usize {
-        self.nodes.len()
+        self.live_nodes
     }
 
     /// The nodes' documents that can be used.
     pub fn states(&self) -> impl Iterator<Item = &NodeGpuState> {
-        self.nodes.values().filter_map(|n| n.state.as_ref().ok())
+        self.slots.iter().filter_map(|s| s.entry.as_ref()?.state.as_ref().ok())
     }
 
     /// Adds or replaces a pod by UID.

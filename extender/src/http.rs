@@ -275,12 +275,8 @@ async fn serve_connection<I>(
     }
 }
 
-fn json(status: StatusCode, text: String) -> Response {
-    (status, [("content-type", "application/json")], text).into_response()
-}
-
-fn parse(app: &App, verb: &str, body: &Bytes) -> Result<ExtenderArgs, Box<Response>> {
-    serde_json::from_slice::<ExtenderArgs>(body).map_err(|e| {
+fn parse<'b>(app: &App, verb: &str, body: &'b Bytes) -> Result<ExtenderArgs<'b>, Box<Response>> {
+    serde_json::from_slice::<ExtenderArgs<'b>>(body).map_err(|e| {
         app.metrics.bad_requests.with_label_values(&[verb]).inc();
         tracing::warn!(verb, error = %e, "not an extender request");
         Box::new(
@@ -288,6 +284,10 @@ fn parse(app: &App, verb: &str, body: &Bytes) -> Result<ExtenderArgs, Box<Respon
                 .into_response(),
         )
     })
+}
+
+fn json_bytes(body: Vec<u8>) -> Response {
+    (StatusCode::OK, [("content-type", "application/json")], body).into_response()
 }
 
 /// One span per call, so that every line it logs names the verb.
@@ -298,15 +298,17 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let (result, kinds) = app.extender.filter(&args);
-    for kind in kinds {
-        app.metrics.filtered.with_label_values(&[kind.as_str()]).inc();
+    let (answer, removed, error) = app.extender.filter_json(&args);
+    for (kind, n) in removed.by_kind() {
+        if n > 0 {
+            app.metrics.filtered.with_label_values(&[kind.as_str()]).inc_by(n);
+        }
     }
-    if !result.error.is_empty() {
-        tracing::warn!(error = result.error, "filter refused the pod");
+    if !error.is_empty() {
+        tracing::warn!(error, "filter refused the pod");
     }
     app.metrics.latency.with_label_values(&["filter"]).observe(started.elapsed().as_secs_f64());
-    json(StatusCode::OK, serde_json::to_string(&result).unwrap_or_default())
+    json_bytes(answer)
 }
 
 #[tracing::instrument(name = "prioritize", skip_all, fields(bytes = body.len()))]
@@ -316,8 +318,8 @@ async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let answer = match app.extender.prioritize(&args) {
-        Ok(scores) => json(StatusCode::OK, serde_json::to_string(&scores).unwrap_or_default()),
+    let answer = match app.extender.prioritize_json(&args) {
+        Ok(scores) => json_bytes(scores),
         Err(why) if why == crate::service::NOT_SYNCED => {
             (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
         }

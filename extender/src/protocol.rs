@@ -9,9 +9,11 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// The body of `filter` and `prioritize`.
+/// The body of `filter` and `prioritize`. The node names borrow from the body where they can
+/// (a name with no JSON escape, as every DNS name): 5,000 of them are parsed without 5,000
+/// allocations.
 #[derive(Debug, Clone, Deserialize)]
-pub struct ExtenderArgs {
+pub struct ExtenderArgs<'a> {
     /// The pod being scheduled.
     #[serde(rename = "Pod")]
     pub pod: Pod,
@@ -19,8 +21,68 @@ pub struct ExtenderArgs {
     #[serde(rename = "Nodes", default)]
     pub nodes: Option<NodeList>,
     /// The candidate nodes' names (`nodeCacheCapable: true`).
-    #[serde(rename = "NodeNames", default)]
-    pub node_names: Option<Vec<String>>,
+    #[serde(rename = "NodeNames", default, borrow)]
+    pub node_names: Option<Vec<NodeName<'a>>>,
+}
+
+/// A node name in a call: borrowed from the body when it has no JSON escape (serde's own `Cow`
+/// inside a `Vec` is always copied), owned otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeName<'a>(pub std::borrow::Cow<'a, str>);
+
+impl AsRef<str> for NodeName<'_> {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for NodeName<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = NodeName<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a node name")
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(
+                self,
+                v: &'de str,
+            ) -> Result<Self::Value, E> {
+                Ok(NodeName(std::borrow::Cow::Borrowed(v)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(NodeName(std::borrow::Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(NodeName(std::borrow::Cow::Owned(v)))
+            }
+        }
+        deserializer.deserialize_str(Visit)
+    }
+}
+
+impl ExtenderArgs<'static> {
+    /// The arguments in a JSON value, every name owned (tests, the cluster loop: what is parsed
+    /// from a body borrows from it instead).
+    pub fn from_json(value: Value) -> Result<Self, serde_json::Error> {
+        #[derive(Deserialize)]
+        struct Owned {
+            #[serde(rename = "Pod")]
+            pod: Pod,
+            #[serde(rename = "Nodes", default)]
+            nodes: Option<NodeList>,
+            #[serde(rename = "NodeNames", default)]
+            node_names: Option<Vec<String>>,
+        }
+        let owned: Owned = serde_json::from_value(value)?;
+        Ok(Self {
+            pod: owned.pod,
+            nodes: owned.nodes,
+            node_names: owned.node_names.map(|names| {
+                names.into_iter().map(|n| NodeName(std::borrow::Cow::Owned(n))).collect()
+            }),
+        })
+    }
 }
 
 /// A NodeList: its items kept as they came.
@@ -192,13 +254,19 @@ mod tests {
 
     #[test]
     fn upstreams_extender_args_parse() {
-        let args: ExtenderArgs = serde_json::from_str(&exact("ExtenderArgs")).expect("parses");
+        let text = exact("ExtenderArgs");
+        let args: ExtenderArgs = serde_json::from_str(&text).expect("parses");
         assert_eq!(args.pod.metadata.name, "podname");
         assert!(args.pod.spec.containers.is_none(), "containers: null");
         let nodes = args.nodes.expect("Nodes");
         assert_eq!(nodes.items.len(), 1);
         assert_eq!(nodes.items[0]["metadata"]["name"], "nodename");
-        assert_eq!(args.node_names.as_deref(), Some(&["node1".to_owned()][..]));
+        let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
+        assert_eq!(names, ["node1"]);
+        assert!(
+            args.node_names.iter().flatten().all(|n| matches!(n.0, std::borrow::Cow::Borrowed(_))),
+            "names are borrowed from the body, not copied"
+        );
     }
 
     #[test]

@@ -85,8 +85,98 @@ type Verdicts = Memo<u64, Verdict>;
 /// Per demand and node, the policy's score and the (node stamp, policy epoch) it holds for.
 type Scores = Memo<(u64, u64), Option<i64>>;
 
-/// Per demand, per node: a value and what it holds for.
-type Memo<K, V> = std::collections::HashMap<Demand, std::collections::HashMap<String, (K, V)>>;
+/// Per demand, per node slot ([`crate::cluster::Found::slot`]): a value and what it holds for.
+type Memo<K, V> = std::collections::HashMap<Demand, Vec<Option<(K, V)>>>;
+
+/// Why a node the view does not know fails the filter.
+const UNKNOWN_NODE: &str = "unknown to the extender's node cache";
+
+/// How many nodes a filter removed, by why (for the metrics).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Removed {
+    /// [`FailKind::Full`].
+    pub full: u64,
+    /// [`FailKind::Never`].
+    pub never: u64,
+    /// [`FailKind::NoState`].
+    pub no_state: u64,
+}
+
+impl Removed {
+    fn count(&mut self, verdict: &Verdict) {
+        match verdict {
+            Verdict::Fits => {}
+            Verdict::Full(_) => self.full += 1,
+            Verdict::Never(_) => self.never += 1,
+            Verdict::NoState(_) => self.no_state += 1,
+        }
+    }
+
+    /// Each kind with its count.
+    pub fn by_kind(&self) -> [(FailKind, u64); 3] {
+        [
+            (FailKind::Full, self.full),
+            (FailKind::Never, self.never),
+            (FailKind::NoState, self.no_state),
+        ]
+    }
+}
+
+/// The answer of `filter` for node names, written from borrowed names and verdicts (the same
+/// JSON as [`ExtenderFilterResult`] with `NodeNames`: 5,000 nodes are answered without copying
+/// a name or a reason).
+struct NamesAnswer<'a> {
+    judged: &'a [(&'a str, &'a Verdict)],
+    error: &'a str,
+}
+
+impl serde::Serialize for NamesAnswer<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        struct Passed<'a>(&'a [(&'a str, &'a Verdict)]);
+        impl serde::Serialize for Passed<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_seq(
+                    self.0.iter().filter(|(_, v)| matches!(v, Verdict::Fits)).map(|(n, _)| n),
+                )
+            }
+        }
+        struct Failed<'a>(&'a [(&'a str, &'a Verdict)], bool);
+        impl serde::Serialize for Failed<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let resolvable = self.1;
+                s.collect_map(self.0.iter().filter_map(|(n, v)| match v {
+                    Verdict::Full(why) if resolvable => Some((n, why)),
+                    Verdict::Never(why) | Verdict::NoState(why) if !resolvable => Some((n, why)),
+                    _ => None,
+                }))
+            }
+        }
+        let mut map = serializer.serialize_map(Some(5))?;
+        map.serialize_entry("Nodes", &None::<()>)?;
+        map.serialize_entry("NodeNames", &Passed(self.judged))?;
+        map.serialize_entry("FailedNodes", &Failed(self.judged, true))?;
+        map.serialize_entry("FailedAndUnresolvableNodes", &Failed(self.judged, false))?;
+        map.serialize_entry("Error", self.error)?;
+        map.end()
+    }
+}
+
+/// The answer of `prioritize`, written from borrowed names.
+struct ScoresAnswer<'a>(&'a [&'a str], &'a [i64]);
+
+impl serde::Serialize for ScoresAnswer<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(serde::Serialize)]
+        struct One<'a> {
+            #[serde(rename = "Host")]
+            host: &'a str,
+            #[serde(rename = "Score")]
+            score: i64,
+        }
+        serializer.collect_seq(self.0.iter().zip(self.1).map(|(host, &score)| One { host, score }))
+    }
+}
 
 /// The most demands remembered; past it the memo starts afresh.
 const MEMO_DEMANDS: usize = 64;
@@ -220,7 +310,7 @@ impl Extender {
 
     /// The Nodes a call sent in full, parsed (their annotations as sent), with their place in
     /// the list.
-    fn sent_entries(&self, args: &ExtenderArgs) -> Vec<(String, NodeEntry, usize)> {
+    fn sent_entries(&self, args: &ExtenderArgs<'_>) -> Vec<(String, NodeEntry, usize)> {
         let key = self.settings.annotation();
         args.nodes
             .iter()
@@ -304,6 +394,7 @@ impl Extender {
         let mut warm = Scores::new();
         for (name, entry) in view.nodes() {
             let Ok(state) = &entry.state else { continue };
+            let Some(found) = view.find(name) else { continue };
             let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable)) else {
                 continue;
             };
@@ -312,8 +403,8 @@ impl Extender {
             }
             for (demand, _) in &common {
                 let score = model.score(demand, &policy);
-                let per_node = warm.entry((*demand).clone()).or_default();
-                per_node.insert(name.clone(), ((view.stamp(name), epoch), score));
+                let per_node = demand_memo(&mut warm, demand, view.slots());
+                per_node[found.slot] = Some(((found.stamp, epoch), score));
             }
         }
         drop(view);
@@ -359,141 +450,263 @@ impl Extender {
         }
     }
 
+    /// The pod's demand, learned from where no watcher runs; or the call's error.
+    fn demand_of(&self, args: &ExtenderArgs<'_>) -> Result<Demand, String> {
+        let demand = Demand::of(&args.pod, &self.settings.domain)
+            .map_err(|e| format!("pod {}: {e}", pod_name(args)))?;
+        Ok(demand)
+    }
+
+    /// The filter's verdict on each of `names` for `demand`, handed to `finish` (borrowed from
+    /// the memo, under its lock): one lookup of each name, a verdict computed only where the
+    /// node or its pods changed since it was last judged for this demand.
+    fn judged<'n, R>(
+        &self,
+        demand: &Demand,
+        names: &[&'n str],
+        finish: impl FnOnce(&[(&'n str, &Verdict)]) -> R,
+    ) -> R {
+        let unknown = Verdict::NoState(UNKNOWN_NODE.into());
+        if demand.is_empty() {
+            // Not ours to judge: every node passes.
+            let fits = Verdict::Fits;
+            let all: Vec<(&str, &Verdict)> = names.iter().map(|n| (*n, &fits)).collect();
+            return finish(&all);
+        }
+        let view = self.view();
+        let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
+        let cache = demand_memo(&mut memo_map, demand, view.slots());
+        let found: Vec<Option<crate::cluster::Found<'_>>> =
+            names.iter().map(|n| view.find(n)).collect();
+        for (name, f) in names.iter().zip(&found) {
+            let Some(f) = f else { continue };
+            let Some(entry) = f.entry else { continue };
+            if cache[f.slot].as_ref().is_some_and(|(stamp, _)| *stamp == f.stamp) {
+                continue;
+            }
+            let verdict = match &entry.state {
+                Err(why) => Verdict::NoState(why.clone()),
+                Ok(state) => {
+                    let assumed = view.assumed(name, state, &self.settings.domain);
+                    let assumed: Vec<&Demand> = assumed.iter().collect();
+                    verdict(state, &assumed, demand, &self.settings.domain)
+                }
+            };
+            cache[f.slot] = Some((f.stamp, verdict));
+        }
+        let judged: Vec<(&str, &Verdict)> = names
+            .iter()
+            .zip(&found)
+            .map(|(name, f)| {
+                let v = f
+                    .filter(|f| f.entry.is_some())
+                    .and_then(|f| cache[f.slot].as_ref())
+                    .map_or(&unknown, |(_, v)| v);
+                (*name, v)
+            })
+            .collect();
+        finish(&judged)
+    }
+
+    /// The filter verb as its JSON answer, with how many nodes it removed by why and the
+    /// call's error (empty when none). Node names are answered from the memo without a copy.
+    pub fn filter_json(&self, args: &ExtenderArgs<'_>) -> (Vec<u8>, Removed, String) {
+        if args.nodes.is_some() || !self.synced() {
+            let (result, kinds) = self.filter(args);
+            let mut removed = Removed::default();
+            for kind in kinds {
+                match kind {
+                    FailKind::Full => removed.full += 1,
+                    FailKind::Never => removed.never += 1,
+                    FailKind::NoState => removed.no_state += 1,
+                }
+            }
+            return (serde_json::to_vec(&result).unwrap_or_default(), removed, result.error);
+        }
+        let demand = match self.demand_of(args) {
+            Ok(d) => d,
+            Err(e) => {
+                let result = ExtenderFilterResult { error: e.clone(), ..Default::default() };
+                return (serde_json::to_vec(&result).unwrap_or_default(), Removed::default(), e);
+            }
+        };
+        if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
+            self.learn(&args.pod.metadata.uid, &demand);
+        }
+        let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
+        self.judged(&demand, &names, |judged| {
+            let mut removed = Removed::default();
+            for (_, v) in judged {
+                removed.count(v);
+            }
+            let body = serde_json::to_vec(&NamesAnswer { judged, error: "" }).unwrap_or_default();
+            (body, removed, String::new())
+        })
+    }
+
     /// The filter verb; also returns, per filtered-out node, why (for the metrics).
-    pub fn filter(&self, args: &ExtenderArgs) -> (ExtenderFilterResult, Vec<FailKind>) {
+    pub fn filter(&self, args: &ExtenderArgs<'_>) -> (ExtenderFilterResult, Vec<FailKind>) {
         let mut result = ExtenderFilterResult::default();
         let mut kinds = Vec::new();
         if !self.synced() {
             result.error = NOT_SYNCED.into();
             return (result, kinds);
         }
-        let demand = match Demand::of(&args.pod, &self.settings.domain) {
+        let demand = match self.demand_of(args) {
             Ok(d) => d,
             Err(e) => {
-                result.error = format!("pod {}: {e}", pod_name(args));
+                result.error = e;
                 return (result, kinds);
             }
         };
         if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
             self.learn(&args.pod.metadata.uid, &demand);
         }
-        let sent = self.sent_entries(args);
-        let view = self.view();
-        let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
-        let cache = demand_memo(&mut memo_map, &demand);
-        let mut judge = |name: &str, entry: Option<&NodeEntry>, cached: bool| -> Verdict {
-            if demand.is_empty() {
-                // Not ours to judge: every node passes.
-                return Verdict::Fits;
-            }
-            let Some(entry) = entry else {
-                return Verdict::NoState("unknown to the extender's node cache".into());
-            };
-            let compute = || match &entry.state {
-                Err(why) => Verdict::NoState(why.clone()),
-                Ok(state) => {
-                    let assumed = view.assumed(name, state, &self.settings.domain);
-                    let assumed: Vec<&Demand> = assumed.iter().collect();
-                    verdict(state, &assumed, &demand, &self.settings.domain)
+        let mut record = |name: &str, verdict: &Verdict| -> bool {
+            match verdict {
+                Verdict::Fits => return true,
+                Verdict::Full(why) => {
+                    kinds.push(FailKind::Full);
+                    result.failed_nodes.insert(name.to_owned(), why.clone());
                 }
-            };
-            if !cached {
-                return compute();
+                Verdict::Never(why) => {
+                    kinds.push(FailKind::Never);
+                    result.failed_and_unresolvable_nodes.insert(name.to_owned(), why.clone());
+                }
+                Verdict::NoState(why) => {
+                    kinds.push(FailKind::NoState);
+                    result.failed_and_unresolvable_nodes.insert(name.to_owned(), why.clone());
+                }
             }
-            remembered(cache, name, view.stamp(name), compute)
+            false
         };
-        let mut passed = Vec::new();
-        let mut judged = |name: &str, verdict: Verdict, index: Option<usize>| match verdict {
-            Verdict::Fits => passed.push((name.to_owned(), index)),
-            Verdict::Full(why) => {
-                kinds.push(FailKind::Full);
-                result.failed_nodes.insert(name.to_owned(), why);
-            }
-            Verdict::Never(why) => {
-                kinds.push(FailKind::Never);
-                result.failed_and_unresolvable_nodes.insert(name.to_owned(), why);
-            }
-            Verdict::NoState(why) => {
-                kinds.push(FailKind::NoState);
-                result.failed_and_unresolvable_nodes.insert(name.to_owned(), why);
-            }
-        };
-        if args.nodes.is_some() {
-            for (name, entry, i) in &sent {
-                let v = judge(name, Some(entry), false);
-                judged(name, v, Some(*i));
-            }
-        } else {
-            for name in args.node_names.iter().flatten() {
-                let v = judge(name, view.node(name), true);
-                judged(name, v, None);
-            }
-        }
-        drop(memo_map);
-        drop(view);
         if let Some(list) = &args.nodes {
+            // Nodes sent in full may differ from the cache's: judged afresh, as sent.
+            let view = self.view();
+            let mut kept = Vec::new();
+            for (name, entry, i) in &self.sent_entries(args) {
+                let v = if demand.is_empty() {
+                    Verdict::Fits
+                } else {
+                    match &entry.state {
+                        Err(why) => Verdict::NoState(why.clone()),
+                        Ok(state) => {
+                            let assumed = view.assumed(name, state, &self.settings.domain);
+                            let assumed: Vec<&Demand> = assumed.iter().collect();
+                            verdict(state, &assumed, &demand, &self.settings.domain)
+                        }
+                    }
+                };
+                if record(name, &v) {
+                    kept.push(list.items[*i].clone());
+                }
+            }
+            drop(view);
             result.nodes = Some(NodeListOut {
                 metadata: list.metadata.clone().unwrap_or_else(|| serde_json::json!({})),
-                items: passed
-                    .iter()
-                    .filter_map(|(_, i)| i.map(|i| list.items[i].clone()))
-                    .collect(),
+                items: kept,
             });
         } else {
-            result.node_names = Some(passed.into_iter().map(|(n, _)| n).collect());
+            let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
+            let passed = self.judged(&demand, &names, |judged| {
+                judged
+                    .iter()
+                    .filter(|(name, v)| record(name, v))
+                    .map(|(name, _)| (*name).to_owned())
+                    .collect()
+            });
+            result.node_names = Some(passed);
         }
         (result, kinds)
     }
 
-    /// The prioritize verb.
-    pub fn prioritize(&self, args: &ExtenderArgs) -> Result<Vec<HostPriority>, String> {
-        if !self.synced() {
-            return Err(NOT_SYNCED.into());
-        }
-        let demand = Demand::of(&args.pod, &self.settings.domain)
-            .map_err(|e| format!("pod {}: {e}", pod_name(args)))?;
-        let sent = self.sent_entries(args);
-        let names: Vec<&str> = if args.nodes.is_some() {
-            sent.iter().map(|(n, _, _)| n.as_str()).collect()
-        } else {
-            args.node_names.iter().flatten().map(String::as_str).collect()
-        };
-        if demand.is_empty() {
-            // Unscored: every node the same.
-            return Ok(names
-                .into_iter()
-                .map(|host| HostPriority { host: host.to_owned(), score: 0 })
-                .collect());
-        }
+    /// Each of `names`' score for `demand` (0 to [`crate::protocol::MAX_SCORE`]), from the memo
+    /// where the node, its pods and the policy are as they were.
+    fn scores_of(&self, demand: &Demand, names: &[&str]) -> Vec<i64> {
         let (policy, epoch) = {
             let policy = self.policy.read().unwrap_or_else(PoisonError::into_inner);
             (policy.clone(), self.epoch.load(std::sync::atomic::Ordering::SeqCst))
         };
         let view = self.view();
-        let score = |name: &str, entry: &NodeEntry| {
-            let state = entry.state.as_ref().ok()?;
-            let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
-            for other in &view.assumed(name, state, &self.settings.domain) {
-                model.assume(other, &policy);
-            }
-            model.score(&demand, &policy)
-        };
-        let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
-        let cache = demand_memo(&mut memo_map, &demand);
-        let raw: Vec<Option<i64>> = if args.nodes.is_some() {
-            // Nodes sent in full may differ from the cache's: scored afresh.
-            sent.iter().map(|(name, entry, _)| score(name, entry)).collect()
-        } else {
+        let raw: Vec<Option<i64>> = {
+            let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
+            let cache = demand_memo(&mut memo_map, demand, view.slots());
             names
                 .iter()
                 .map(|name| {
-                    let entry = view.node(name)?;
-                    remembered(cache, name, (view.stamp(name), epoch), || score(name, entry))
+                    let f = view.find(name)?;
+                    let entry = f.entry?;
+                    let key = (f.stamp, epoch);
+                    if let Some((k, v)) = &cache[f.slot]
+                        && *k == key
+                    {
+                        return *v;
+                    }
+                    let score = (|| {
+                        let state = entry.state.as_ref().ok()?;
+                        let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
+                        for other in &view.assumed(name, state, &self.settings.domain) {
+                            model.assume(other, &policy);
+                        }
+                        model.score(demand, &policy)
+                    })();
+                    cache[f.slot] = Some((key, score));
+                    score
                 })
                 .collect()
         };
-        drop(memo_map);
-        let scores = extender_scores(&raw);
+        extender_scores(&raw)
+    }
+
+    /// The prioritize verb as its JSON answer.
+    pub fn prioritize_json(&self, args: &ExtenderArgs<'_>) -> Result<Vec<u8>, String> {
+        if args.nodes.is_some() {
+            return self.prioritize(args).map(|s| serde_json::to_vec(&s).unwrap_or_default());
+        }
+        if !self.synced() {
+            return Err(NOT_SYNCED.into());
+        }
+        let demand = self.demand_of(args)?;
+        let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
+        let scores =
+            if demand.is_empty() { vec![0; names.len()] } else { self.scores_of(&demand, &names) };
+        Ok(serde_json::to_vec(&ScoresAnswer(&names, &scores)).unwrap_or_default())
+    }
+
+    /// The prioritize verb.
+    pub fn prioritize(&self, args: &ExtenderArgs<'_>) -> Result<Vec<HostPriority>, String> {
+        if !self.synced() {
+            return Err(NOT_SYNCED.into());
+        }
+        let demand = self.demand_of(args)?;
+        let sent = self.sent_entries(args);
+        let names: Vec<&str> = if args.nodes.is_some() {
+            sent.iter().map(|(n, _, _)| n.as_str()).collect()
+        } else {
+            args.node_names.iter().flatten().map(|n| n.as_ref()).collect()
+        };
+        let scores = if demand.is_empty() {
+            // Unscored: every node the same.
+            vec![0; names.len()]
+        } else if args.nodes.is_some() {
+            // Nodes sent in full may differ from the cache's: scored afresh.
+            let policy = self.policy();
+            let view = self.view();
+            let raw: Vec<Option<i64>> = sent
+                .iter()
+                .map(|(name, entry, _)| {
+                    let state = entry.state.as_ref().ok()?;
+                    let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
+                    for other in &view.assumed(name, state, &self.settings.domain) {
+                        model.assume(other, &policy);
+                    }
+                    model.score(&demand, &policy)
+                })
+                .collect();
+            extender_scores(&raw)
+        } else {
+            self.scores_of(&demand, &names)
+        };
         Ok(names
             .into_iter()
             .zip(scores)
@@ -502,38 +715,24 @@ impl Extender {
     }
 }
 
-/// The memo of `demand` (a fresh memo when too many demands are remembered).
+/// The memo of `demand`, one place per node slot of the view (`slots`); a fresh memo when too
+/// many demands are remembered.
 fn demand_memo<'a, K, V>(
     memo: &'a mut Memo<K, V>,
     demand: &Demand,
-) -> &'a mut std::collections::HashMap<String, (K, V)> {
-    if !memo.contains_key(demand) {
-        if memo.len() >= MEMO_DEMANDS {
-            memo.clear();
-        }
-        memo.insert(demand.clone(), std::collections::HashMap::new());
+    slots: usize,
+) -> &'a mut Vec<Option<(K, V)>> {
+    if !memo.contains_key(demand) && memo.len() >= MEMO_DEMANDS {
+        memo.clear();
     }
-    memo.get_mut(demand).expect("just inserted")
+    let per_node = memo.entry(demand.clone()).or_default();
+    if per_node.len() < slots {
+        per_node.resize_with(slots, || None);
+    }
+    per_node
 }
 
-/// `node`'s remembered value if it holds for `stamp`, else `compute`'s, remembered.
-fn remembered<K: PartialEq + Copy, V: Clone>(
-    memo: &mut std::collections::HashMap<String, (K, V)>,
-    node: &str,
-    stamp: K,
-    compute: impl FnOnce() -> V,
-) -> V {
-    if let Some((k, v)) = memo.get(node)
-        && *k == stamp
-    {
-        return v.clone();
-    }
-    let v = compute();
-    memo.insert(node.to_owned(), (stamp, v.clone()));
-    v
-}
-
-fn pod_name(args: &ExtenderArgs) -> String {
+fn pod_name(args: &ExtenderArgs<'_>) -> String {
     format!("{}/{}", args.pod.metadata.namespace, args.pod.metadata.name)
 }
 

@@ -286,8 +286,10 @@ async fn cached_scores_follow_the_nodes_and_their_pods() {
     };
     set("a", &[100, 140]);
     set("b", &[50, 140]);
-    let args: baleen_extender::protocol::ExtenderArgs =
-        serde_json::from_value(json!({"Pod": pod(40), "NodeNames": ["a", "b"]})).expect("args");
+    let args = baleen_extender::protocol::ExtenderArgs::from_json(
+        json!({"Pod": pod(40), "NodeNames": ["a", "b"]}),
+    )
+    .expect("args");
     extender.filter(&args);
     extender.rebuild_policy();
     let scores = |e: &Extender| -> Vec<i64> {
@@ -296,7 +298,7 @@ async fn cached_scores_follow_the_nodes_and_their_pods() {
     let first = scores(&extender);
     assert_eq!(first, scores(&extender), "the same answer from the cache");
     // The scores warmed at the rebuild are the ones computed afresh from the same nodes.
-    let sent: baleen_extender::protocol::ExtenderArgs = serde_json::from_value(json!({
+    let sent = baleen_extender::protocol::ExtenderArgs::from_json(json!({
         "Pod": pod(40), "Nodes": {"items": [node("a", &[100, 140]), node("b", &[50, 140])]}
     }))
     .expect("args");
@@ -310,8 +312,10 @@ async fn cached_scores_follow_the_nodes_and_their_pods() {
     // A pod bound to b (not yet published) takes b's idle GPU: b alone scores 10 before, 0
     // (no room in the model) after.
     set("b", &[30, 140]);
-    let only_b: baleen_extender::protocol::ExtenderArgs =
-        serde_json::from_value(json!({"Pod": pod(40), "NodeNames": ["b"]})).expect("args");
+    let only_b = baleen_extender::protocol::ExtenderArgs::from_json(
+        json!({"Pod": pod(40), "NodeNames": ["b"]}),
+    )
+    .expect("args");
     let b_score = |e: &Extender| e.prioritize(&only_b).expect("scores")[0].score;
     assert_eq!(b_score(&extender), 10);
     let bound: Pod = serde_json::from_value(json!({
@@ -374,8 +378,10 @@ async fn a_grant_published_without_its_pod_is_not_counted_twice() {
     let entry = baleen_extender::cluster::PodEntry::of(&bound, "awesome-ai-company.com");
     extender.cluster.write().expect("lock").set_pod("x", entry);
     // A 140-unit pod still fits GPU 0: the bound pod is the unnamed grant on GPU 1.
-    let args: baleen_extender::protocol::ExtenderArgs =
-        serde_json::from_value(json!({"Pod": pod(140), "NodeNames": ["a"]})).expect("args");
+    let args = baleen_extender::protocol::ExtenderArgs::from_json(
+        json!({"Pod": pod(140), "NodeNames": ["a"]}),
+    )
+    .expect("args");
     let (result, _) = extender.filter(&args);
     assert_eq!(result.node_names, Some(vec!["a".to_owned()]), "{result:?}");
     // Another bound pod that no grant matches is counted: now GPU 0 is taken.
@@ -718,4 +724,49 @@ async fn behind_a_service_only_the_scheduler_with_its_client_certificate_is_answ
     .expect("in time")
     .expect("connect");
     assert!(!String::from_utf8_lossy(&plain).contains("HTTP/1.1 200"), "{plain:?}");
+}
+
+/// Issue 25: the names path answers from borrowed names and the memo; its JSON is the typed
+/// answer's, node for node, through changes of the nodes and a node the cache does not know.
+#[tokio::test]
+async fn the_fast_answers_are_the_typed_answers() {
+    let extender = Extender::new(Settings::default());
+    let mut view = extender.cluster.write().expect("lock");
+    for (name, free) in [("a", vec![20, 20]), ("b", vec![60, 140]), ("c", vec![0, 0])] {
+        let n: Node = serde_json::from_value(node(name, &free)).expect("node");
+        view.set_node(name, NodeEntry::of(&n, KEY));
+    }
+    drop(view);
+    let compare = |units: u32| {
+        let args = baleen_extender::protocol::ExtenderArgs::from_json(
+            json!({"Pod": pod(units), "NodeNames": ["a", "b", "c", "gone"]}),
+        )
+        .expect("args");
+        let (fast, removed, error) = extender.filter_json(&args);
+        let (typed, kinds) = extender.filter(&args);
+        let fast: Value = serde_json::from_slice(&fast).expect("json");
+        assert_eq!(fast, serde_json::to_value(&typed).expect("json"), "{units} units");
+        assert_eq!(error, typed.error);
+        assert_eq!(removed.full + removed.never + removed.no_state, kinds.len() as u64);
+        let fast: Value = serde_json::from_slice(&extender.prioritize_json(&args).expect("scores"))
+            .expect("json");
+        let typed =
+            serde_json::to_value(extender.prioritize(&args).expect("scores")).expect("json");
+        assert_eq!(fast, typed, "{units} units");
+        fast
+    };
+    for units in [8, 40, 100, 141] {
+        compare(units);
+    }
+    // b changes: the memo's verdict and score for it are not reused.
+    let n: Node = serde_json::from_value(node("b", &[0, 0])).expect("node");
+    extender.cluster.write().expect("lock").set_node("b", NodeEntry::of(&n, KEY));
+    compare(40);
+    let args = baleen_extender::protocol::ExtenderArgs::from_json(
+        json!({"Pod": pod(40), "NodeNames": ["a", "b", "c"]}),
+    )
+    .expect("args");
+    let (answer, _, _) = extender.filter_json(&args);
+    let answer: Value = serde_json::from_slice(&answer).expect("json");
+    assert_eq!(answer["NodeNames"], json!([]), "b is full now: {answer}");
 }

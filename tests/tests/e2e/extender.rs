@@ -97,8 +97,9 @@ async fn filter_passes(
     expect: &[&str],
     says: &str,
 ) -> Result<Value> {
-    let args: baleen_extender::protocol::ExtenderArgs =
-        serde_json::from_value(json!({"Pod": pod, "NodeNames": names}))?;
+    let args = baleen_extender::protocol::ExtenderArgs::from_json(
+        json!({"Pod": pod, "NodeNames": names}),
+    )?;
     let extender = running.extender.clone();
     poll_within(WAIT, &format!("{expect:?} to pass"), async || {
         let (result, _) = extender.filter(&args);
