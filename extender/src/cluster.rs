@@ -160,6 +160,9 @@ pub struct ClusterView {
     /// When a node was last added, changed or removed.
     pub updated: Option<Instant>,
     changes: u64,
+    /// Pods this extender bound (the `bind` verb) that the Pod watch does not show bound yet,
+    /// by UID: the node. An older event of the pod (still pending) does not undo the binding.
+    reserved: HashMap<String, String>,
 }
 
 impl ClusterView {
@@ -262,9 +265,20 @@ impl ClusterView {
         self.slots.iter().filter_map(|s| s.entry.as_ref()?.state.as_ref().ok())
     }
 
-    /// Adds or replaces a pod by UID.
-    pub fn set_pod(&mut self, uid: &str, entry: PodEntry) {
-        self.remove_pod(uid);
+    /// Adds or replaces a pod by UID. A pod this extender bound and the watch still shows
+    /// pending stays bound where it was bound; once the watch shows it bound, it is the watch's.
+    pub fn set_pod(&mut self, uid: &str, mut entry: PodEntry) {
+        match &entry.node {
+            Some(_) => {
+                self.reserved.remove(uid);
+            }
+            None => {
+                if let Some(node) = self.reserved.get(uid) {
+                    entry.node = Some(node.clone());
+                }
+            }
+        }
+        self.remove_pod_entry(uid);
         if let Some(node) = entry.node.clone().filter(|_| !entry.finished) {
             self.by_node.entry(node.clone()).or_default().insert(uid.to_owned());
             self.touch(&node);
@@ -282,8 +296,33 @@ impl ClusterView {
         self.pods.get(uid).is_some_and(|p| p.node.is_some())
     }
 
+    /// Counts the pod `uid` as bound to `node` from now on (the `bind` verb), before the watch
+    /// shows it: the next filter counts what it asks there.
+    pub fn reserve(&mut self, uid: &str, mut entry: PodEntry, node: &str) {
+        entry.node = Some(node.to_owned());
+        self.set_pod(uid, entry);
+        self.reserved.insert(uid.to_owned(), node.to_owned());
+    }
+
+    /// Undoes [`Self::reserve`] (the binding failed): the pod is `entry` again.
+    pub fn unreserve(&mut self, uid: &str, entry: PodEntry) {
+        if self.reserved.remove(uid).is_some() {
+            self.set_pod(uid, entry);
+        }
+    }
+
+    /// A pod by UID.
+    pub fn pod(&self, uid: &str) -> Option<&PodEntry> {
+        self.pods.get(uid)
+    }
+
     /// Forgets a pod.
     pub fn remove_pod(&mut self, uid: &str) {
+        self.reserved.remove(uid);
+        self.remove_pod_entry(uid);
+    }
+
+    fn remove_pod_entry(&mut self, uid: &str) {
         if let Some(old) = self.pods.remove(uid)
             && let Some(node) = old.node
             && let Some(set) = self.by_node.get_mut(&node)

@@ -28,6 +28,7 @@ pub struct Metrics {
     bad_requests: IntCounterVec,
     cache_age: prometheus::Gauge,
     nodes: GaugeVec,
+    bindings: IntCounterVec,
 }
 
 /// Registers `metric` in `registry` and gives it back: the extender's one registration helper.
@@ -92,7 +93,17 @@ impl Metrics {
                 &["state"],
             ),
         )?;
-        Ok(Self { registry, latency, filtered, bad_requests, cache_age, nodes })
+        let bindings = register(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "baleen_extender_bindings_total",
+                    "Pods the bind verb was asked to bind, by result: bound, no_room (another binding took the room first; kube-scheduler retries the pod), refused, failed (the API server).",
+                ),
+                &["result"],
+            ),
+        )?;
+        Ok(Self { registry, latency, filtered, bad_requests, cache_age, nodes, bindings })
     }
 }
 
@@ -126,6 +137,7 @@ pub fn router(extender: Arc<Extender>, metrics: Metrics, prefix: &str) -> Router
     let verbs = Router::new()
         .route(&format!("{prefix}/filter"), post(filter))
         .route(&format!("{prefix}/prioritize"), post(prioritize))
+        .route(&format!("{prefix}/bind"), post(bind_pod))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_CALLS));
     verbs.merge(health_routes()).with_state(app)
@@ -331,6 +343,37 @@ async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     };
     app.metrics.latency.with_label_values(&["prioritize"]).observe(started.elapsed().as_secs_f64());
     answer
+}
+
+#[tracing::instrument(name = "bind", skip_all, fields(bytes = body.len()))]
+async fn bind_pod(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let args = match serde_json::from_slice::<crate::protocol::ExtenderBindingArgs>(&body) {
+        Ok(a) => a,
+        Err(e) => {
+            app.metrics.bad_requests.with_label_values(&["bind"]).inc();
+            tracing::warn!(error = %e, "not an extender binding request");
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("not an ExtenderBindingArgs JSON body: {e}\n"),
+            )
+                .into_response();
+        }
+    };
+    let error = match app.extender.bind(&args).await {
+        Ok(()) => {
+            app.metrics.bindings.with_label_values(&["bound"]).inc();
+            String::new()
+        }
+        Err(e) => {
+            app.metrics.bindings.with_label_values(&[e.kind()]).inc();
+            tracing::warn!(pod = args.pod_name, namespace = args.pod_namespace, node = args.node, error = %e, "not bound");
+            e.to_string()
+        }
+    };
+    app.metrics.latency.with_label_values(&["bind"]).observe(started.elapsed().as_secs_f64());
+    let answer = crate::protocol::ExtenderBindingResult { error };
+    json_bytes(serde_json::to_vec(&answer).unwrap_or_default())
 }
 
 /// Ready once the watchers have listed the cluster (kube-scheduler's calls fail before).

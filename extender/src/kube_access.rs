@@ -1,13 +1,14 @@
 //! Every Kubernetes API call the extender makes: the install's RBAC grants exactly these
 //! (`tests/tests/e2e/install.rs` fails when the two differ). The watchers list and watch Nodes and
-//! Pods; nothing is written.
+//! Pods; the `bind` verb gets a pod the watch has not shown yet and creates its Binding.
 
 pub use baleen_k8s::rbac::ApiRule;
 
 /// What the extender calls.
 pub const EXTENDER: &[ApiRule] = &[
     ApiRule { api_group: "", resource: "nodes", verbs: &["list", "watch"] },
-    ApiRule { api_group: "", resource: "pods", verbs: &["list", "watch"] },
+    ApiRule { api_group: "", resource: "pods", verbs: &["get", "list", "watch"] },
+    ApiRule { api_group: "", resource: "pods/binding", verbs: &["create"] },
 ];
 
 /// What the extender calls besides, when its webhook makes its own certificate

@@ -136,6 +136,31 @@ pub struct HostPriority {
     pub score: i64,
 }
 
+/// The body of `bind` (`bindVerb`): the pod kube-scheduler chose `node` for.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExtenderBindingArgs {
+    /// The pod's name.
+    #[serde(rename = "PodName")]
+    pub pod_name: String,
+    /// Its namespace.
+    #[serde(rename = "PodNamespace")]
+    pub pod_namespace: String,
+    /// Its UID.
+    #[serde(rename = "PodUID")]
+    pub pod_uid: String,
+    /// The node chosen.
+    #[serde(rename = "Node")]
+    pub node: String,
+}
+
+/// The answer of `bind`: empty `Error` when the pod is bound.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtenderBindingResult {
+    /// Why the pod was not bound (kube-scheduler then forgets its assumption and retries it).
+    #[serde(rename = "Error")]
+    pub error: String,
+}
+
 /// kube-scheduler's `MaxExtenderPriority`.
 pub const MAX_SCORE: i64 = 10;
 
@@ -250,6 +275,19 @@ mod tests {
 
     fn exact(name: &str) -> String {
         examples()["examples"][name]["exact_json"].as_str().expect("exact_json").to_owned()
+    }
+
+    #[test]
+    fn upstreams_binding_args_and_result_are_read_and_written() {
+        let args: ExtenderBindingArgs =
+            serde_json::from_str(&exact("ExtenderBindingArgs")).expect("parses");
+        assert_eq!(
+            (args.pod_name.as_str(), args.pod_namespace.as_str(), args.pod_uid.as_str()),
+            ("mypodname", "mypodnamespace", "mypoduid")
+        );
+        assert_eq!(args.node, "mynode");
+        let result = ExtenderBindingResult { error: "myerror".into() };
+        assert_eq!(serde_json::to_string(&result).expect("json"), exact("ExtenderBindingResult"));
     }
 
     #[test]

@@ -104,6 +104,7 @@ pub async fn start(
 ) -> Result<Running, StartError> {
     let extender = Extender::new(config.settings);
     extender.await_watchers();
+    extender.bind_with(client.clone());
     let metrics = Metrics::new(registry.clone())?;
     registry.register(Box::new(extender.not_sent.clone()))?;
     registry.register(Box::new(extender.refused_documents.clone()))?;

@@ -9,7 +9,7 @@ use baleen_k8s::gpu_state::NodeGpuState;
 use baleen_scheduler_core::model::Request;
 use baleen_scheduler_core::policy::{Normalisers, Policy, PolicyKind};
 
-use crate::cluster::{ClusterView, NodeEntry};
+use crate::cluster::{ClusterView, NodeEntry, PodEntry};
 use crate::demand::Demand;
 use crate::place::{NodeModel, Verdict, extender_scores, verdict};
 use crate::protocol::{ExtenderArgs, ExtenderFilterResult, HostPriority, Node, NodeListOut};
@@ -212,6 +212,57 @@ pub struct Extender {
     pub not_sent: prometheus::IntCounter,
     /// gpu-state documents refused as not believable ([`crate::cluster::believable`]).
     pub refused_documents: prometheus::IntCounter,
+    /// The API client the `bind` verb binds with (none: the verb answers that it cannot).
+    binder: std::sync::OnceLock<kube::Client>,
+}
+
+/// Why `bind` did not bind a pod.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// This extender has no API client to bind with.
+    #[error("this extender does not bind (no Kubernetes API client)")]
+    NoClient,
+    /// The caches are not listed yet.
+    #[error("{NOT_SYNCED}")]
+    NotSynced,
+    /// The node cannot take the pod now: another binding took the room first.
+    #[error("node {node} no longer has room for pod {pod}: {why}; kube-scheduler retries the pod")]
+    NoRoom {
+        /// The node.
+        node: String,
+        /// `namespace/name`.
+        pod: String,
+        /// Why.
+        why: String,
+    },
+    /// The pod is not the one asked for, or already bound elsewhere.
+    #[error("pod {pod}: {why}")]
+    Pod {
+        /// `namespace/name`.
+        pod: String,
+        /// Why.
+        why: String,
+    },
+    /// The API server refused or could not be reached.
+    #[error("pod {pod}: {source}")]
+    Api {
+        /// `namespace/name`.
+        pod: String,
+        /// The cause.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl BindError {
+    /// The metric label: `no_room`, `refused` or `failed`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BindError::NoRoom { .. } => "no_room",
+            BindError::Pod { .. } | BindError::NoClient | BindError::NotSynced => "refused",
+            BindError::Api { .. } => "failed",
+        }
+    }
 }
 
 /// Which watcher has listed.
@@ -252,7 +303,98 @@ impl Extender {
                 "gpu-state documents refused because the Node's own device counts do not bear them out (more units or GPUs than the kubelet counts, more free than total, past the agent's limits).",
             )
             .unwrap_or_else(|_| unreachable_counter()),
+            binder: std::sync::OnceLock::new(),
         })
+    }
+
+    /// From now on `bind` binds with `client`.
+    pub fn bind_with(&self, client: kube::Client) {
+        let _ = self.binder.set(client);
+    }
+
+    /// The `bind` verb: checks that `args.node` still has room for the pod with every pod
+    /// already bound or reserved there, counts the pod there at once (so that the next filter,
+    /// which may come before the Pod watch shows this binding, sees it), then creates the
+    /// Binding; a failed Binding is undone. Two pods bound one after the other can never both
+    /// take the last room of a GPU, however late the watch.
+    pub async fn bind(&self, args: &crate::protocol::ExtenderBindingArgs) -> Result<(), BindError> {
+        use kube::api::{Api, PostParams};
+        let client = self.binder.get().ok_or(BindError::NoClient)?.clone();
+        if !self.synced() {
+            return Err(BindError::NotSynced);
+        }
+        let key = format!("{}/{}", args.pod_namespace, args.pod_name);
+        let api: Api<k8s_openapi::api::core::v1::Pod> =
+            Api::namespaced(client, &args.pod_namespace);
+        let known = self.view().pod(&args.pod_uid).cloned();
+        let entry = match known {
+            Some(entry) => entry,
+            // Not seen by the watch yet: the API server's pod (never a call's).
+            None => {
+                let pod = api
+                    .get(&args.pod_name)
+                    .await
+                    .map_err(|source| BindError::Api { pod: key.clone(), source })?;
+                if pod.metadata.uid.as_deref() != Some(args.pod_uid.as_str()) {
+                    return Err(BindError::Pod {
+                        pod: key,
+                        why: format!("its UID is not {}", args.pod_uid),
+                    });
+                }
+                let pod: crate::protocol::Pod = serde_json::to_value(&pod)
+                    .and_then(serde_json::from_value)
+                    .map_err(|e| BindError::Pod { pod: key.clone(), why: e.to_string() })?;
+                PodEntry::of(&pod, &self.settings.domain)
+            }
+        };
+        {
+            let mut view = self.cluster.write().unwrap_or_else(PoisonError::into_inner);
+            match &entry.node {
+                Some(node) if *node == args.node => return Ok(()),
+                Some(node) => {
+                    return Err(BindError::Pod {
+                        pod: key,
+                        why: format!("already bound to {node}"),
+                    });
+                }
+                None => {}
+            }
+            if !entry.demand.is_empty() {
+                let no_room = |why: String| BindError::NoRoom {
+                    node: args.node.clone(),
+                    pod: key.clone(),
+                    why,
+                };
+                let node = view.node(&args.node).ok_or_else(|| no_room(UNKNOWN_NODE.into()))?;
+                let state = node.state.as_ref().map_err(|why| no_room(why.clone()))?;
+                let assumed = view.assumed(&args.node, state, &self.settings.domain);
+                let assumed: Vec<&Demand> = assumed.iter().collect();
+                match verdict(state, &assumed, &entry.demand, &self.settings.domain) {
+                    Verdict::Fits => {}
+                    Verdict::Full(why) | Verdict::Never(why) | Verdict::NoState(why) => {
+                        return Err(no_room(why));
+                    }
+                }
+            }
+            view.reserve(&args.pod_uid, entry.clone(), &args.node);
+        }
+        let binding = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": args.pod_name, "namespace": args.pod_namespace, "uid": args.pod_uid},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": args.node}
+        });
+        let created: Result<serde_json::Value, _> = api
+            .create_subresource("binding", &args.pod_name, &PostParams::default(), &binding)
+            .await;
+        if let Err(source) = created {
+            self.cluster
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .unreserve(&args.pod_uid, entry);
+            return Err(BindError::Api { pod: key, source });
+        }
+        Ok(())
     }
 
     /// Counts and logs `pod` if it asks for a baleen resource, is new to the view, pending, and

@@ -2,7 +2,9 @@
 //! plays kube-scheduler (CPU and memory fit as its NodeResourcesFit filter, then the extender's
 //! `filter` and `prioritize` over HTTP, the best score wins, ties by the replay's node
 //! priority; CPU-only pods, which kube-scheduler never sends to the extender, go where
-//! NodeResourcesFit's LeastAllocated score is highest) and binds through a fake API server;
+//! NodeResourcesFit's LeastAllocated score is highest) and binds GPU pods through the
+//! extender's `bind` verb (which creates the Binding in a fake API server), CPU-only pods
+//! through the fake API server itself, as kube-scheduler does;
 //! each node is an agent's device ledger (`DeviceLedger`) that answers the kubelet's
 //! GetPreferredAllocation and Allocate; each node's gpu-state annotation is written through the
 //! fake API server some pods later (the delay), and reaches the extender through its watch.
@@ -358,11 +360,24 @@ pub async fn run_seed(
                 .map(|(_, i)| i)
         };
         if let Some(i) = chosen {
-            // Bind, and let the extender's pod watch see it before the next pod.
-            let binding = json!({"target": {"name": names[i]}});
-            let address: std::net::SocketAddr = api.url().trim_start_matches("http://").parse()?;
-            post_binding(address, &key, &binding).await?;
+            // Bound by the extender's bind verb, as the install configures kube-scheduler
+            // (it creates the Binding through the fake API server and counts the pod at once).
+            // kube-scheduler sends only the pods asking for a managed resource to the extender
+            // (its binder too): CPU-only pods it binds itself.
             let uid = format!("uid-{seq}");
+            if gpu_ask.is_some() {
+                let binding = json!({"PodName": pod_name, "PodNamespace": "loop",
+                                     "PodUID": uid, "Node": names[i]});
+                let answer = post(running.address, "/bind", &binding.to_string()).await?;
+                if answer["Error"].as_str().is_some_and(|e| !e.is_empty()) {
+                    bail!("bind {key}: {}", answer["Error"]);
+                }
+            } else {
+                let binding = json!({"target": {"name": names[i]}});
+                let address: std::net::SocketAddr =
+                    api.url().trim_start_matches("http://").parse()?;
+                post_binding(address, &key, &binding).await?;
+            }
             until(&running, "the binding", |v| v.is_bound(&uid)).await?;
             let admitted = match &gpu_ask {
                 None => Ok(()),

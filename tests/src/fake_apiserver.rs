@@ -86,6 +86,8 @@ struct World {
     log: Vec<Event>,
     requests: Vec<Recorded>,
     events: broadcast::Sender<Event>,
+    /// While held ([`FakeApiServer::hold_watches`]): the events open watches have not been sent.
+    held: Option<Vec<Event>>,
 }
 
 impl World {
@@ -110,7 +112,12 @@ impl World {
     fn emit(&mut self, kind: Kind, type_: &'static str, object: Value, previous: Option<Value>) {
         let event = Event { rv: self.rv, kind, type_, object, previous };
         self.log.push(event.clone());
-        let _ = self.events.send(event);
+        match &mut self.held {
+            Some(held) => held.push(event),
+            None => {
+                let _ = self.events.send(event);
+            }
+        }
     }
 }
 
@@ -143,6 +150,7 @@ impl FakeApiServer {
             log: Vec::new(),
             requests: Vec::new(),
             events: broadcast::channel(4096).0,
+            held: None,
         };
         let shared: Shared = Arc::new((Mutex::new(world), watch::channel(0).0));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -153,6 +161,21 @@ impl FakeApiServer {
             server.put_node(json!({"metadata": {"name": n}}));
         }
         Ok(server)
+    }
+
+    /// From now on open watches get no event (a watch delayed as a loaded API server delays
+    /// it); every change is still made and answered. [`Self::release_watches`] sends them.
+    pub fn hold_watches(&self) {
+        let mut world = self.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+        world.held.get_or_insert_with(Vec::new);
+    }
+
+    /// Sends open watches every event held since [`Self::hold_watches`], in order.
+    pub fn release_watches(&self) {
+        let mut world = self.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
+        for event in world.held.take().unwrap_or_default() {
+            let _ = world.events.send(event);
+        }
     }
 
     /// Its URL, `http://127.0.0.1:<port>`.

@@ -182,3 +182,198 @@ async fn the_agent_publishes_and_the_extender_places_on_what_it_published() -> R
     tokio::time::timeout(WAIT, running.wait()).await?;
     Ok(())
 }
+
+/// How a burst's pods are bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Binder {
+    /// kube-scheduler binds through the API server (no `bindVerb`): the extender learns of a
+    /// binding only from its Pod watch.
+    ApiServer,
+    /// The extender's `bind` verb.
+    Extender,
+}
+
+/// Plays kube-scheduler on `pods` one after the other, as fast as it goes, while the API
+/// server's watches are held (a loaded API server, a watch seconds behind): filter over
+/// `nodes`, prioritize, the best score wins (ties by name), bound by `binder`. Each pod's node,
+/// or `None` where no node passed or the binding was refused.
+async fn burst(
+    api: &FakeApiServer,
+    running: &Running,
+    nodes: &[&str],
+    pods: &[Value],
+    binder: Binder,
+) -> Result<Vec<Option<String>>> {
+    let address = running.address;
+    let api_address: std::net::SocketAddr = api.url().trim_start_matches("http://").parse()?;
+    let call = async |path: &str, body: Value| -> Result<Value> {
+        let (status, text) =
+            baleen_tests::http::request(address, "POST", path, &body.to_string()).await?;
+        anyhow::ensure!(status == 200, "{path}: {status} {text}");
+        Ok(serde_json::from_str(&text)?)
+    };
+    api.hold_watches();
+    let mut placed = Vec::new();
+    for pod in pods {
+        let filtered = call("/filter", json!({"Pod": pod, "NodeNames": nodes})).await?;
+        let passed = filtered["NodeNames"].as_array().cloned().unwrap_or_default();
+        if passed.is_empty() {
+            placed.push(None);
+            continue;
+        }
+        let scores = call("/prioritize", json!({"Pod": pod, "NodeNames": passed})).await?;
+        let best = scores
+            .as_array()
+            .context("scores")?
+            .iter()
+            .filter_map(|s| Some((s["Score"].as_i64()?, s["Host"].as_str()?.to_owned())))
+            .max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
+            .map(|(_, host)| host)
+            .context("a best node")?;
+        let name = pod["metadata"]["name"].as_str().context("name")?;
+        let bound = match binder {
+            Binder::ApiServer => {
+                let path = format!("/api/v1/namespaces/ns/pods/{name}/binding");
+                let binding = json!({"target": {"name": best}}).to_string();
+                let (status, text) =
+                    baleen_tests::http::request(api_address, "POST", &path, &binding).await?;
+                anyhow::ensure!(status == 201, "binding: {status} {text}");
+                true
+            }
+            Binder::Extender => {
+                let args = json!({"PodName": name, "PodNamespace": "ns",
+                                  "PodUID": pod["metadata"]["uid"], "Node": best});
+                let answer = call("/bind", args).await?;
+                answer["Error"].as_str().is_some_and(str::is_empty)
+            }
+        };
+        placed.push(bound.then_some(best));
+    }
+    api.release_watches();
+    Ok(placed)
+}
+
+/// The most pods any node got.
+fn most_on_one_node(placed: &[Option<String>]) -> usize {
+    let mut per_node = std::collections::BTreeMap::<&str, usize>::new();
+    for node in placed.iter().flatten() {
+        *per_node.entry(node).or_default() += 1;
+    }
+    per_node.values().copied().max().unwrap_or(0)
+}
+
+/// Issue 25, item 2: a burst of pods of half a GPU each, submitted faster than the Pod watch
+/// follows (KAI-Scheduler#2153: 16 pods of half a GPU on 8 GPUs gave 3-4 per card). Bound
+/// through the API server, the extender sees none of the burst's bindings and sends several to
+/// one GPU; bound by its `bind` verb, never more than a GPU holds, on eight one-GPU nodes and on
+/// one eight-GPU node, and the pod past the last room finds none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_bound_by_the_extender_never_packs_past_a_gpu() -> Result<()> {
+    // Eight nodes of one 140-unit GPU: 16 pods of 70 units fit two to a node, no more.
+    let singles: Vec<String> = (0..8).map(|i| format!("single-{i}")).collect();
+    let names: Vec<&str> = singles.iter().map(String::as_str).collect();
+    for binder in [Binder::ApiServer, Binder::Extender] {
+        let api = FakeApiServer::start(&[]).await?;
+        for name in &names {
+            api.put_node(node(name, &[140]));
+        }
+        let pods: Vec<Value> = (0..16).map(|i| pod(&format!("half-{i}"), 70, None)).collect();
+        for p in &pods {
+            api.put_pod(p.clone());
+        }
+        let (running, token) = extender(&api).await?;
+        let extender = running.extender.clone();
+        poll_within(WAIT, "the nodes and pods listed", async || {
+            let view = extender.cluster.read().map_err(|_| anyhow::anyhow!("poisoned"))?;
+            Ok((extender.synced() && view.node_count() == 8 && view.has_pod("uid-half-15"))
+                .then_some(()))
+        })
+        .await?;
+        let placed = burst(&api, &running, &names, &pods, binder).await?;
+        let most = most_on_one_node(&placed);
+        match binder {
+            // What the race does without the verb: the test that fails without bind.
+            Binder::ApiServer => {
+                assert!(most > 2, "bound behind the watch's back, one GPU got {most}: {placed:?}")
+            }
+            Binder::Extender => {
+                assert_eq!(most, 2, "{placed:?}");
+                assert!(placed.iter().all(Option::is_some), "all 16 fit: {placed:?}");
+            }
+        }
+        token.cancel();
+        tokio::time::timeout(WAIT, running.wait()).await?;
+    }
+
+    // One node of eight 140-unit GPUs: 16 pods of 70 fill it; the 17th finds no room.
+    let api = FakeApiServer::start(&[]).await?;
+    api.put_node(node("eight", &[140; 8]));
+    let pods: Vec<Value> = (0..17).map(|i| pod(&format!("share-{i}"), 70, None)).collect();
+    let (running, token) = extender(&api).await?;
+    let extender = running.extender.clone();
+    poll_within(WAIT, "the node listed", async || {
+        let view = extender.cluster.read().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        Ok((extender.synced() && view.node_count() == 1).then_some(()))
+    })
+    .await?;
+    // Not seen by the watch at all (created while it is held): bind reads them from the API.
+    api.hold_watches();
+    for p in &pods {
+        api.put_pod(p.clone());
+    }
+    let placed = burst(&api, &running, &["eight"], &pods, Binder::Extender).await?;
+    assert!(placed[..16].iter().all(|p| p.as_deref() == Some("eight")), "{placed:?}");
+    assert_eq!(placed[16], None, "the 17th has no room: {placed:?}");
+    for p in &pods[..16] {
+        let key = format!("ns/{}", p["metadata"]["name"].as_str().context("name")?);
+        let bound = api.pod(&key).context("the pod")?;
+        assert_eq!(bound["spec"]["nodeName"], "eight", "bound through the API server: {key}");
+    }
+    token.cancel();
+    tokio::time::timeout(WAIT, running.wait()).await?;
+    Ok(())
+}
+
+/// Two bindings at once for the last room of a GPU: one is bound, the other refused (the check
+/// and the count are one step), and a pod already bound there is bound again without a second
+/// count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_bindings_for_the_last_room_bind_one() -> Result<()> {
+    let api = FakeApiServer::start(&[]).await?;
+    api.put_node(node("a", &[100]));
+    for name in ["x", "y"] {
+        api.put_pod(pod(name, 100, None));
+    }
+    let (running, token) = extender(&api).await?;
+    let extender = running.extender.clone();
+    poll_within(WAIT, "listed", async || {
+        let view = extender.cluster.read().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        Ok((extender.synced() && view.has_pod("uid-x") && view.has_pod("uid-y")).then_some(()))
+    })
+    .await?;
+    api.hold_watches();
+    let bind = |name: &'static str| {
+        let address = running.address;
+        async move {
+            let args = json!({"PodName": name, "PodNamespace": "ns", "PodUID": format!("uid-{name}"), "Node": "a"});
+            let (status, text) =
+                baleen_tests::http::request(address, "POST", "/bind", &args.to_string()).await?;
+            anyhow::ensure!(status == 200, "{status} {text}");
+            let answer: Value = serde_json::from_str(&text)?;
+            Ok::<String, anyhow::Error>(answer["Error"].as_str().unwrap_or_default().to_owned())
+        }
+    };
+    let (x, y) = tokio::join!(bind("x"), bind("y"));
+    let mut errors = [x?, y?];
+    errors.sort();
+    assert_eq!(errors[0], "", "one is bound: {errors:?}");
+    assert!(errors[1].contains("no longer has room"), "the other is refused: {errors:?}");
+    let winner =
+        if api.pod("ns/x").is_some_and(|p| p["spec"]["nodeName"] == "a") { "x" } else { "y" };
+    // Bound again (kube-scheduler retrying after a lost answer): the same answer, no second count.
+    assert_eq!(bind(winner).await?, "");
+    api.release_watches();
+    token.cancel();
+    tokio::time::timeout(WAIT, running.wait()).await?;
+    Ok(())
+}

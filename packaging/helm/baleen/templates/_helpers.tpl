@@ -92,6 +92,9 @@ imagePullSecrets:
 {{- define "baleen.extenderStanza" -}}
 filterVerb: filter
 prioritizeVerb: prioritize
+# The extender binds: it counts a pod on its node in the same step, so that a burst of pods
+# cannot all take the last room of one GPU before the Pod watch shows the first.
+bindVerb: bind
 # Extender scores (0-10) are multiplied by the weight: high enough that the GPU packing
 # decides among the nodes that fit, as in the replay.
 weight: {{ .Values.scheduler.extenderWeight }}
@@ -110,7 +113,8 @@ managedResources:
 {{- define "baleen.extenderRbac" -}}
 {{- $root := .root -}}
 # The extender lists and watches Nodes (their gpu-state annotation) and Pods (where they are
-# bound, what they ask); with the webhook's own certificate it keeps that certificate in one
+# bound, what they ask); its bind verb binds pods (pods/binding) and reads one its watch has
+# not shown yet (get); with the webhook's own certificate it keeps that certificate in one
 # Secret and publishes its CA in the webhook's configuration (extender/src/kube_access.rs).
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRole
@@ -120,8 +124,14 @@ metadata:
     {{- include "baleen.labels" $root | nindent 4 }}
 rules:
   - apiGroups: [""]
-    resources: ["nodes", "pods"]
+    resources: ["nodes"]
     verbs: ["list", "watch"]
+  - apiGroups: [""]
+    resources: ["pods"]
+    verbs: ["get", "list", "watch"]
+  - apiGroups: [""]
+    resources: ["pods/binding"]
+    verbs: ["create"]
   {{- if .self }}
   - apiGroups: ["admissionregistration.k8s.io"]
     resources: ["mutatingwebhookconfigurations"]
