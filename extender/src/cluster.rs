@@ -341,10 +341,27 @@ impl ClusterView {
     /// of the document names, less the asks that match its unnamed grants (granted, counted,
     /// not yet listed with their pod), one grant per ask of the same resource and size.
     pub fn assumed(&self, node: &str, state: &NodeGpuState, domain: &str) -> Vec<Demand> {
+        self.assumed_except(node, state, domain, &BTreeSet::new())
+    }
+
+    /// [`Self::assumed`], leaving out the pods whose UIDs are in `except` (preemption's
+    /// victims).
+    pub fn assumed_except(
+        &self,
+        node: &str,
+        state: &NodeGpuState,
+        domain: &str,
+        except: &BTreeSet<&str>,
+    ) -> Vec<Demand> {
         let published: BTreeSet<&str> =
             state.gpus.iter().flat_map(|g| g.pods.iter().map(String::as_str)).collect();
         let mut pods: Vec<&PodEntry> = self
-            .pods_on(node)
+            .by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter(|uid| !except.contains(uid.as_str()))
+            .filter_map(|uid| self.pods.get(uid))
             .filter(|p| !p.demand.is_empty() && !published.contains(p.key.as_str()))
             .collect();
         // Oldest first is not known here; any order gives the same capacity.

@@ -138,6 +138,7 @@ pub fn router(extender: Arc<Extender>, metrics: Metrics, prefix: &str) -> Router
         .route(&format!("{prefix}/filter"), post(filter))
         .route(&format!("{prefix}/prioritize"), post(prioritize))
         .route(&format!("{prefix}/bind"), post(bind_pod))
+        .route(&format!("{prefix}/preempt"), post(preempt))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_CALLS));
     verbs.merge(health_routes()).with_state(app)
@@ -342,6 +343,35 @@ async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
         }
     };
     app.metrics.latency.with_label_values(&["prioritize"]).observe(started.elapsed().as_secs_f64());
+    answer
+}
+
+#[tracing::instrument(name = "preempt", skip_all, fields(bytes = body.len()))]
+async fn preempt(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let args = match serde_json::from_slice::<crate::protocol::ExtenderPreemptionArgs>(&body) {
+        Ok(a) => a,
+        Err(e) => {
+            app.metrics.bad_requests.with_label_values(&["preempt"]).inc();
+            tracing::warn!(error = %e, "not an extender preemption request");
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("not an ExtenderPreemptionArgs JSON body: {e}\n"),
+            )
+                .into_response();
+        }
+    };
+    let answer = match app.extender.preempt(&args) {
+        Ok(result) => json_bytes(serde_json::to_vec(&result).unwrap_or_default()),
+        Err(why) if why == crate::service::NOT_SYNCED => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
+        }
+        Err(why) => {
+            app.metrics.bad_requests.with_label_values(&["preempt"]).inc();
+            (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
+        }
+    };
+    app.metrics.latency.with_label_values(&["preempt"]).observe(started.elapsed().as_secs_f64());
     answer
 }
 

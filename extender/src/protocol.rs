@@ -161,6 +161,60 @@ pub struct ExtenderBindingResult {
     pub error: String,
 }
 
+/// The body of `preempt` (`preemptVerb`): the pod, and per candidate node the victims
+/// kube-scheduler would evict there (`NodeNameToMetaVictims` by UID when `nodeCacheCapable`,
+/// `NodeNameToVictims` with whole pods otherwise).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExtenderPreemptionArgs {
+    /// The pod to make room for.
+    #[serde(rename = "Pod")]
+    pub pod: Pod,
+    /// Victims as whole pods.
+    #[serde(rename = "NodeNameToVictims", default)]
+    pub node_name_to_victims: Option<BTreeMap<String, Victims>>,
+    /// Victims by UID.
+    #[serde(rename = "NodeNameToMetaVictims", default)]
+    pub node_name_to_meta_victims: Option<BTreeMap<String, MetaVictims>>,
+}
+
+/// The victims on one node, as whole pods.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Victims {
+    /// The pods.
+    #[serde(rename = "Pods", default)]
+    pub pods: Option<Vec<Pod>>,
+    /// PodDisruptionBudget violations the eviction would cause.
+    #[serde(rename = "NumPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+/// The victims on one node, by UID.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaVictims {
+    /// The pods.
+    #[serde(rename = "Pods", default)]
+    pub pods: Option<Vec<MetaPod>>,
+    /// PodDisruptionBudget violations the eviction would cause.
+    #[serde(rename = "NumPDBViolations", default)]
+    pub num_pdb_violations: i64,
+}
+
+/// A pod by UID.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaPod {
+    /// Its UID.
+    #[serde(rename = "UID")]
+    pub uid: String,
+}
+
+/// The answer of `preempt`: the candidate nodes kept, with their victims.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtenderPreemptionResult {
+    /// Per node kept, the victims.
+    #[serde(rename = "NodeNameToMetaVictims")]
+    pub node_name_to_meta_victims: BTreeMap<String, MetaVictims>,
+}
+
 /// kube-scheduler's `MaxExtenderPriority`.
 pub const MAX_SCORE: i64 = 10;
 
@@ -275,6 +329,21 @@ mod tests {
 
     fn exact(name: &str) -> String {
         examples()["examples"][name]["exact_json"].as_str().expect("exact_json").to_owned()
+    }
+
+    #[test]
+    fn upstreams_preemption_args_and_result_are_read_and_written() {
+        let args: ExtenderPreemptionArgs =
+            serde_json::from_str(&exact("ExtenderPreemptionArgs")).expect("parses");
+        let meta = args.node_name_to_meta_victims.expect("meta victims");
+        assert_eq!(meta["foo"].pods.as_deref(), Some(&[MetaPod { uid: "myuid".into() }][..]));
+        let full = args.node_name_to_victims.expect("victims");
+        assert_eq!(full["foo"].num_pdb_violations, 1);
+        let result = ExtenderPreemptionResult { node_name_to_meta_victims: meta };
+        assert_eq!(
+            serde_json::to_string(&result).expect("json"),
+            exact("ExtenderPreemptionResult")
+        );
     }
 
     #[test]

@@ -800,6 +800,71 @@ impl Extender {
         extender_scores(&raw)
     }
 
+    /// The preempt verb: of the candidate nodes and victims kube-scheduler proposes (it picks
+    /// them by the node's totals), keeps only those where evicting the victims frees enough on
+    /// one GPU (or MIG profile, or NVLink group) for the pod, by the same verdict as the
+    /// filter; the others would evict pods and still not fit. A victim frees what the
+    /// document shows it holding: its units on the one GPU that lists it (a pod listed on
+    /// several GPUs, or holding MIG instances, frees nothing here: which units are whose is
+    /// not in the document), its whole GPUs, and what it asks where it is assumed (bound, not
+    /// yet published). Victims the extender does not know free nothing.
+    pub fn preempt(
+        &self,
+        args: &crate::protocol::ExtenderPreemptionArgs,
+    ) -> Result<crate::protocol::ExtenderPreemptionResult, String> {
+        use crate::protocol::{MetaPod, MetaVictims};
+        if !self.synced() {
+            return Err(NOT_SYNCED.into());
+        }
+        let demand = Demand::of(&args.pod, &self.settings.domain).map_err(|e| {
+            format!("pod {}/{}: {e}", args.pod.metadata.namespace, args.pod.metadata.name)
+        })?;
+        let candidates: BTreeMap<String, MetaVictims> =
+            match (&args.node_name_to_meta_victims, &args.node_name_to_victims) {
+                (Some(meta), _) => meta.clone(),
+                (None, Some(full)) => full
+                    .iter()
+                    .map(|(node, v)| {
+                        let pods = v
+                            .pods
+                            .iter()
+                            .flatten()
+                            .map(|p| MetaPod { uid: p.metadata.uid.clone() });
+                        (
+                            node.clone(),
+                            MetaVictims {
+                                pods: Some(pods.collect()),
+                                num_pdb_violations: v.num_pdb_violations,
+                            },
+                        )
+                    })
+                    .collect(),
+                (None, None) => BTreeMap::new(),
+            };
+        let mut result = crate::protocol::ExtenderPreemptionResult::default();
+        if demand.is_empty() {
+            result.node_name_to_meta_victims = candidates;
+            return Ok(result);
+        }
+        let view = self.view();
+        for (node, victims) in candidates {
+            let Some(Ok(state)) = view.node(&node).map(|e| e.state.as_ref()) else { continue };
+            let uids: std::collections::BTreeSet<&str> =
+                victims.pods.iter().flatten().map(|p| p.uid.as_str()).collect();
+            let mut freed = state.clone();
+            for uid in &uids {
+                let Some(victim) = view.pod(uid) else { continue };
+                free_published(&mut freed, victim);
+            }
+            let assumed = view.assumed_except(&node, &freed, &self.settings.domain, &uids);
+            let assumed: Vec<&Demand> = assumed.iter().collect();
+            if matches!(verdict(&freed, &assumed, &demand, &self.settings.domain), Verdict::Fits) {
+                result.node_name_to_meta_victims.insert(node, victims);
+            }
+        }
+        Ok(result)
+    }
+
     /// The prioritize verb as its JSON answer.
     pub fn prioritize_json(&self, args: &ExtenderArgs<'_>) -> Result<Vec<u8>, String> {
         if args.nodes.is_some() {
@@ -854,6 +919,58 @@ impl Extender {
             .zip(scores)
             .map(|(host, score)| HostPriority { host: host.to_owned(), score })
             .collect())
+    }
+}
+
+/// What `victim` holds in `state` as published, given back: its units on the one GPU listing
+/// it, or the GPUs it holds whole.
+fn free_published(state: &mut NodeGpuState, victim: &PodEntry) {
+    use crate::demand::Ask;
+    use baleen_k8s::gpu_state::GpuMode;
+    let listed: Vec<usize> = state
+        .gpus
+        .iter()
+        .enumerate()
+        .filter(|(_, g)| g.pods.contains(&victim.key))
+        .map(|(i, _)| i)
+        .collect();
+    let units: u64 = victim
+        .demand
+        .asks
+        .iter()
+        .map(|a| if let Ask::GpuMemory(n) = a { u64::from(*n) } else { 0 })
+        .sum();
+    let whole =
+        victim.demand.asks.iter().any(|a| matches!(a, Ask::Gpus(_) | Ask::NvlinkGroups(..)));
+    let others = victim.demand.asks.iter().any(|a| matches!(a, Ask::Mig(..)));
+    if others {
+        return;
+    }
+    let free = |g: &mut baleen_k8s::gpu_state::GpuEntry, by: u64| {
+        g.units_free = u32::try_from(u64::from(g.units_free).saturating_add(by))
+            .unwrap_or(u32::MAX)
+            .min(g.units_total);
+        g.pods.retain(|p| *p != victim.key);
+        let idle = g.pods.is_empty() && g.units_free == g.units_total;
+        g.mode = if idle { GpuMode::Idle } else { GpuMode::Shared };
+        g.compute_free_milli = g
+            .units_free
+            .saturating_mul(1000)
+            .checked_div(g.units_total)
+            .unwrap_or(if idle { 1000 } else { 0 });
+    };
+    match (listed.as_slice(), whole) {
+        (_, true) => {
+            for &i in &listed {
+                let g = &mut state.gpus[i];
+                if g.mode == GpuMode::Exclusive && g.pods.len() == 1 {
+                    let total = u64::from(g.units_total);
+                    free(g, total);
+                }
+            }
+        }
+        ([i], false) if units > 0 => free(&mut state.gpus[*i], units),
+        _ => {}
     }
 }
 

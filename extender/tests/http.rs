@@ -770,3 +770,66 @@ async fn the_fast_answers_are_the_typed_answers() {
     let answer: Value = serde_json::from_slice(&answer).expect("json");
     assert_eq!(answer["NodeNames"], json!([]), "b is full now: {answer}");
 }
+
+/// Issue 25, item 4: kube-scheduler picks preemption victims by a node's totals; `preempt`
+/// keeps only the victim sets that free one GPU enough for the pod.
+#[tokio::test]
+async fn preemption_keeps_only_victims_that_free_one_gpu_enough() {
+    let extender = Extender::new(Settings::default());
+    // GPU 0: a and b hold 70 each (full); GPU 1: c holds 100, 40 free.
+    let mut state = NodeGpuState::parse(
+        node("n", &[0, 40])["metadata"]["annotations"][KEY].as_str().expect("doc"),
+    )
+    .expect("doc");
+    state.gpus[0].pods = vec!["ns/a".into(), "ns/b".into()];
+    state.gpus[1].pods = vec!["ns/c".into()];
+    let mut n = node("n", &[0, 40]);
+    n["metadata"]["annotations"][KEY] = json!(state.to_json());
+    let n: Node = serde_json::from_value(n).expect("node");
+    {
+        let mut view = extender.cluster.write().expect("lock");
+        view.set_node("n", NodeEntry::of(&n, KEY));
+        for (name, units) in [("a", 70), ("b", 70), ("c", 100)] {
+            let p: Pod = serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}")},
+                "spec": {"nodeName": "n", "containers": [{"name": "c", "resources": {"limits": {
+                    "awesome-ai-company.com/gpu-memory": units}}}]}
+            }))
+            .expect("pod");
+            let entry = baleen_extender::cluster::PodEntry::of(&p, "awesome-ai-company.com");
+            view.set_pod(&format!("uid-{name}"), entry);
+        }
+    }
+    let (address, _token) = serve(extender).await;
+    let ask = |victims: &[&str]| {
+        let pods: Vec<Value> = victims.iter().map(|v| json!({"UID": format!("uid-{v}")})).collect();
+        json!({"Pod": pod(100), "NodeNameToMetaVictims": {"n": {"Pods": pods, "NumPDBViolations": 0}}})
+            .to_string()
+    };
+    // Evicting a frees 70 on GPU 0 and leaves 40 on GPU 1: 100 fits nowhere. Dropped.
+    let (status, body) = call(address, "POST", "/baleen/preempt", &ask(&["a"])).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).expect("json"),
+        json!({"NodeNameToMetaVictims": {}})
+    );
+    // Evicting c frees GPU 1 whole; a and b together free GPU 0: both kept, victims unchanged.
+    for victims in [&["c"][..], &["a", "b"][..]] {
+        let (_, body) = call(address, "POST", "/baleen/preempt", &ask(victims)).await;
+        let answer: Value = serde_json::from_str(&body).expect("json");
+        let kept: Vec<&str> = answer["NodeNameToMetaVictims"]["n"]["Pods"]
+            .as_array()
+            .expect("kept")
+            .iter()
+            .filter_map(|p| p["UID"].as_str())
+            .collect();
+        let expected: Vec<String> = victims.iter().map(|v| format!("uid-{v}")).collect();
+        assert_eq!(kept, expected, "{body}");
+    }
+    // A victim the extender does not know frees nothing.
+    let (_, body) = call(address, "POST", "/baleen/preempt", &ask(&["ghost"])).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).expect("json"),
+        json!({"NodeNameToMetaVictims": {}})
+    );
+}

@@ -1026,6 +1026,7 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
     }
     ensure!(e["filterVerb"] == "filter" && e["prioritizeVerb"] == "prioritize");
     ensure!(e["bindVerb"] == "bind", "the extender binds (issue 25, item 2)");
+    ensure!(e["preemptVerb"] == "preempt", "the extender trims preemption (issue 25, item 4)");
     ensure!(e["nodeCacheCapable"] == true, "the extender keeps a node cache");
     ensure!(e["weight"].as_i64().is_some_and(|w| w >= 1), "a weight");
     let managed: BTreeSet<String> = e["managedResources"]

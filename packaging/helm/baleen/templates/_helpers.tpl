@@ -95,6 +95,9 @@ prioritizeVerb: prioritize
 # The extender binds: it counts a pod on its node in the same step, so that a burst of pods
 # cannot all take the last room of one GPU before the Pod watch shows the first.
 bindVerb: bind
+# Of the victims kube-scheduler picks by the node's totals, the extender keeps only those whose
+# eviction frees one GPU enough for the pod.
+preemptVerb: preempt
 # Extender scores (0-10) are multiplied by the weight: high enough that the GPU packing
 # decides among the nodes that fit, as in the replay.
 weight: {{ .Values.scheduler.extenderWeight }}
