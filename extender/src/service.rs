@@ -465,11 +465,12 @@ impl Extender {
     }
 
     /// Records the pod `pod_uid` with `demand` for the target workload (once per pod; from the
-    /// Pod watcher, or from the filter's pod where no watcher runs); wakes the rebuilder every
+    /// Pod watcher, every pod it sees, CPU-only ones too, since they are what makes CPU scarce;
+    /// or from the filter's pod where no watcher runs); wakes the rebuilder every
     /// `rebuild_every`.
     pub fn learn(&self, pod_uid: &str, demand: &Demand) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        if demand.is_empty() || (!pod_uid.is_empty() && !seen.uids.insert(pod_uid.to_owned())) {
+        if !pod_uid.is_empty() && !seen.uids.insert(pod_uid.to_owned()) {
             return;
         }
         seen.recent.push_back(demand.clone());
@@ -525,7 +526,8 @@ impl Extender {
         // replaces the old one, so that the calls after a rebuild do not pay for it.
         let mut counts: std::collections::HashMap<&Demand, usize> =
             std::collections::HashMap::new();
-        for d in &demands {
+        // CPU-only pods shape the target, but are never scored.
+        for d in demands.iter().filter(|d| !d.is_empty()) {
             *counts.entry(d).or_default() += 1;
         }
         let mut common: Vec<(&Demand, usize)> = counts.into_iter().collect();
@@ -576,7 +578,24 @@ impl Extender {
         let Some(model) = NodeModel::new(sample[&common], Default::default()) else {
             return Vec::new();
         };
-        demands.iter().filter_map(|d| model.request(d)).collect()
+        demands
+            .iter()
+            .filter_map(|d| {
+                if d.is_empty() {
+                    // A CPU-only pod: what makes CPU scarce beside the GPU pods.
+                    Some(Request {
+                        cpu: baleen_scheduler_core::units::MilliCpu(d.cpu_milli),
+                        memory: baleen_scheduler_core::units::MemMib(
+                            d.memory_bytes.div_ceil(1 << 20),
+                        ),
+                        gpu: baleen_scheduler_core::model::GpuDemand::None,
+                        allowed_models: vec![],
+                    })
+                } else {
+                    model.request(d)
+                }
+            })
+            .collect()
     }
 
     /// Runs the rebuilder until `shutdown`: after every `rebuild_every` new pods.

@@ -833,3 +833,29 @@ async fn preemption_keeps_only_victims_that_free_one_gpu_enough() {
         json!({"NodeNameToMetaVictims": {}})
     );
 }
+
+/// Issue 25, item 3: the target workload is learned from every pod seen, CPU-only ones
+/// included (they are what makes CPU scarce); before, only GPU pods were learned.
+#[test]
+fn the_target_workload_counts_cpu_only_pods() {
+    let extender =
+        Extender::new(Settings { rebuild_every: 2, target_window: 100, ..Settings::default() });
+    let n: Node = serde_json::from_value(node("a", &[140, 140])).expect("node");
+    extender.cluster.write().expect("lock").set_node("a", NodeEntry::of(&n, KEY));
+    let demand = |value: Value| {
+        let p: Pod = serde_json::from_value(value).expect("pod");
+        Demand::of(&p, "awesome-ai-company.com").expect("demand")
+    };
+    for i in 0..4 {
+        extender.learn(&format!("gpu-{i}"), &demand(pod(8)));
+    }
+    extender.rebuild_policy();
+    assert_eq!(extender.policy().target().shapes().len(), 1, "one GPU shape");
+    let cpu_only = json!({"metadata": {"name": "etl", "namespace": "batch"},
+        "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "32", "memory": "64Gi"}}}]}});
+    for i in 0..6 {
+        extender.learn(&format!("cpu-{i}"), &demand(cpu_only.clone()));
+    }
+    extender.rebuild_policy();
+    assert_eq!(extender.policy().target().shapes().len(), 2, "the CPU-only shape too");
+}
