@@ -57,6 +57,7 @@ fn node(name: &str, free: &[u32]) -> Value {
             .collect(),
         nvlink_groups: vec![],
         unnamed: vec![],
+        pod_uids: Default::default(),
     };
     json!({"metadata": {"name": name, "annotations": {KEY: state.to_json()}},
            "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},

@@ -353,16 +353,16 @@ impl ClusterView {
         domain: &str,
         except: &BTreeSet<&str>,
     ) -> Vec<Demand> {
-        let published: BTreeSet<&str> =
-            state.gpus.iter().flat_map(|g| g.pods.iter().map(String::as_str)).collect();
+        // A pod the document names (by UID where it gives one, else by name) is counted in it.
         let mut pods: Vec<&PodEntry> = self
             .by_node
             .get(node)
             .into_iter()
             .flatten()
             .filter(|uid| !except.contains(uid.as_str()))
-            .filter_map(|uid| self.pods.get(uid))
-            .filter(|p| !p.demand.is_empty() && !published.contains(p.key.as_str()))
+            .filter_map(|uid| Some((uid, self.pods.get(uid)?)))
+            .filter(|(uid, p)| !p.demand.is_empty() && !state.names_pod(&p.key, uid))
+            .map(|(_, p)| p)
             .collect();
         // Oldest first is not known here; any order gives the same capacity.
         pods.sort_by(|a, b| a.key.cmp(&b.key));
@@ -432,6 +432,7 @@ mod believing {
             gpus,
             nvlink_groups: vec![],
             unnamed: vec![],
+            pod_uids: Default::default(),
         };
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "a", "annotations": {"d.io/gpu-state": state.to_json()}},

@@ -333,6 +333,7 @@ mod tests {
                 .collect(),
             gpus,
             unnamed: vec![],
+            pod_uids: Default::default(),
         }
     }
 

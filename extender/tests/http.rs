@@ -58,6 +58,7 @@ fn node(name: &str, free: &[u32]) -> Value {
             .collect(),
         nvlink_groups: vec![],
         unnamed: vec![],
+        pod_uids: Default::default(),
     };
     json!({
         "metadata": {"name": name, "uid": format!("uid-{name}"), "resourceVersion": "12",
@@ -858,4 +859,47 @@ fn the_target_workload_counts_cpu_only_pods() {
     }
     extender.rebuild_policy();
     assert_eq!(extender.policy().target().shapes().len(), 2, "the CPU-only shape too");
+}
+
+/// Issue 25, item 5: a pod recreated with the same name on the same node is not taken for the
+/// one the document names: matched by UID where the document gives one, by name otherwise.
+#[test]
+fn a_pod_recreated_with_the_same_name_is_counted_where_the_document_has_uids() {
+    let fits_50 = |uids: bool| {
+        let extender = Extender::new(Settings::default());
+        let mut doc = NodeGpuState::parse(
+            node("a", &[40, 140])["metadata"]["annotations"][KEY].as_str().expect("doc"),
+        )
+        .expect("doc");
+        doc.gpus[0].pods = vec!["ns/p".into()];
+        if uids {
+            doc.pod_uids = [("ns/p".to_owned(), "u-old".to_owned())].into();
+        }
+        let mut n = node("a", &[40, 140]);
+        n["metadata"]["annotations"][KEY] = json!(doc.to_json());
+        let n: Node = serde_json::from_value(n).expect("node");
+        // The old p is gone; the new p (same name, another UID) is bound to a, not yet granted.
+        let recreated: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u-new"},
+            "spec": {"nodeName": "a", "containers": [{"name": "c", "resources": {"limits": {
+                "awesome-ai-company.com/gpu-memory": 100}}}]}
+        }))
+        .expect("pod");
+        {
+            let mut view = extender.cluster.write().expect("lock");
+            view.set_node("a", NodeEntry::of(&n, KEY));
+            let entry =
+                baleen_extender::cluster::PodEntry::of(&recreated, "awesome-ai-company.com");
+            view.set_pod("u-new", entry);
+        }
+        let args = baleen_extender::protocol::ExtenderArgs::from_json(
+            json!({"Pod": pod(50), "NodeNames": ["a"]}),
+        )
+        .expect("args");
+        let (result, _) = extender.filter(&args);
+        result.node_names == Some(vec!["a".to_owned()])
+    };
+    // GPU 0: the old p's 100 units (40 free); GPU 1: empty, where the new p's 100 will go.
+    assert!(!fits_50(true), "by UID: the new p's 100 units are still to come, 50 do not fit");
+    assert!(fits_50(false), "without UIDs (an older agent): matched by name, as before");
 }

@@ -46,6 +46,24 @@ pub struct NodeGpuState {
     /// that no GPU names, so that such a pod is not counted twice.
     #[serde(default)]
     pub unnamed: Vec<UnnamedGrant>,
+    /// The UID of each pod `gpus[].pods` names (`namespace/name` to UID), where the agent knows
+    /// it (from its watch of the node's pods): a reader matches the pods it sees bound by UID,
+    /// so that a pod recreated with the same name is not taken for the one that held the grant.
+    /// A pod without an entry here is matched by name, as before the field (a new optional
+    /// field: the version stays, and documents without it are read as they were).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub pod_uids: std::collections::BTreeMap<String, String>,
+}
+
+impl NodeGpuState {
+    /// Whether the pod `key` (`namespace/name`) with UID `uid` is the one the document names:
+    /// by UID where the document gives one for `key`, by name otherwise.
+    pub fn names_pod(&self, key: &str, uid: &str) -> bool {
+        match self.pod_uids.get(key) {
+            Some(named) => named == uid,
+            None => self.gpus.iter().any(|g| g.pods.iter().any(|p| p == key)),
+        }
+    }
 }
 
 /// One grant without its pod yet.
@@ -242,6 +260,7 @@ mod tests {
             }],
             nvlink_groups: vec![],
             unnamed: vec![],
+            pod_uids: Default::default(),
         }
     }
 

@@ -138,6 +138,7 @@ impl DeviceLedger {
             gpus,
             nvlink_groups,
             unnamed,
+            pod_uids: Default::default(),
         }
     }
 }

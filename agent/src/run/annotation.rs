@@ -11,8 +11,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use baleen_k8s::gpu_state::NodeGpuState;
+
 use crate::defaults;
 use crate::error_chain::Chain;
+use crate::isolation::node_pods::NodePods;
 use crate::kube_api::NodeApi;
 use crate::resources::NodeResources;
 use crate::retry::{Backoff, Outage, sleep_or_stop};
@@ -38,11 +41,13 @@ impl Default for AnnotationConfig {
     }
 }
 
-/// Starts the publisher where `annotation.enabled` (it needs the API: an error without one).
+/// Starts the publisher where `annotation.enabled` (it needs the API: an error without one);
+/// `pods`, the node's pods as the API says, gives the UIDs of the pods the document names.
 pub fn start(
     tasks: &mut super::Tasks,
     config: &super::AgentConfig,
     api: Option<&Arc<dyn NodeApi>>,
+    pods: Option<&tokio::sync::watch::Receiver<NodePods>>,
     resources: &Arc<NodeResources>,
     shutdown: &CancellationToken,
 ) -> Result<(), super::AgentError> {
@@ -53,6 +58,7 @@ pub fn start(
     let publish = run(
         api,
         resources.clone(),
+        pods.cloned(),
         config.node_name.clone(),
         config.annotation.clone(),
         shutdown.clone(),
@@ -64,10 +70,30 @@ pub fn start(
     Ok(())
 }
 
+/// `state` with the UID of each pod its GPUs name, where the node's pod view holds exactly one
+/// pod of that name (two pods of one name, one of them going, are left to the reader's match by
+/// name; so is a pod the view does not hold yet).
+pub fn with_uids(mut state: NodeGpuState, pods: &NodePods) -> NodeGpuState {
+    let named: std::collections::BTreeSet<&str> =
+        state.gpus.iter().flat_map(|g| g.pods.iter().map(String::as_str)).collect();
+    let mut uids: std::collections::BTreeMap<String, Option<String>> = Default::default();
+    for pod in pods.pods.values() {
+        let key = pod.key();
+        if named.contains(key.as_str()) {
+            uids.entry(key)
+                .and_modify(|seen| *seen = None)
+                .or_insert_with(|| Some(pod.uid.clone()));
+        }
+    }
+    state.pod_uids = uids.into_iter().filter_map(|(key, uid)| Some((key, uid?))).collect();
+    state
+}
+
 /// Publishes until `shutdown`.
 pub async fn run(
     api: Arc<dyn NodeApi>,
     resources: Arc<NodeResources>,
+    mut pods: Option<tokio::sync::watch::Receiver<NodePods>>,
     node: String,
     config: AnnotationConfig,
     shutdown: CancellationToken,
@@ -78,7 +104,12 @@ pub async fn run(
     let mut outage = Outage::default();
     loop {
         changes.borrow_and_update();
-        let text = resources.node_state().to_json();
+        let state = resources.node_state();
+        let state = match &mut pods {
+            Some(pods) => with_uids(state, &pods.borrow_and_update()),
+            None => state,
+        };
+        let text = state.to_json();
         if written.as_deref() != Some(text.as_str()) {
             match api.annotate(&node, &config.key, &text).await {
                 Ok(()) => {
@@ -108,9 +139,21 @@ pub async fn run(
             }
         }
         let at = Instant::now();
+        let pods_changed = async {
+            match &mut pods {
+                // A pod's UID becoming known is written too (an unchanged text is not).
+                Some(pods) => {
+                    if pods.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
+            () = pods_changed => {}
             // Written again now and then, even unchanged: an annotation someone removed or
             // overwrote comes back.
             () = tokio::time::sleep(defaults::ANNOTATION_REFRESH) => written = None,
@@ -132,7 +175,6 @@ mod tests {
 
     use super::*;
     use crate::checkpoint::Checkpoint;
-    use crate::isolation::node_pods::NodePods;
     use crate::isolation::watchdog::Notice;
     use crate::kube_api::ApiError;
     use crate::ledger::{DeviceLedger, ViewConfig};
@@ -190,8 +232,14 @@ mod tests {
         let config = AnnotationConfig { enabled: true, ..AnnotationConfig::default() };
         let stop = CancellationToken::new();
         let start = Instant::now();
-        let publisher =
-            tokio::spawn(run(api.clone(), resources.clone(), "n".into(), config, stop.clone()));
+        let publisher = tokio::spawn(run(
+            api.clone(),
+            resources.clone(),
+            None,
+            "n".into(),
+            config,
+            stop.clone(),
+        ));
         let gpu = |i: usize| inventory.gpus[i].uuid.to_string();
         let at = |s: f64| start + Duration::from_secs_f64(s);
         for (i, t) in [(0, 0.1), (1, 0.2), (2, 0.3)] {
@@ -231,5 +279,37 @@ mod tests {
         assert_eq!(texts[1], three_held, "one write holds the three changes");
         assert_eq!(texts[2], three_held, "the refresh writes the same state again");
         assert!(texts[3..].iter().all(|t| *t == four_held), "the state after the fourth");
+    }
+
+    /// Issue 25, item 5: the document carries the UID of each pod it names, where the node's
+    /// pod view holds exactly one pod of that name.
+    #[test]
+    fn the_document_names_its_pods_by_uid_where_one_pod_has_the_name() {
+        let inventory = test_support::l4_inventory();
+        let ledger = DeviceLedger::new("n", &inventory, ViewConfig::default()).expect("ledger");
+        let mut state = ledger.node_state("n", 1, |_| None);
+        state.gpus[0].pods = vec!["ns/a".into(), "ns/twice".into()];
+        state.gpus[1].pods = vec!["ns/unseen".into()];
+        let pod = |name: &str, uid: &str| {
+            let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "ns", "uid": uid},
+                "spec": {"nodeName": "n", "containers": [{"name": "c"}]}
+            }))
+            .expect("pod");
+            crate::isolation::node_pods::PodInfo::of(&pod).expect("info")
+        };
+        let mut view = NodePods::default();
+        for (name, uid) in [("a", "u-a"), ("twice", "u-old"), ("twice", "u-new"), ("other", "u-o")]
+        {
+            let info = pod(name, uid);
+            view.pods.insert(uid.to_owned(), info);
+        }
+        let state = with_uids(state, &view);
+        let expected: std::collections::BTreeMap<String, String> =
+            [("ns/a".to_owned(), "u-a".to_owned())].into();
+        assert_eq!(state.pod_uids, expected, "one UID per name known once; none guessed");
+        let back = NodeGpuState::parse(&state.to_json()).expect("reads back");
+        assert!(back.names_pod("ns/a", "u-a") && !back.names_pod("ns/a", "u-recreated"));
+        assert!(back.names_pod("ns/twice", "anything"), "no UID: matched by name, as before");
     }
 }

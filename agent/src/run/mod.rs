@@ -409,7 +409,14 @@ impl Agent {
         )?;
         let pods = follow_node_pods(&mut tasks, &config, colocating, api, view, pods, &shutdown);
         let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
-        annotation::start(&mut tasks, &config, deps.node_api.as_ref(), &resources, &shutdown)?;
+        annotation::start(
+            &mut tasks,
+            &config,
+            deps.node_api.as_ref(),
+            pods.as_ref(),
+            &resources,
+            &shutdown,
+        )?;
         reconciler::start(&mut tasks, &config, &resources, (&plugins, &pods), &shutdown);
         let calls = Arc::new(crate::inventory::CallFailures::default());
         let watchdog = watchdog::start(

@@ -48,6 +48,7 @@ fn state(name: &str, free: &[u32], pods: &[&str]) -> String {
             .collect(),
         nvlink_groups: vec![],
         unnamed: vec![],
+        pod_uids: Default::default(),
     }
     .to_json()
 }

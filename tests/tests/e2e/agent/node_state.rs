@@ -93,6 +93,18 @@ async fn the_node_state_is_published_coalesced_and_survives_the_api_server_going
     })
     .await?;
     assert!(named.generation >= all.generation);
+    // Issue 25, item 5: once the agent's watch of its node's pods holds ns/e, the document
+    // names it by UID too (a pod recreated with its name is then not taken for it).
+    api.put_pod(serde_json::json!({
+        "metadata": {"name": "e", "namespace": "ns", "uid": "uid-e"},
+        "spec": {"nodeName": "node-a", "containers": [{"name": "c"}]},
+        "status": {"phase": "Running"}
+    }));
+    let by_uid = published_when(&api, "ns/e named by UID", |s| {
+        s.pod_uids.get("ns/e").is_some_and(|uid| uid == "uid-e")
+    })
+    .await?;
+    assert!(!by_uid.pod_uids.contains_key("ns/a"), "no UID for a pod the watch does not hold");
 
     // The API server goes away: Allocate is not held up, and the state is written once it is
     // back.
