@@ -288,15 +288,32 @@ async fn serve_connection<I>(
     }
 }
 
-fn parse<'b>(app: &App, verb: &str, body: &'b Bytes) -> Result<ExtenderArgs<'b>, Box<Response>> {
-    serde_json::from_slice::<ExtenderArgs<'b>>(body).map_err(|e| {
+/// `body` as the protocol's `what` (`ExtenderArgs`, ...), or the 400 answer saying why, counted
+/// and logged under `verb`.
+fn parse<'b, T: serde::Deserialize<'b>>(
+    app: &App,
+    verb: &str,
+    what: &str,
+    body: &'b Bytes,
+) -> Result<T, Box<Response>> {
+    serde_json::from_slice::<T>(body).map_err(|e| {
         app.metrics.bad_requests.with_label_values(&[verb]).inc();
         tracing::warn!(verb, error = %e, "not an extender request");
         Box::new(
-            (StatusCode::BAD_REQUEST, format!("not an ExtenderArgs JSON body: {e}\n"))
-                .into_response(),
+            (StatusCode::BAD_REQUEST, format!("not an {what} JSON body: {e}\n")).into_response(),
         )
     })
+}
+
+/// A verb's refusal: 503 while the caches are not listed yet, else 400 with why (counted under
+/// `verb` and logged).
+fn refusal(app: &App, verb: &str, why: &str) -> Response {
+    if why == crate::service::NOT_SYNCED {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
+    }
+    app.metrics.bad_requests.with_label_values(&[verb]).inc();
+    tracing::warn!(verb, error = why, "refused the pod");
+    (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
 }
 
 fn json_bytes(body: Vec<u8>) -> Response {
@@ -307,7 +324,7 @@ fn json_bytes(body: Vec<u8>) -> Response {
 #[tracing::instrument(name = "filter", skip_all, fields(bytes = body.len()))]
 async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let args = match parse(&app, "filter", &body) {
+    let args = match parse::<ExtenderArgs<'_>>(&app, "filter", "ExtenderArgs", &body) {
         Ok(a) => a,
         Err(r) => return *r,
     };
@@ -327,20 +344,13 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
 #[tracing::instrument(name = "prioritize", skip_all, fields(bytes = body.len()))]
 async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let args = match parse(&app, "prioritize", &body) {
+    let args = match parse::<ExtenderArgs<'_>>(&app, "prioritize", "ExtenderArgs", &body) {
         Ok(a) => a,
         Err(r) => return *r,
     };
     let answer = match app.extender.prioritize_json(&args) {
         Ok(scores) => json_bytes(scores),
-        Err(why) if why == crate::service::NOT_SYNCED => {
-            (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
-        }
-        Err(why) => {
-            app.metrics.bad_requests.with_label_values(&["prioritize"]).inc();
-            tracing::warn!(error = why, "prioritize refused the pod");
-            (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
-        }
+        Err(why) => refusal(&app, "prioritize", &why),
     };
     app.metrics.latency.with_label_values(&["prioritize"]).observe(started.elapsed().as_secs_f64());
     answer
@@ -349,27 +359,18 @@ async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
 #[tracing::instrument(name = "preempt", skip_all, fields(bytes = body.len()))]
 async fn preempt(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let args = match serde_json::from_slice::<crate::protocol::ExtenderPreemptionArgs>(&body) {
+    let args = match parse::<crate::protocol::ExtenderPreemptionArgs>(
+        &app,
+        "preempt",
+        "ExtenderPreemptionArgs",
+        &body,
+    ) {
         Ok(a) => a,
-        Err(e) => {
-            app.metrics.bad_requests.with_label_values(&["preempt"]).inc();
-            tracing::warn!(error = %e, "not an extender preemption request");
-            return (
-                StatusCode::BAD_REQUEST,
-                format!("not an ExtenderPreemptionArgs JSON body: {e}\n"),
-            )
-                .into_response();
-        }
+        Err(r) => return *r,
     };
     let answer = match app.extender.preempt(&args) {
         Ok(result) => json_bytes(serde_json::to_vec(&result).unwrap_or_default()),
-        Err(why) if why == crate::service::NOT_SYNCED => {
-            (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
-        }
-        Err(why) => {
-            app.metrics.bad_requests.with_label_values(&["preempt"]).inc();
-            (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
-        }
+        Err(why) => refusal(&app, "preempt", &why),
     };
     app.metrics.latency.with_label_values(&["preempt"]).observe(started.elapsed().as_secs_f64());
     answer
@@ -378,17 +379,14 @@ async fn preempt(State(app): State<Arc<App>>, body: Bytes) -> Response {
 #[tracing::instrument(name = "bind", skip_all, fields(bytes = body.len()))]
 async fn bind_pod(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let args = match serde_json::from_slice::<crate::protocol::ExtenderBindingArgs>(&body) {
+    let args = match parse::<crate::protocol::ExtenderBindingArgs>(
+        &app,
+        "bind",
+        "ExtenderBindingArgs",
+        &body,
+    ) {
         Ok(a) => a,
-        Err(e) => {
-            app.metrics.bad_requests.with_label_values(&["bind"]).inc();
-            tracing::warn!(error = %e, "not an extender binding request");
-            return (
-                StatusCode::BAD_REQUEST,
-                format!("not an ExtenderBindingArgs JSON body: {e}\n"),
-            )
-                .into_response();
-        }
+        Err(r) => return *r,
     };
     let error = match app.extender.bind(&args).await {
         Ok(()) => {
