@@ -44,6 +44,7 @@ fn main() -> ExitCode {
         target_window: args.target_window,
         rebuild_every: args.rebuild_every,
         scheduler_name: args.scheduler_name.clone(),
+        score_cpu_only: args.score_cpu_only_pods,
     };
     let config = Config {
         listen: args.listen,

@@ -250,7 +250,7 @@ impl NodeModel {
     /// `policy`'s score of this node for `demand` (higher is better); `None` if the model says
     /// it does not fit or cannot express it.
     pub fn score(&self, demand: &Demand, policy: &Policy) -> Option<i64> {
-        let request = self.request(demand)?;
+        let request = if demand.is_empty() { cpu_only(demand) } else { self.request(demand)? };
         let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
         policy.score(&self.ledger, &request, &mut rng).map(|s| s.score)
     }
@@ -258,6 +258,16 @@ impl NodeModel {
     /// The model's ledger.
     pub fn ledger(&self) -> &NodeLedger {
         &self.ledger
+    }
+}
+
+/// A pod asking for no baleen resource, as the policy sees it: its CPU and memory only.
+pub fn cpu_only(demand: &Demand) -> Request {
+    Request {
+        cpu: MilliCpu(demand.cpu_milli),
+        memory: MemMib(demand.memory_bytes.div_ceil(MIB)),
+        gpu: GpuDemand::None,
+        allowed_models: vec![],
     }
 }
 

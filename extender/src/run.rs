@@ -255,6 +255,11 @@ pub struct Args {
     /// The webhook's certificate is tls.crt and tls.key here (cert-manager's Secret, mounted).
     #[arg(long, group = "webhook_certificates")]
     pub webhook_cert_dir: Option<std::path::PathBuf>,
+    /// Score pods that ask for no baleen resource too, by the policy (CPU-only pods on GPU
+    /// nodes), for a kube-scheduler profile that sends them (no `managedResources`); off, they
+    /// score 0 everywhere.
+    #[arg(long)]
+    pub score_cpu_only_pods: bool,
     /// Serve filter and prioritize over TLS (kube-scheduler's enableHTTPS) with tls.crt and
     /// tls.key here, read again when they change: for the extender behind a Service.
     #[arg(long)]

@@ -29,6 +29,10 @@ pub struct Settings {
     /// pending under another scheduler are counted and logged (the webhook was down, or their
     /// namespace opted out).
     pub scheduler_name: Option<String>,
+    /// Score pods that ask for no baleen resource too (CPU-only pods on GPU nodes), by the
+    /// policy, as the replay places every task; off: every node scores 0 for them. Only pods
+    /// kube-scheduler sends are scored: with `managedResources` set, it sends none of them.
+    pub score_cpu_only: bool,
 }
 
 impl Default for Settings {
@@ -39,6 +43,7 @@ impl Default for Settings {
             target_window: 5000,
             rebuild_every: 100,
             scheduler_name: None,
+            score_cpu_only: false,
         }
     }
 }
@@ -583,14 +588,7 @@ impl Extender {
             .filter_map(|d| {
                 if d.is_empty() {
                     // A CPU-only pod: what makes CPU scarce beside the GPU pods.
-                    Some(Request {
-                        cpu: baleen_scheduler_core::units::MilliCpu(d.cpu_milli),
-                        memory: baleen_scheduler_core::units::MemMib(
-                            d.memory_bytes.div_ceil(1 << 20),
-                        ),
-                        gpu: baleen_scheduler_core::model::GpuDemand::None,
-                        allowed_models: vec![],
-                    })
+                    Some(crate::place::cpu_only(d))
                 } else {
                     model.request(d)
                 }
@@ -894,8 +892,11 @@ impl Extender {
         }
         let demand = self.demand_of(args)?;
         let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-        let scores =
-            if demand.is_empty() { vec![0; names.len()] } else { self.scores_of(&demand, &names) };
+        let scores = if demand.is_empty() && !self.settings.score_cpu_only {
+            vec![0; names.len()]
+        } else {
+            self.scores_of(&demand, &names)
+        };
         Ok(serde_json::to_vec(&ScoresAnswer(&names, &scores)).unwrap_or_default())
     }
 
@@ -911,7 +912,7 @@ impl Extender {
         } else {
             args.node_names.iter().flatten().map(|n| n.as_ref()).collect()
         };
-        let scores = if demand.is_empty() {
+        let scores = if demand.is_empty() && !self.settings.score_cpu_only {
             // Unscored: every node the same.
             vec![0; names.len()]
         } else if args.nodes.is_some() {

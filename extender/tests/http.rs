@@ -903,3 +903,52 @@ fn a_pod_recreated_with_the_same_name_is_counted_where_the_document_has_uids() {
     assert!(!fits_50(true), "by UID: the new p's 100 units are still to come, 50 do not fit");
     assert!(fits_50(false), "without UIDs (an older agent): matched by name, as before");
 }
+
+/// `--score-cpu-only-pods`: a pod asking for no baleen resource is scored by the policy too
+/// (the nodes differ in what is left of their CPU); off, every node scores 0 for it.
+#[test]
+fn cpu_only_pods_are_scored_only_when_asked() {
+    let scores = |on: bool| {
+        let extender = Extender::new(Settings { score_cpu_only: on, ..Settings::default() });
+        {
+            let mut view = extender.cluster.write().expect("lock");
+            for (name, free) in [("a", [140, 140]), ("b", [140, 140])] {
+                let n: Node = serde_json::from_value(node(name, &free)).expect("node");
+                view.set_node(name, NodeEntry::of(&n, KEY));
+            }
+            // a's CPU is mostly taken: 8 more cores fit, but leave its GPUs little to run with.
+            let busy: Pod = serde_json::from_value(json!({
+                "metadata": {"name": "busy", "namespace": "batch", "uid": "busy"},
+                "spec": {"nodeName": "a", "containers": [{"name": "c", "resources": {"requests": {"cpu": "85"}}}]}
+            }))
+            .expect("pod");
+            let entry = baleen_extender::cluster::PodEntry::of(&busy, "awesome-ai-company.com");
+            view.set_pod("busy", entry);
+        }
+        // A target of GPU pods that need CPU: where the GPUs are free, CPU is worth keeping.
+        for i in 0..8 {
+            let p: Pod = serde_json::from_value(pod(70)).expect("pod");
+            let d = Demand::of(&p, "awesome-ai-company.com").expect("demand");
+            extender.learn(&format!("gpu-{i}"), &d);
+        }
+        extender.rebuild_policy();
+        let cpu_only = json!({"metadata": {"name": "etl", "namespace": "batch", "uid": "etl"},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "8", "memory": "16Gi"}}}]}});
+        let args = baleen_extender::protocol::ExtenderArgs::from_json(
+            json!({"Pod": cpu_only, "NodeNames": ["a", "b"]}),
+        )
+        .expect("args");
+        let fast: Value = serde_json::from_slice(&extender.prioritize_json(&args).expect("scores"))
+            .expect("json");
+        let typed: Vec<i64> =
+            extender.prioritize(&args).expect("scores").into_iter().map(|h| h.score).collect();
+        let fast: Vec<i64> =
+            fast.as_array().expect("array").iter().filter_map(|h| h["Score"].as_i64()).collect();
+        assert_eq!(fast, typed);
+        typed
+    };
+    assert_eq!(scores(false), [0, 0]);
+    let on = scores(true);
+    assert_eq!(on[1], 10, "b keeps CPU for its GPUs' pods: {on:?}");
+    assert!(on[0] < 10, "a would be left with 2.5 cores for two GPUs: {on:?}");
+}

@@ -38,6 +38,9 @@ struct Args {
     /// CPU-only pods by NodeResourcesFit MostAllocated (packing) instead of LeastAllocated.
     #[arg(long)]
     cpu_most_allocated: bool,
+    /// CPU-only pods through the extender too, scored by the policy (--score-cpu-only-pods).
+    #[arg(long)]
+    cpu_by_extender: bool,
     /// Keep every k-th node only (1: all), for a quicker run.
     #[arg(long, default_value_t = 1)]
     every: usize,
@@ -52,6 +55,7 @@ fn main() -> anyhow::Result<()> {
         rebuild_every: args.rebuild_every,
         listing_delay: args.listing_delay,
         cpu_most_allocated: args.cpu_most_allocated,
+        cpu_by_extender: args.cpu_by_extender,
         ..LoopOptions::default()
     };
     let sim = replay(

@@ -53,6 +53,10 @@ pub struct LoopOptions {
     /// CPU-only pods go where NodeResourcesFit's MostAllocated scores highest (packing CPU)
     /// instead of its default LeastAllocated (spreading).
     pub cpu_most_allocated: bool,
+    /// CPU-only pods go through the extender too, which scores them by the policy
+    /// (`--score-cpu-only-pods`, a profile without `managedResources`), as the replay places
+    /// every task.
+    pub cpu_by_extender: bool,
 }
 
 impl Default for LoopOptions {
@@ -63,6 +67,7 @@ impl Default for LoopOptions {
             listing_delay: 20,
             rebuild_every: 100,
             cpu_most_allocated: false,
+            cpu_by_extender: false,
         }
     }
 }
@@ -237,7 +242,11 @@ pub async fn run_seed(
     }
     let client = kube::Client::try_from(kube::Config::new(api.url().parse()?))?;
     let token = CancellationToken::new();
-    let settings = Settings { rebuild_every: options.rebuild_every, ..Settings::default() };
+    let settings = Settings {
+        rebuild_every: options.rebuild_every,
+        score_cpu_only: options.cpu_by_extender,
+        ..Settings::default()
+    };
     let running = start(
         Config {
             listen: "127.0.0.1:0".parse()?,
@@ -312,7 +321,7 @@ pub async fn run_seed(
                     && nodes[i].memory_used + request.memory.0 <= s.memory.0
             })
             .collect();
-        let chosen = if gpu_ask.is_some() {
+        let chosen = if gpu_ask.is_some() || options.cpu_by_extender {
             let names_in: Vec<&str> = fits.iter().map(|&i| names[i].as_str()).collect();
             let filtered = post(
                 running.address,
