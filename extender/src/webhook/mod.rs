@@ -86,6 +86,28 @@ pub fn judge(pod: &Pod, domain: &str, scheduler: &str, largest_units: Option<u32
     }
 }
 
+/// The verdict of the opt-in second webhook (`POST /mutate-cpu-only-pods`, called for pods of
+/// namespaces labelled to send their CPU-only pods to baleen's scheduler, which scores them by
+/// the policy: `--score-cpu-only-pods`): a pod that asks for no baleen resource and names no
+/// scheduler (or the default one) is sent; every other pod is the first webhook's, or left.
+pub fn judge_cpu_only(pod: &Pod, domain: &str) -> Verdict {
+    let prefix = format!("{domain}/");
+    let asks = |m: &Option<BTreeMap<String, Value>>| {
+        m.iter().flatten().any(|(k, _)| k.starts_with(&prefix))
+    };
+    let asks_ours = pod
+        .spec
+        .containers
+        .iter()
+        .flatten()
+        .chain(pod.spec.init_containers.iter().flatten())
+        .any(|c| asks(&c.resources.limits) || asks(&c.resources.requests));
+    match pod.spec.scheduler_name.as_deref() {
+        None | Some("" | "default-scheduler") if !asks_ours => Verdict::Send,
+        _ => Verdict::Leave,
+    }
+}
+
 /// Whether `c` asks for a baleen resource, or why it cannot be served.
 fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Result<bool, String> {
     let ours = |m: &Option<BTreeMap<String, Value>>| -> BTreeMap<String, Value> {
@@ -197,6 +219,11 @@ impl Webhook {
 
     /// The answer to one AdmissionReview body (JSON), or why the body is not one.
     pub fn review(&self, body: &[u8]) -> Result<Vec<u8>, String> {
+        self.review_as(body, false)
+    }
+
+    /// [`Self::review`], judging by [`judge_cpu_only`] when `cpu_only`.
+    pub fn review_as(&self, body: &[u8], cpu_only: bool) -> Result<Vec<u8>, String> {
         let review: AdmissionReview<DynamicObject> =
             serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
         let request: AdmissionRequest<DynamicObject> =
@@ -222,7 +249,11 @@ impl Webhook {
                 r
             }
             Ok(pod) => {
-                let verdict = judge(&pod, domain, &self.scheduler, self.largest_units());
+                let verdict = if cpu_only {
+                    judge_cpu_only(&pod, domain)
+                } else {
+                    judge(&pod, domain, &self.scheduler, self.largest_units())
+                };
                 self.metrics.reviews.with_label_values(&[verdict.as_str()]).inc();
                 match verdict {
                     Verdict::Leave => response,
@@ -264,13 +295,22 @@ impl Webhook {
 pub fn router(webhook: Arc<Webhook>) -> Router {
     Router::new()
         .route("/mutate-pods", post(mutate))
+        .route("/mutate-cpu-only-pods", post(mutate_cpu_only))
         .route("/healthz", axum::routing::get(|| async { "ok" }))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REVIEW_BYTES))
         .with_state(webhook)
 }
 
 async fn mutate(State(webhook): State<Arc<Webhook>>, body: Bytes) -> Response {
-    match webhook.review(&body) {
+    answer(&webhook, &body, false)
+}
+
+async fn mutate_cpu_only(State(webhook): State<Arc<Webhook>>, body: Bytes) -> Response {
+    answer(&webhook, &body, true)
+}
+
+fn answer(webhook: &Webhook, body: &[u8], cpu_only: bool) -> Response {
+    match webhook.review_as(body, cpu_only) {
         Ok(answer) => {
             (StatusCode::OK, [("content-type", "application/json")], answer).into_response()
         }
@@ -295,6 +335,18 @@ mod tests {
     }
 
     const D: &str = "awesome-ai-company.com";
+
+    #[test]
+    fn cpu_only_verdicts() {
+        let limits = |m: Value| serde_json::json!([{"name": "c", "resources": {"limits": m}}]);
+        let cpu = pod(serde_json::json!([{"name": "c", "resources": {"requests": {"cpu": "2"}}}]));
+        assert_eq!(judge_cpu_only(&cpu, D), Verdict::Send);
+        let gpu = pod(limits(serde_json::json!({"awesome-ai-company.com/gpu-memory": "8"})));
+        assert_eq!(judge_cpu_only(&gpu, D), Verdict::Leave, "the first webhook's");
+        let mut named = cpu.clone();
+        named.spec.scheduler_name = Some("volcano".into());
+        assert_eq!(judge_cpu_only(&named, D), Verdict::Leave, "another scheduler on purpose");
+    }
 
     #[test]
     fn verdicts() {

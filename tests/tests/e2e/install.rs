@@ -32,8 +32,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The values the chart is checked with: its defaults, and each file under its `ci/`.
-const VALUES: [&str; 7] = [
+const VALUES: [&str; 8] = [
     "default",
+    "cpu-only-pods",
     "mig",
     "no-mps",
     "extender-service",
@@ -1029,8 +1030,15 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
     ensure!(e["preemptVerb"] == "preempt", "the extender trims preemption (issue 25, item 4)");
     ensure!(e["nodeCacheCapable"] == true, "the extender keeps a node cache");
     ensure!(e["weight"].as_i64().is_some_and(|w| w >= 1), "a weight");
+    if args.score_cpu_only_pods {
+        // Every pod of the profile goes to the extender (the CPU-only ones to be scored); only
+        // beside its own scheduler, where only the webhook's pods come.
+        ensure!(second, "--score-cpu-only-pods only in baleen's own scheduler");
+        ensure!(e["managedResources"].is_null(), "no managedResources with CPU-only pods sent");
+    }
     let managed: BTreeSet<String> = e["managedResources"]
         .as_array()
+        .or(args.score_cpu_only_pods.then_some(&Vec::new()))
         .context("managedResources")?
         .iter()
         .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
@@ -1039,7 +1047,7 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
     for name in &managed {
         ensure!(advertised.contains(name), "{name} is managed but no agent advertises it");
     }
-    for name in &advertised {
+    for name in advertised.iter().filter(|_| !args.score_cpu_only_pods) {
         ensure!(managed.contains(name), "{name} is advertised on an example node but not managed");
     }
     // The webhook: the API server reaches it through the Service, over TLS with a certificate
@@ -1048,7 +1056,20 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
         (None, []) => {}
         (Some(w), [config]) => {
             let hooks = config.webhooks.as_deref().unwrap_or_default();
-            ensure!(hooks.len() == 1, "one webhook");
+            // The second, with scheduler.cpuOnlyPods: CPU-only pods of opted-in namespaces.
+            let want = if args.score_cpu_only_pods { 2 } else { 1 };
+            ensure!(hooks.len() == want, "{want} webhooks, {} rendered", hooks.len());
+            if let Some(cpu) = hooks.get(1) {
+                let path = cpu.client_config.service.as_ref().and_then(|s| s.path.as_deref());
+                ensure!(path == Some("/mutate-cpu-only-pods"), "the CPU-only path: {path:?}");
+                ensure!(cpu.failure_policy.as_deref() == Some("Ignore"), "an outage admits pods");
+                let labels = cpu
+                    .namespace_selector
+                    .as_ref()
+                    .and_then(|n| n.match_labels.clone())
+                    .unwrap_or_default();
+                ensure!(!labels.is_empty(), "only namespaces that opt in");
+            }
             let hook = &hooks[0];
             ensure!(hook.failure_policy.as_deref() == Some("Ignore"), "an outage admits pods");
             ensure!(hook.side_effects == "None", "no side effects");
@@ -1530,7 +1551,47 @@ fn the_webhook_is_called_only_for_pods_asking_for_a_baleen_resource() -> Result<
             && e.values.iter().flatten().any(|v| v == "baleen-system")),
         "kube-system and baleen's namespace left alone"
     );
+    // With scheduler.cpuOnlyPods, the second webhook takes exactly the pods the first leaves,
+    // and only from namespaces that opt in.
+    let install = Install::parse(&render("cpu-only-pods")?)?;
+    let config = install.webhooks.first().context("the webhook")?;
+    let hooks = config.webhooks.as_deref().unwrap_or_default();
+    let first = hooks.first().and_then(|h| h.match_conditions.as_ref()?.first()).context("1st")?;
+    let second = hooks.get(1).and_then(|h| h.match_conditions.as_ref()?.first()).context("2nd")?;
+    for (what, pod, asks) in cases_again() {
+        ensure!(cel_true(&first.expression, &pod)? == asks, "{what}: first not {asks}");
+        ensure!(cel_true(&second.expression, &pod)? != asks, "{what}: second not {}", !asks);
+    }
+    let labels = hooks[1]
+        .namespace_selector
+        .as_ref()
+        .and_then(|n| n.match_labels.clone())
+        .unwrap_or_default();
+    ensure!(
+        labels.get("awesome-ai-company.com/baleen-cpu-pods").map(String::as_str) == Some("true"),
+        "the opt-in label: {labels:?}"
+    );
     Ok(())
+}
+
+/// Pods asking (true) or not asking for a baleen resource, for the webhooks' conditions.
+fn cases_again() -> Vec<(&'static str, Value, bool)> {
+    let limits =
+        |m: Value| serde_json::json!({"spec": {"containers": [{"name": "c", "resources": m}]}});
+    vec![
+        (
+            "gpu-memory",
+            limits(serde_json::json!({"limits": {"awesome-ai-company.com/gpu-memory": "8"}})),
+            true,
+        ),
+        (
+            "requests only",
+            limits(serde_json::json!({"requests": {"awesome-ai-company.com/gpu": "1"}})),
+            true,
+        ),
+        ("cpu only", limits(serde_json::json!({"requests": {"cpu": "1"}})), false),
+        ("no resources", serde_json::json!({"spec": {"containers": [{"name": "c"}]}}), false),
+    ]
 }
 
 #[test]

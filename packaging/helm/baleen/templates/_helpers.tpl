@@ -107,9 +107,19 @@ httpTimeout: 5s
 # Not ignorable: a GPU pod is not placed without the extender (it would risk a node where no
 # single GPU has room and fail at admission).
 ignorable: false
+{{- if include "baleen.cpuOnlyPods" . }}
+# No managedResources: every pod of this profile is sent to the extender, the CPU-only ones
+# (scheduler.cpuOnlyPods) to be scored by the policy too.
+{{- else }}
 # Only pods asking for one of these are sent to the extender (MIG: mig.profiles).
 managedResources:
   {{- include "baleen.managedResources" . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Whether CPU-only pods go to baleen's scheduler too (non-empty when they do). */}}
+{{- define "baleen.cpuOnlyPods" -}}
+{{- if and .Values.scheduler.cpuOnlyPods.enabled .Values.webhook.enabled (eq .Values.scheduler.mode "second-scheduler") }}true{{ end }}
 {{- end }}
 
 {{/* The extender's RBAC for service account .account: what extender/src/kube_access.rs calls. */}}
@@ -221,6 +231,9 @@ subjects:
     {{- else }}
     - --webhook-cert-dir=/etc/baleen-webhook
     {{- end }}
+    {{- end }}
+    {{- if include "baleen.cpuOnlyPods" $root }}
+    - --score-cpu-only-pods
     {{- end }}
     {{- if $tls }}
     - --tls-cert-dir=/etc/baleen-extender-tls
