@@ -111,9 +111,17 @@ impl Removed {
     fn count(&mut self, verdict: &Verdict) {
         match verdict {
             Verdict::Fits => {}
-            Verdict::Full(_) => self.full += 1,
-            Verdict::Never(_) => self.never += 1,
-            Verdict::NoState(_) => self.no_state += 1,
+            Verdict::Full(_) => self.add(FailKind::Full),
+            Verdict::Never(_) => self.add(FailKind::Never),
+            Verdict::NoState(_) => self.add(FailKind::NoState),
+        }
+    }
+
+    fn add(&mut self, kind: FailKind) {
+        match kind {
+            FailKind::Full => self.full += 1,
+            FailKind::Never => self.never += 1,
+            FailKind::NoState => self.no_state += 1,
         }
     }
 
@@ -371,10 +379,7 @@ impl Extender {
                     why,
                 };
                 let node = view.node(&args.node).ok_or_else(|| no_room(UNKNOWN_NODE.into()))?;
-                let state = node.state.as_ref().map_err(|why| no_room(why.clone()))?;
-                let assumed = view.assumed(&args.node, state, &self.settings.domain);
-                let assumed: Vec<&Demand> = assumed.iter().collect();
-                match verdict(state, &assumed, &entry.demand, &self.settings.domain) {
+                match self.verdict_on(&view, &args.node, node, &entry.demand) {
                     Verdict::Fits => {}
                     Verdict::Full(why) | Verdict::Never(why) | Verdict::NoState(why) => {
                         return Err(no_room(why));
@@ -609,11 +614,47 @@ impl Extender {
         }
     }
 
-    /// The pod's demand, learned from where no watcher runs; or the call's error.
-    fn demand_of(&self, args: &ExtenderArgs<'_>) -> Result<Demand, String> {
-        let demand = Demand::of(&args.pod, &self.settings.domain)
-            .map_err(|e| format!("pod {}: {e}", pod_name(args)))?;
-        Ok(demand)
+    /// What `pod` asks, or the call's error naming it.
+    fn demand_of(&self, pod: &crate::protocol::Pod) -> Result<Demand, String> {
+        Demand::of(pod, &self.settings.domain)
+            .map_err(|e| format!("pod {}/{}: {e}", pod.metadata.namespace, pod.metadata.name))
+    }
+
+    /// The filter's verdict on node `name` (its `entry`) for `demand`, counting the pods
+    /// assumed there.
+    fn verdict_on(
+        &self,
+        view: &ClusterView,
+        name: &str,
+        entry: &NodeEntry,
+        demand: &Demand,
+    ) -> Verdict {
+        match &entry.state {
+            Err(why) => Verdict::NoState(why.clone()),
+            Ok(state) => {
+                let assumed = view.assumed(name, state, &self.settings.domain);
+                let assumed: Vec<&Demand> = assumed.iter().collect();
+                verdict(state, &assumed, demand, &self.settings.domain)
+            }
+        }
+    }
+
+    /// The policy's raw score of node `name` (its `entry`) for `demand`, the pods assumed there
+    /// placed first; `None` where the model cannot score it.
+    fn score_on(
+        &self,
+        view: &ClusterView,
+        name: &str,
+        entry: &NodeEntry,
+        demand: &Demand,
+        policy: &Policy,
+    ) -> Option<i64> {
+        let state = entry.state.as_ref().ok()?;
+        let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
+        for other in &view.assumed(name, state, &self.settings.domain) {
+            model.assume(other, policy);
+        }
+        model.score(demand, policy)
     }
 
     /// The filter's verdict on each of `names` for `demand`, handed to `finish` (borrowed from
@@ -643,15 +684,7 @@ impl Extender {
             if cache[f.slot].as_ref().is_some_and(|(stamp, _)| *stamp == f.stamp) {
                 continue;
             }
-            let verdict = match &entry.state {
-                Err(why) => Verdict::NoState(why.clone()),
-                Ok(state) => {
-                    let assumed = view.assumed(name, state, &self.settings.domain);
-                    let assumed: Vec<&Demand> = assumed.iter().collect();
-                    verdict(state, &assumed, demand, &self.settings.domain)
-                }
-            };
-            cache[f.slot] = Some((f.stamp, verdict));
+            cache[f.slot] = Some((f.stamp, self.verdict_on(&view, name, entry, demand)));
         }
         let judged: Vec<(&str, &Verdict)> = names
             .iter()
@@ -674,15 +707,11 @@ impl Extender {
             let (result, kinds) = self.filter(args);
             let mut removed = Removed::default();
             for kind in kinds {
-                match kind {
-                    FailKind::Full => removed.full += 1,
-                    FailKind::Never => removed.never += 1,
-                    FailKind::NoState => removed.no_state += 1,
-                }
+                removed.add(kind);
             }
             return (serde_json::to_vec(&result).unwrap_or_default(), removed, result.error);
         }
-        let demand = match self.demand_of(args) {
+        let demand = match self.demand_of(&args.pod) {
             Ok(d) => d,
             Err(e) => {
                 let result = ExtenderFilterResult { error: e.clone(), ..Default::default() };
@@ -711,7 +740,7 @@ impl Extender {
             result.error = NOT_SYNCED.into();
             return (result, kinds);
         }
-        let demand = match self.demand_of(args) {
+        let demand = match self.demand_of(&args.pod) {
             Ok(d) => d,
             Err(e) => {
                 result.error = e;
@@ -747,14 +776,7 @@ impl Extender {
                 let v = if demand.is_empty() {
                     Verdict::Fits
                 } else {
-                    match &entry.state {
-                        Err(why) => Verdict::NoState(why.clone()),
-                        Ok(state) => {
-                            let assumed = view.assumed(name, state, &self.settings.domain);
-                            let assumed: Vec<&Demand> = assumed.iter().collect();
-                            verdict(state, &assumed, &demand, &self.settings.domain)
-                        }
-                    }
+                    self.verdict_on(&view, name, entry, &demand)
                 };
                 if record(name, &v) {
                     kept.push(list.items[*i].clone());
@@ -801,14 +823,7 @@ impl Extender {
                     {
                         return *v;
                     }
-                    let score = (|| {
-                        let state = entry.state.as_ref().ok()?;
-                        let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
-                        for other in &view.assumed(name, state, &self.settings.domain) {
-                            model.assume(other, &policy);
-                        }
-                        model.score(demand, &policy)
-                    })();
+                    let score = self.score_on(&view, name, entry, demand, &policy);
                     cache[f.slot] = Some((key, score));
                     score
                 })
@@ -833,9 +848,7 @@ impl Extender {
         if !self.synced() {
             return Err(NOT_SYNCED.into());
         }
-        let demand = Demand::of(&args.pod, &self.settings.domain).map_err(|e| {
-            format!("pod {}/{}: {e}", args.pod.metadata.namespace, args.pod.metadata.name)
-        })?;
+        let demand = self.demand_of(&args.pod)?;
         let candidates: BTreeMap<String, MetaVictims> =
             match (&args.node_name_to_meta_victims, &args.node_name_to_victims) {
                 (Some(meta), _) => meta.clone(),
@@ -890,7 +903,7 @@ impl Extender {
         if !self.synced() {
             return Err(NOT_SYNCED.into());
         }
-        let demand = self.demand_of(args)?;
+        let demand = self.demand_of(&args.pod)?;
         let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
         let scores = if demand.is_empty() && !self.settings.score_cpu_only {
             vec![0; names.len()]
@@ -905,7 +918,7 @@ impl Extender {
         if !self.synced() {
             return Err(NOT_SYNCED.into());
         }
-        let demand = self.demand_of(args)?;
+        let demand = self.demand_of(&args.pod)?;
         let sent = self.sent_entries(args);
         let names: Vec<&str> = if args.nodes.is_some() {
             sent.iter().map(|(n, _, _)| n.as_str()).collect()
@@ -921,14 +934,7 @@ impl Extender {
             let view = self.view();
             let raw: Vec<Option<i64>> = sent
                 .iter()
-                .map(|(name, entry, _)| {
-                    let state = entry.state.as_ref().ok()?;
-                    let mut model = NodeModel::new(state, view.host(name, entry.allocatable))?;
-                    for other in &view.assumed(name, state, &self.settings.domain) {
-                        model.assume(other, &policy);
-                    }
-                    model.score(&demand, &policy)
-                })
+                .map(|(name, entry, _)| self.score_on(&view, name, entry, &demand, &policy))
                 .collect();
             extender_scores(&raw)
         } else {
@@ -1009,10 +1015,6 @@ fn demand_memo<'a, K, V>(
         per_node.resize_with(slots, || None);
     }
     per_node
-}
-
-fn pod_name(args: &ExtenderArgs<'_>) -> String {
-    format!("{}/{}", args.pod.metadata.namespace, args.pod.metadata.name)
 }
 
 /// The counter's options are constants that are valid: `IntCounter::new` cannot fail on them.
