@@ -22,7 +22,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 const NODES: usize = 5000;
-const CALLS: usize = 1000;
 const KEY: &str = "awesome-ai-company.com/gpu-state";
 
 fn node(name: &str, free: &[u32]) -> Value {
@@ -197,26 +196,40 @@ fn main() {
             .unwrap_or(NODES)
             .min(NODES);
         let all: Vec<&str> = names.iter().take(sent).map(String::as_str).collect();
-        let mut times = Vec::with_capacity(CALLS);
-        let mut filter_times = Vec::with_capacity(CALLS);
-        let mut sizes = Vec::with_capacity(CALLS);
+        // CALL_LATENCY_CALLS / CALL_LATENCY_IN_PROCESS: how many pods each part times (1,000 and
+        // 200), e.g. to profile one part alone.
+        let count = |var: &str, default: usize| {
+            std::env::var(var).ok().and_then(|n| n.parse::<usize>().ok()).unwrap_or(default).max(2)
+        };
+        let calls = count("CALL_LATENCY_CALLS", 1000);
+        let in_process = count("CALL_LATENCY_IN_PROCESS", 200);
+        let mut times = Vec::with_capacity(calls);
+        let mut filter_times = Vec::with_capacity(calls);
+        let mut sizes = Vec::with_capacity(calls);
         let mut first = None;
         let run_started = Instant::now();
         let mut calls_total = Duration::ZERO;
-        for i in 0..CALLS {
+        // The client's own share of the calls: its parse of both answers and its prioritize body.
+        let mut client_total = Duration::ZERO;
+        for i in 0..calls {
             let units = shapes[rng.random_range(0..shapes.len())];
             let p = pod(i, units);
             let filter_body = serde_json::to_vec(&Call { pod: &p, node_names: &all }).expect("json");
             let started = Instant::now();
             let text = connection.post("/filter", &filter_body).await;
+            let own = Instant::now();
             let answer: FilterAnswer<'_> = serde_json::from_slice(&text).expect("json");
             assert!(answer.error.is_empty(), "{}", answer.error);
             let filtered = started.elapsed();
             let passed = answer.node_names.unwrap_or_default();
             let body = serde_json::to_vec(&Call { pod: &p, node_names: &passed }).expect("json");
+            let mut client = own.elapsed();
             let scored = connection.post("/prioritize", &body).await;
+            let own = Instant::now();
             let scores: Vec<Score<'_>> = serde_json::from_slice(&scored).expect("json");
+            client += own.elapsed();
             let elapsed = started.elapsed();
+            client_total += client;
             calls_total += elapsed;
             filter_times.push(filtered);
             sizes.push(text.len() + body.len());
@@ -246,9 +259,8 @@ fn main() {
         let mut parse = Duration::ZERO;
         let mut filter_work = Duration::ZERO;
         let mut prioritize_work = Duration::ZERO;
-        const IN_PROCESS: usize = 200;
-        for i in 0..IN_PROCESS {
-            let p = pod(CALLS + i, shapes[i % shapes.len()]);
+        for i in 0..in_process {
+            let p = pod(calls + i, shapes[i % shapes.len()]);
             let body = serde_json::to_vec(&Call { pod: &p, node_names: &all }).expect("json");
             let t = Instant::now();
             let args: baleen_extender::protocol::ExtenderArgs<'_> =
@@ -266,9 +278,9 @@ fn main() {
             let _ = extender.prioritize_json(&args).expect("scores");
             prioritize_work += t.elapsed();
         }
-        let per = |d: Duration| d.as_secs_f64() * 1e3 / IN_PROCESS as f64;
+        let per = |d: Duration| d.as_secs_f64() * 1e3 / in_process as f64;
         println!(
-            "in-process, per pod (mean of {IN_PROCESS}): parse {sent} names {:.3} ms, filter + its JSON {:.3} ms, prioritize + its JSON {:.3} ms",
+            "in-process, per pod (mean of {in_process}): parse {sent} names {:.3} ms, filter + its JSON {:.3} ms, prioritize + its JSON {:.3} ms",
             per(parse),
             per(filter_work),
             per(prioritize_work)
@@ -284,9 +296,13 @@ fn main() {
             sizes[sizes.len() / 2] / 1024
         );
         println!(
+            "the client's own share (parse of both answers, the prioritize body): {:.3} ms a pod",
+            client_total.as_secs_f64() * 1e3 / calls as f64
+        );
+        println!(
             "sequential: {:.0} pods/s counting the calls only, {:.0} pods/s counting the harness's bind and annotation change between pods too",
-            CALLS as f64 / calls_total.as_secs_f64(),
-            CALLS as f64 / wall.as_secs_f64()
+            calls as f64 / calls_total.as_secs_f64(),
+            calls as f64 / wall.as_secs_f64()
         );
         let (first, passed) = first.expect("a first call");
         println!(

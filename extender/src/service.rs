@@ -135,60 +135,74 @@ impl Removed {
     }
 }
 
-/// The answer of `filter` for node names, written from borrowed names and verdicts (the same
-/// JSON as [`ExtenderFilterResult`] with `NodeNames`: 5,000 nodes are answered without copying
-/// a name or a reason).
-struct NamesAnswer<'a> {
-    judged: &'a [(&'a str, &'a Verdict)],
-    error: &'a str,
-}
-
-impl serde::Serialize for NamesAnswer<'_> {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        struct Passed<'a>(&'a [(&'a str, &'a Verdict)]);
-        impl serde::Serialize for Passed<'_> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.collect_seq(
-                    self.0.iter().filter(|(_, v)| matches!(v, Verdict::Fits)).map(|(n, _)| n),
-                )
-            }
-        }
-        struct Failed<'a>(&'a [(&'a str, &'a Verdict)], bool);
-        impl serde::Serialize for Failed<'_> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                let resolvable = self.1;
-                s.collect_map(self.0.iter().filter_map(|(n, v)| match v {
-                    Verdict::Full(why) if resolvable => Some((n, why)),
-                    Verdict::Never(why) | Verdict::NoState(why) if !resolvable => Some((n, why)),
-                    _ => None,
-                }))
-            }
-        }
-        let mut map = serializer.serialize_map(Some(5))?;
-        map.serialize_entry("Nodes", &None::<()>)?;
-        map.serialize_entry("NodeNames", &Passed(self.judged))?;
-        map.serialize_entry("FailedNodes", &Failed(self.judged, true))?;
-        map.serialize_entry("FailedAndUnresolvableNodes", &Failed(self.judged, false))?;
-        map.serialize_entry("Error", self.error)?;
-        map.end()
+/// Appends `text` as a JSON string: as it is between quotes when it needs no escape (every
+/// DNS name, every name borrowed from a call's body), through serde_json otherwise. The same
+/// bytes serde_json writes (it escapes only `"`, `\\` and control characters).
+fn push_json_str(out: &mut Vec<u8>, text: &str) {
+    if text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push(b'"');
+        out.extend_from_slice(text.as_bytes());
+        out.push(b'"');
+    } else {
+        // Writing to a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, text);
     }
 }
 
-/// The answer of `prioritize`, written from borrowed names.
-struct ScoresAnswer<'a>(&'a [&'a str], &'a [i64]);
-
-impl serde::Serialize for ScoresAnswer<'_> {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        #[derive(serde::Serialize)]
-        struct One<'a> {
-            #[serde(rename = "Host")]
-            host: &'a str,
-            #[serde(rename = "Score")]
-            score: i64,
+/// The answer of `filter` for node names, written from borrowed names and verdicts: the JSON
+/// of [`ExtenderFilterResult`] with `NodeNames`, 5,000 nodes answered without copying a name or
+/// a reason into a value first (held to the typed answer by a test in `tests/http.rs`).
+fn names_answer(judged: &[(&str, &Verdict)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(judged.iter().map(|(n, _)| n.len() + 3).sum::<usize>() + 96);
+    out.extend_from_slice(b"{\"Nodes\":null,\"NodeNames\":[");
+    let mut first = true;
+    for (name, _) in judged.iter().filter(|(_, v)| matches!(v, Verdict::Fits)) {
+        if !std::mem::take(&mut first) {
+            out.push(b',');
         }
-        serializer.collect_seq(self.0.iter().zip(self.1).map(|(host, &score)| One { host, score }))
+        push_json_str(&mut out, name);
     }
+    out.push(b']');
+    for (key, resolvable) in [("FailedNodes", true), ("FailedAndUnresolvableNodes", false)] {
+        out.extend_from_slice(b",\"");
+        out.extend_from_slice(key.as_bytes());
+        out.extend_from_slice(b"\":{");
+        let mut first = true;
+        for (name, why) in judged.iter().filter_map(|(n, v)| match v {
+            Verdict::Full(why) if resolvable => Some((n, why)),
+            Verdict::Never(why) | Verdict::NoState(why) if !resolvable => Some((n, why)),
+            _ => None,
+        }) {
+            if !std::mem::take(&mut first) {
+                out.push(b',');
+            }
+            push_json_str(&mut out, name);
+            out.push(b':');
+            push_json_str(&mut out, why);
+        }
+        out.push(b'}');
+    }
+    out.extend_from_slice(b",\"Error\":\"\"}");
+    out
+}
+
+/// The answer of `prioritize` (a `HostPriorityList`), written from borrowed names.
+fn scores_answer(names: &[&str], scores: &[i64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(names.iter().map(|n| n.len() + 24).sum::<usize>() + 2);
+    out.push(b'[');
+    let mut number = itoa::Buffer::new();
+    for (i, (host, &score)) in names.iter().zip(scores).enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"{\"Host\":");
+        push_json_str(&mut out, host);
+        out.extend_from_slice(b",\"Score\":");
+        out.extend_from_slice(number.format(score).as_bytes());
+        out.push(b'}');
+    }
+    out.push(b']');
+    out
 }
 
 /// The most demands remembered; past it the memo starts afresh.
@@ -727,7 +741,7 @@ impl Extender {
             for (_, v) in judged {
                 removed.count(v);
             }
-            let body = serde_json::to_vec(&NamesAnswer { judged, error: "" }).unwrap_or_default();
+            let body = names_answer(judged);
             (body, removed, String::new())
         })
     }
@@ -910,7 +924,7 @@ impl Extender {
         } else {
             self.scores_of(&demand, &names)
         };
-        Ok(serde_json::to_vec(&ScoresAnswer(&names, &scores)).unwrap_or_default())
+        Ok(scores_answer(&names, &scores))
     }
 
     /// The prioritize verb.

@@ -733,14 +733,18 @@ async fn behind_a_service_only_the_scheduler_with_its_client_certificate_is_answ
 async fn the_fast_answers_are_the_typed_answers() {
     let extender = Extender::new(Settings::default());
     let mut view = extender.cluster.write().expect("lock");
-    for (name, free) in [("a", vec![20, 20]), ("b", vec![60, 140]), ("c", vec![0, 0])] {
+    // Names that need a JSON escape (or none, though not ASCII) are answered as serde_json
+    // writes them.
+    for (name, free) in
+        [("a", vec![20, 20]), ("b", vec![60, 140]), ("c", vec![0, 0]), ("d\"\\\u{1}ü", vec![140])]
+    {
         let n: Node = serde_json::from_value(node(name, &free)).expect("node");
         view.set_node(name, NodeEntry::of(&n, KEY));
     }
     drop(view);
     let compare = |units: u32| {
         let args = baleen_extender::protocol::ExtenderArgs::from_json(
-            json!({"Pod": pod(units), "NodeNames": ["a", "b", "c", "gone"]}),
+            json!({"Pod": pod(units), "NodeNames": ["a", "b", "c", "gone", "d\"\\\u{1}ü", "g\n"]}),
         )
         .expect("args");
         let (fast, removed, error) = extender.filter_json(&args);
