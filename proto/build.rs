@@ -5,7 +5,11 @@
 use prost::Message as _;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/deviceplugin_v1beta1.proto", "proto/podresources_v1.proto"];
+    let files = [
+        "proto/deviceplugin_v1beta1.proto",
+        "proto/podresources_v1.proto",
+        "proto/pluginregistration_v1.proto",
+    ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");
     }

@@ -41,6 +41,27 @@ pub mod podresources {
     }
 }
 
+/// The kubelet plugin-registration API, package `pluginregistration` (its v1), which a DRA
+/// driver serves on its registration socket. Only the messages are used: the server is
+/// `baleen-dra`'s own HTTP/2 responder, since the kubelet's `:authority` is one no tonic server
+/// accepts.
+pub mod pluginregistration {
+    /// Generated messages (and tonic's `Registration` client, for tests).
+    #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        tonic::include_proto!("pluginregistration");
+
+        /// `PluginInfo.type` of a DRA driver.
+        pub const DRA_PLUGIN: &str = "DRAPlugin";
+        /// The kubelet's default plugin-registration directory.
+        pub const DEFAULT_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+        /// `GetInfo`'s gRPC path.
+        pub const GET_INFO_PATH: &str = "/pluginregistration.Registration/GetInfo";
+        /// `NotifyRegistrationStatus`'s gRPC path.
+        pub const NOTIFY_PATH: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
+    }
+}
+
 /// The encoded `FileDescriptorSet` of the project's `.proto` files, as compiled.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/baleen_descriptors.bin"));

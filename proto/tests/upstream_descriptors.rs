@@ -167,6 +167,13 @@ fn device_plugin_v1beta1_matches_upstream() {
 }
 
 #[test]
+fn plugin_registration_v1_matches_upstream() {
+    let diffs =
+        differences(&our_file("pluginregistration"), &upstream("pluginregistration_v1.proto"));
+    assert!(diffs.is_empty(), "plugin-registration API drifted from upstream:\n{}", diffs.join("\n"));
+}
+
+#[test]
 fn pod_resources_v1_matches_upstream_master() {
     let diffs = differences(&our_file("v1"), &upstream("podresources_v1.proto"));
     assert!(diffs.is_empty(), "pod-resources API drifted from upstream:\n{}", diffs.join("\n"));
@@ -210,6 +217,8 @@ fn grpc_method_paths_are_the_kubelets() {
     }
     paths.sort();
     let expected = [
+        baleen_proto::pluginregistration::v1::GET_INFO_PATH,
+        baleen_proto::pluginregistration::v1::NOTIFY_PATH,
         "/v1.PodResourcesLister/Get",
         "/v1.PodResourcesLister/GetAllocatableResources",
         "/v1.PodResourcesLister/List",
