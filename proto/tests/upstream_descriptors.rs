@@ -170,7 +170,11 @@ fn device_plugin_v1beta1_matches_upstream() {
 fn plugin_registration_v1_matches_upstream() {
     let diffs =
         differences(&our_file("pluginregistration"), &upstream("pluginregistration_v1.proto"));
-    assert!(diffs.is_empty(), "plugin-registration API drifted from upstream:\n{}", diffs.join("\n"));
+    assert!(
+        diffs.is_empty(),
+        "plugin-registration API drifted from upstream:\n{}",
+        diffs.join("\n")
+    );
 }
 
 #[test]

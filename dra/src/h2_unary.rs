@@ -1,0 +1,638 @@
+//! A small HTTP/2 server for unary gRPC calls, for the one socket no tonic server can serve: the
+//! kubelet's plugin watcher dials a registration socket with grpc-go and no authority override,
+//! so its `:authority` is the socket path percent-encoded, which h2 (under every tonic server)
+//! refuses with PROTOCOL_ERROR (hyperium/h2#487). This server reads `:path` and ignores
+//! `:authority`.
+//!
+//! What it does (RFC 9113): the client preface, SETTINGS both ways (acknowledged), PING
+//! answered, WINDOW_UPDATE for what it receives and tracking of what it may send, HEADERS with
+//! CONTINUATION, padding and priority, DATA, RST_STREAM, GOAWAY. Header blocks are decoded by
+//! `loona-hpack` (Huffman, the dynamic table); the answers' headers are written as HPACK
+//! literals without indexing, which any decoder reads whatever table size it chose. A request is
+//! one gRPC message (uncompressed); the answer is `:status 200`, the message, and the
+//! `grpc-status` trailer, or a trailers-only error. Bounds: frames of at most 16 KiB (the
+//! default it never raises), 64 KiB of header block, 1 MiB of message, 16 streams at once, an
+//! idle connection closed after [`IDLE`]. Anything it does not accept ends the connection with
+//! GOAWAY and the error code the RFC names.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The client connection preface.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// The largest frame payload this server accepts (SETTINGS_MAX_FRAME_SIZE's default, which it
+/// does not raise) and sends.
+const MAX_FRAME: usize = 16_384;
+/// The largest header block (HEADERS and its CONTINUATIONs) accepted.
+const MAX_HEADER_BLOCK: usize = 64 << 10;
+/// The largest request message accepted.
+const MAX_MESSAGE: usize = 1 << 20;
+/// Streams open at once (advertised as SETTINGS_MAX_CONCURRENT_STREAMS).
+const MAX_STREAMS: usize = 16;
+/// A connection that sends nothing for this long is closed.
+pub const IDLE: Duration = Duration::from_secs(60);
+
+const DATA: u8 = 0x0;
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const PUSH_PROMISE: u8 = 0x5;
+const PING: u8 = 0x6;
+const GOAWAY: u8 = 0x7;
+const WINDOW_UPDATE: u8 = 0x8;
+const CONTINUATION: u8 = 0x9;
+
+const END_STREAM: u8 = 0x1;
+const ACK: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY_FLAG: u8 = 0x20;
+
+/// HTTP/2 error codes (RFC 9113, section 7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum H2Error {
+    /// PROTOCOL_ERROR.
+    Protocol = 0x1,
+    /// FLOW_CONTROL_ERROR.
+    FlowControl = 0x3,
+    /// FRAME_SIZE_ERROR.
+    FrameSize = 0x6,
+    /// REFUSED_STREAM.
+    RefusedStream = 0x7,
+    /// COMPRESSION_ERROR.
+    Compression = 0x9,
+    /// ENHANCE_YOUR_CALM.
+    EnhanceYourCalm = 0xb,
+}
+
+/// gRPC status codes this server answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Code {
+    /// INVALID_ARGUMENT.
+    InvalidArgument = 3,
+    /// RESOURCE_EXHAUSTED.
+    ResourceExhausted = 8,
+    /// UNIMPLEMENTED.
+    Unimplemented = 12,
+    /// INTERNAL.
+    Internal = 13,
+}
+
+/// A call's failure: its gRPC status and message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    /// The code.
+    pub code: Code,
+    /// What went wrong, for the caller.
+    pub message: String,
+}
+
+impl Status {
+    /// A status with `code` and `message`.
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        Self { code, message: message.into() }
+    }
+}
+
+/// One call as it came.
+#[derive(Debug)]
+pub struct Call<'a> {
+    /// `:path`: `/package.Service/Method`.
+    pub path: &'a str,
+    /// `:authority` as the client sent it (the kubelet: its socket path, percent-encoded), or
+    /// empty; never judged.
+    pub authority: &'a str,
+    /// The request message, encoded.
+    pub message: &'a [u8],
+}
+
+/// What serves the calls: the answer's message, encoded.
+pub trait Unary: Send + Sync {
+    /// Answers one call.
+    fn call(&self, call: &Call<'_>) -> Result<Vec<u8>, Status>;
+}
+
+/// How a connection ended, for the log and tests.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// The client closed it, or said GOAWAY.
+    Closed,
+    /// Nothing came for [`IDLE`] (or the server's shutdown).
+    Idle,
+    /// The client broke the protocol; the server said GOAWAY with this code.
+    Refused(H2Error, String),
+    /// Reading or writing failed.
+    Io(String),
+}
+
+#[derive(Default)]
+struct Stream {
+    path: Option<String>,
+    authority: String,
+    body: Vec<u8>,
+    /// The client's flow-control window for what this server sends on the stream.
+    send_window: i64,
+}
+
+/// One frame's header.
+struct Frame {
+    kind: u8,
+    flags: u8,
+    stream: u32,
+    payload: Vec<u8>,
+}
+
+struct Connection<'h, H: ?Sized> {
+    handler: &'h H,
+    decoder: loona_hpack::Decoder<'static>,
+    streams: HashMap<u32, Stream>,
+    /// A header block waiting for CONTINUATION frames: its stream, bytes, END_STREAM.
+    pending: Option<(u32, Vec<u8>, bool)>,
+    /// The client's connection-level window for what this server sends.
+    send_window: i64,
+    /// The client's SETTINGS_INITIAL_WINDOW_SIZE.
+    initial_window: i64,
+    highest_stream: u32,
+    out: Vec<u8>,
+}
+
+/// Serves one connection until it ends, with `handler` answering its calls.
+pub async fn serve<S, H>(io: S, handler: &H, idle: Duration) -> Ended
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    H: Unary + ?Sized,
+{
+    let (mut reader, mut writer) = tokio::io::split(io);
+    let mut preface = [0u8; PREFACE.len()];
+    match tokio::time::timeout(idle, reader.read_exact(&mut preface)).await {
+        Err(_) => return Ended::Idle,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ended::Closed,
+        Ok(Err(e)) => return Ended::Io(e.to_string()),
+        Ok(Ok(_)) if preface != PREFACE => {
+            // Not HTTP/2 with prior knowledge: nothing sensible can be said back.
+            return Ended::Refused(H2Error::Protocol, "not the HTTP/2 client preface".into());
+        }
+        Ok(Ok(_)) => {}
+    }
+    let mut c = Connection {
+        handler,
+        decoder: loona_hpack::Decoder::new(),
+        streams: HashMap::new(),
+        pending: None,
+        send_window: 65_535,
+        initial_window: 65_535,
+        highest_stream: 0,
+        out: Vec::new(),
+    };
+    // Our SETTINGS: at most MAX_STREAMS streams; every other setting at its default.
+    let mut settings = Vec::new();
+    settings.extend_from_slice(&0x3u16.to_be_bytes());
+    settings.extend_from_slice(&u32::try_from(MAX_STREAMS).unwrap_or(16).to_be_bytes());
+    c.frame(SETTINGS, 0, 0, &settings);
+    loop {
+        if !c.out.is_empty() {
+            let sent = writer.write_all(&c.out).await;
+            c.out.clear();
+            if let Err(e) = sent.and(writer.flush().await) {
+                return Ended::Io(e.to_string());
+            }
+        }
+        let frame = match tokio::time::timeout(idle, read_frame(&mut reader)).await {
+            Err(_) => return Ended::Idle,
+            Ok(Err(ReadError::Closed)) => return Ended::Closed,
+            Ok(Err(ReadError::Io(e))) => return Ended::Io(e),
+            Ok(Err(ReadError::TooLarge(n))) => {
+                return c
+                    .refuse(&mut writer, H2Error::FrameSize, format!("a frame of {n} bytes"))
+                    .await;
+            }
+            Ok(Ok(f)) => f,
+        };
+        match c.on_frame(frame) {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = writer.write_all(&c.out).await;
+                let _ = writer.flush().await;
+                return Ended::Closed;
+            }
+            Err((code, why)) => return c.refuse(&mut writer, code, why).await,
+        }
+    }
+}
+
+enum ReadError {
+    Closed,
+    TooLarge(usize),
+    Io(String),
+}
+
+async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Frame, ReadError> {
+    let mut head = [0u8; 9];
+    match reader.read_exact(&mut head).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ReadError::Closed),
+        Err(e) => return Err(ReadError::Io(e.to_string())),
+    }
+    let length = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+    if length > MAX_FRAME {
+        return Err(ReadError::TooLarge(length));
+    }
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+    let mut payload = vec![0u8; length];
+    reader.read_exact(&mut payload).await.map_err(|e| ReadError::Io(e.to_string()))?;
+    Ok(Frame { kind: head[3], flags: head[4], stream, payload })
+}
+
+type Refusal = (H2Error, String);
+
+impl<H: Unary + ?Sized> Connection<'_, H> {
+    fn frame(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let length = u32::try_from(payload.len()).unwrap_or(u32::MAX).to_be_bytes();
+        self.out.extend_from_slice(&length[1..]);
+        self.out.push(kind);
+        self.out.push(flags);
+        self.out.extend_from_slice(&stream.to_be_bytes());
+        self.out.extend_from_slice(payload);
+    }
+
+    async fn refuse<W: AsyncWrite + Unpin>(
+        &mut self,
+        writer: &mut W,
+        code: H2Error,
+        why: String,
+    ) -> Ended {
+        let mut payload = self.highest_stream.to_be_bytes().to_vec();
+        payload.extend_from_slice(&(code as u32).to_be_bytes());
+        payload.extend_from_slice(why.as_bytes());
+        payload.truncate(MAX_FRAME);
+        self.frame(GOAWAY, 0, 0, &payload);
+        let _ = writer.write_all(&self.out).await;
+        let _ = writer.flush().await;
+        Ended::Refused(code, why)
+    }
+
+    /// Handles one frame; `Ok(false)` when the client said GOAWAY.
+    fn on_frame(&mut self, f: Frame) -> Result<bool, Refusal> {
+        if let Some((stream, _, _)) = &self.pending
+            && (f.kind != CONTINUATION || f.stream != *stream)
+        {
+            return Err((H2Error::Protocol, "a frame inside a header block".into()));
+        }
+        match f.kind {
+            SETTINGS => self.on_settings(&f)?,
+            PING => {
+                if f.stream != 0 || f.payload.len() != 8 {
+                    return Err((H2Error::Protocol, "a malformed PING".into()));
+                }
+                if f.flags & ACK == 0 {
+                    self.frame(PING, ACK, 0, &f.payload);
+                }
+            }
+            WINDOW_UPDATE => {
+                let Ok(bytes) = <[u8; 4]>::try_from(f.payload.as_slice()) else {
+                    return Err((H2Error::FrameSize, "a malformed WINDOW_UPDATE".into()));
+                };
+                let increment = i64::from(u32::from_be_bytes(bytes) & 0x7fff_ffff);
+                let window = if f.stream == 0 {
+                    Some(&mut self.send_window)
+                } else {
+                    self.streams.get_mut(&f.stream).map(|s| &mut s.send_window)
+                };
+                if let Some(w) = window {
+                    *w += increment;
+                    if *w > i64::from(i32::MAX) {
+                        return Err((H2Error::FlowControl, "a window past 2^31-1".into()));
+                    }
+                }
+            }
+            HEADERS => self.on_headers(f)?,
+            CONTINUATION => {
+                let Some((stream, mut block, end_stream)) = self.pending.take() else {
+                    return Err((H2Error::Protocol, "CONTINUATION without HEADERS".into()));
+                };
+                block.extend_from_slice(&f.payload);
+                if block.len() > MAX_HEADER_BLOCK {
+                    return Err((H2Error::EnhanceYourCalm, "a header block past 64 KiB".into()));
+                }
+                if f.flags & END_HEADERS != 0 {
+                    self.on_header_block(stream, &block, end_stream)?;
+                } else {
+                    self.pending = Some((stream, block, end_stream));
+                }
+            }
+            DATA => self.on_data(f)?,
+            RST_STREAM => {
+                self.streams.remove(&f.stream);
+            }
+            GOAWAY => return Ok(false),
+            PUSH_PROMISE => return Err((H2Error::Protocol, "a client may not push".into())),
+            // PRIORITY, and frame types this server does not know, are ignored (RFC 9113, 4.1).
+            _ => {}
+        }
+        Ok(true)
+    }
+
+    fn on_settings(&mut self, f: &Frame) -> Result<(), Refusal> {
+        if f.stream != 0 || !f.payload.len().is_multiple_of(6) {
+            return Err((H2Error::FrameSize, "a malformed SETTINGS".into()));
+        }
+        if f.flags & ACK != 0 {
+            return Ok(());
+        }
+        for pair in f.payload.chunks_exact(6) {
+            let id = u16::from_be_bytes([pair[0], pair[1]]);
+            let value = u32::from_be_bytes([pair[2], pair[3], pair[4], pair[5]]);
+            if id == 0x4 {
+                // SETTINGS_INITIAL_WINDOW_SIZE moves every open stream's window by the change.
+                if value > 0x7fff_ffff {
+                    return Err((H2Error::FlowControl, "an initial window past 2^31-1".into()));
+                }
+                let change = i64::from(value) - self.initial_window;
+                self.initial_window = i64::from(value);
+                for s in self.streams.values_mut() {
+                    s.send_window += change;
+                }
+            }
+            // The others (table size: this server's answers never index; frame size: it
+            // sends at most the default; push, streams) need nothing of it.
+        }
+        self.frame(SETTINGS, ACK, 0, &[]);
+        Ok(())
+    }
+
+    fn on_headers(&mut self, f: Frame) -> Result<(), Refusal> {
+        if f.stream == 0 || f.stream.is_multiple_of(2) {
+            return Err((H2Error::Protocol, format!("HEADERS on stream {}", f.stream)));
+        }
+        let mut block = unpad(&f)?;
+        if f.flags & PRIORITY_FLAG != 0 {
+            if block.len() < 5 {
+                return Err((H2Error::FrameSize, "a short HEADERS priority".into()));
+            }
+            block = &block[5..];
+        }
+        let block = block.to_vec();
+        let end_stream = f.flags & END_STREAM != 0;
+        if f.flags & END_HEADERS != 0 {
+            self.on_header_block(f.stream, &block, end_stream)
+        } else {
+            self.pending = Some((f.stream, block, end_stream));
+            Ok(())
+        }
+    }
+
+    fn on_header_block(
+        &mut self,
+        stream: u32,
+        block: &[u8],
+        end_stream: bool,
+    ) -> Result<(), Refusal> {
+        // Decoded even for a stream refused below: the decoder's table must see every block.
+        let mut path = None;
+        let mut authority = String::new();
+        let mut method_post = false;
+        let mut grpc = false;
+        self.decoder
+            .decode_with_cb(block, |name, value| match &*name {
+                b":path" => path = Some(String::from_utf8_lossy(&value).into_owned()),
+                b":authority" => authority = String::from_utf8_lossy(&value).into_owned(),
+                b":method" => method_post = &*value == b"POST",
+                b"content-type" => grpc = value.starts_with(b"application/grpc"),
+                _ => {}
+            })
+            .map_err(|e| {
+                (H2Error::Compression, format!("a header block HPACK cannot decode: {e}"))
+            })?;
+        if self.streams.contains_key(&stream) {
+            // Trailers from the client end its message.
+            if !end_stream {
+                return Err((H2Error::Protocol, "trailers without END_STREAM".into()));
+            }
+            self.finish(stream);
+            return Ok(());
+        }
+        if stream <= self.highest_stream {
+            return Err((H2Error::Protocol, format!("stream {stream} reused or out of order")));
+        }
+        self.highest_stream = stream;
+        if self.streams.len() >= MAX_STREAMS {
+            let code = (H2Error::RefusedStream as u32).to_be_bytes();
+            self.frame(RST_STREAM, 0, stream, &code);
+            return Ok(());
+        }
+        let path = path.filter(|_| method_post && grpc);
+        let answerable = path.is_some();
+        self.streams.insert(
+            stream,
+            Stream { path, authority, body: Vec::new(), send_window: self.initial_window },
+        );
+        if !answerable {
+            // Not a gRPC call: answered as one that failed, so that any client learns why.
+            let why = "only gRPC calls (POST, application/grpc, a :path) are served here";
+            self.answer_status(stream, &Status::new(Code::Unimplemented, why));
+        } else if end_stream {
+            self.finish(stream);
+        }
+        Ok(())
+    }
+
+    fn on_data(&mut self, f: Frame) -> Result<(), Refusal> {
+        let received = u32::try_from(f.payload.len()).unwrap_or(0);
+        if received > 0 {
+            // Whatever comes back to the client's window at once: the bound is MAX_MESSAGE.
+            self.frame(WINDOW_UPDATE, 0, 0, &received.to_be_bytes());
+        }
+        let data = unpad(&f)?.to_vec();
+        if !self.streams.contains_key(&f.stream) {
+            // A stream already answered or reset: its data is dropped.
+            return Ok(());
+        }
+        if received > 0 && f.flags & END_STREAM == 0 {
+            self.frame(WINDOW_UPDATE, 0, f.stream, &received.to_be_bytes());
+        }
+        let Some(s) = self.streams.get_mut(&f.stream) else { return Ok(()) };
+        if s.body.len() + data.len() > MAX_MESSAGE + 5 {
+            let why = format!("a request past {MAX_MESSAGE} bytes");
+            self.answer_status(f.stream, &Status::new(Code::ResourceExhausted, why));
+            let code = 0x8u32.to_be_bytes(); // CANCEL: nothing more is read of it.
+            self.frame(RST_STREAM, 0, f.stream, &code);
+            return Ok(());
+        }
+        s.body.extend_from_slice(&data);
+        if f.flags & END_STREAM != 0 {
+            self.finish(f.stream);
+        }
+        Ok(())
+    }
+
+    /// The client's message is complete: the call is answered and the stream closed.
+    fn finish(&mut self, stream: u32) {
+        let Some(s) = self.streams.get(&stream) else { return };
+        let Some(path) = s.path.clone() else {
+            self.streams.remove(&stream);
+            return;
+        };
+        let answer = match grpc_message(&s.body) {
+            Ok(message) => {
+                self.handler.call(&Call { path: &path, authority: &s.authority, message })
+            }
+            Err(status) => Err(status),
+        };
+        match answer {
+            Ok(message) => self.answer_message(stream, &message),
+            Err(status) => self.answer_status(stream, &status),
+        }
+    }
+
+    fn answer_message(&mut self, stream: u32, message: &[u8]) {
+        let mut body = Vec::with_capacity(message.len() + 5);
+        body.push(0);
+        body.extend_from_slice(&u32::try_from(message.len()).unwrap_or(u32::MAX).to_be_bytes());
+        body.extend_from_slice(message);
+        let window = self.streams.get(&stream).map_or(0, |s| s.send_window).min(self.send_window);
+        if i64::try_from(body.len()).unwrap_or(i64::MAX) > window {
+            let why = "the answer is larger than the client's flow-control window";
+            self.answer_status(stream, &Status::new(Code::ResourceExhausted, why));
+            return;
+        }
+        self.send_window -= i64::try_from(body.len()).unwrap_or(0);
+        let mut head = Vec::new();
+        head.push(0x88); // :status 200, static table index 8.
+        literal(&mut head, b"content-type", b"application/grpc");
+        self.frame(HEADERS, END_HEADERS, stream, &head);
+        for chunk in body.chunks(MAX_FRAME) {
+            self.frame(DATA, 0, stream, chunk);
+        }
+        let mut trailers = Vec::new();
+        literal(&mut trailers, b"grpc-status", b"0");
+        self.frame(HEADERS, END_HEADERS | END_STREAM, stream, &trailers);
+        self.streams.remove(&stream);
+    }
+
+    /// A trailers-only answer: the status, no message.
+    fn answer_status(&mut self, stream: u32, status: &Status) {
+        let mut head = Vec::new();
+        head.push(0x88);
+        literal(&mut head, b"content-type", b"application/grpc");
+        literal(&mut head, b"grpc-status", (status.code as u8).to_string().as_bytes());
+        literal(&mut head, b"grpc-message", &percent_encode(&status.message));
+        self.frame(HEADERS, END_HEADERS | END_STREAM, stream, &head);
+        self.streams.remove(&stream);
+    }
+}
+
+/// The frame's payload without its padding.
+fn unpad(f: &Frame) -> Result<&[u8], Refusal> {
+    if f.flags & PADDED == 0 {
+        return Ok(&f.payload);
+    }
+    let Some((&pad, rest)) = f.payload.split_first() else {
+        return Err((H2Error::FrameSize, "a padded frame with no pad length".into()));
+    };
+    let pad = usize::from(pad);
+    if pad > rest.len() {
+        return Err((H2Error::Protocol, "padding longer than the frame".into()));
+    }
+    Ok(&rest[..rest.len() - pad])
+}
+
+/// The one gRPC message of a unary request body.
+fn grpc_message(body: &[u8]) -> Result<&[u8], Status> {
+    let Some((&compressed, rest)) = body.split_first() else {
+        return Err(Status::new(Code::Internal, "the request carried no message"));
+    };
+    if compressed != 0 {
+        return Err(Status::new(Code::Unimplemented, "compressed messages are not accepted"));
+    }
+    let (Some(length), Some(message)) = (rest.get(..4), rest.get(4..)) else {
+        return Err(Status::new(Code::Internal, "a message shorter than its prefix"));
+    };
+    let length = u32::from_be_bytes([length[0], length[1], length[2], length[3]]);
+    if usize::try_from(length).ok() != Some(message.len()) {
+        return Err(Status::new(Code::InvalidArgument, "a unary call carries exactly one message"));
+    }
+    Ok(message)
+}
+
+/// An HPACK integer with an `n`-bit prefix, the first byte's high bits `first`.
+fn integer(out: &mut Vec<u8>, first: u8, n: u32, value: usize) {
+    let max = (1usize << n) - 1;
+    if value < max {
+        out.push(first | u8::try_from(value).unwrap_or(0));
+        return;
+    }
+    out.push(first | u8::try_from(max).unwrap_or(0));
+    let mut rest = value - max;
+    while rest >= 128 {
+        out.push(u8::try_from(rest % 128).unwrap_or(0) | 0x80);
+        rest /= 128;
+    }
+    out.push(u8::try_from(rest).unwrap_or(0));
+}
+
+/// A literal header field without indexing, new name, no Huffman (RFC 7541, 6.2.2).
+fn literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.push(0x00);
+    integer(out, 0, 7, name.len());
+    out.extend_from_slice(name);
+    integer(out, 0, 7, value.len());
+    out.extend_from_slice(value);
+}
+
+/// `grpc-message`'s encoding: printable ASCII but `%` as is, every other byte `%XX`.
+fn percent_encode(text: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len());
+    for &b in text.as_bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(b);
+        } else {
+            out.extend_from_slice(format!("%{b:02X}").as_bytes());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_are_rfc_7541s_examples() {
+        // C.1.1: 10 with a 5-bit prefix; C.1.2: 1337 with a 5-bit prefix.
+        let mut out = Vec::new();
+        integer(&mut out, 0, 5, 10);
+        assert_eq!(out, [0x0a]);
+        out.clear();
+        integer(&mut out, 0, 5, 1337);
+        assert_eq!(out, [0x1f, 0x9a, 0x0a]);
+    }
+
+    #[test]
+    fn literals_decode_with_the_crate_whatever_the_table() {
+        let mut block = vec![0x88];
+        let long = "x".repeat(300);
+        literal(&mut block, b"grpc-message", long.as_bytes());
+        let mut decoder = loona_hpack::Decoder::new();
+        decoder.set_max_table_size(0);
+        let headers = decoder.decode(&block).expect("decodes");
+        assert_eq!(headers[0], (b":status".to_vec(), b"200".to_vec()));
+        assert_eq!(headers[1], (b"grpc-message".to_vec(), long.into_bytes()));
+    }
+
+    #[test]
+    fn messages_are_percent_encoded() {
+        assert_eq!(percent_encode("a b%c\né"), b"a b%25c%0A%C3%A9");
+    }
+
+    #[test]
+    fn a_unary_body_is_one_uncompressed_message() {
+        assert_eq!(grpc_message(&[0, 0, 0, 0, 2, 7, 8]), Ok(&[7u8, 8][..]));
+        assert_eq!(grpc_message(&[]).unwrap_err().code, Code::Internal);
+        assert_eq!(grpc_message(&[1, 0, 0, 0, 0]).unwrap_err().code, Code::Unimplemented);
+        assert_eq!(grpc_message(&[0, 0, 0, 0, 1, 7, 8]).unwrap_err().code, Code::InvalidArgument);
+    }
+}

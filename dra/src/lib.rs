@@ -1,0 +1,10 @@
+//! The agent's DRA kubelet-plugin mode (issue 26), growing: for now the registration that a
+//! real kubelet accepts.
+//!
+//! - [`h2_unary`]: a small HTTP/2 server for unary gRPC calls that reads `:path` and accepts
+//!   any `:authority` (the kubelet's plugin watcher sends its socket path, which h2 refuses);
+//! - [`registration`]: `pluginregistration.Registration` (`GetInfo`,
+//!   `NotifyRegistrationStatus`) on `<registry>/<driver>-reg.sock`.
+
+pub mod h2_unary;
+pub mod registration;
