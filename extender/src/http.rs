@@ -229,10 +229,6 @@ async fn accept(
             continue;
         };
         refused_logged = false;
-        // Answers of 100 KiB and more go out as they are written (Go's client sets it too).
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-        }
         let router = router.clone();
         let tls = tls.clone();
         let shutdown = shutdown.clone();
