@@ -131,7 +131,7 @@ pub enum Ended {
 
 #[derive(Default)]
 struct Stream {
-    path: Option<String>,
+    path: String,
     authority: String,
     body: Vec<u8>,
     /// The client's flow-control window for what this server sends on the stream.
@@ -375,12 +375,11 @@ impl<H: Unary + ?Sized> Connection<'_, H> {
             }
             block = &block[5..];
         }
-        let block = block.to_vec();
         let end_stream = f.flags & END_STREAM != 0;
         if f.flags & END_HEADERS != 0 {
-            self.on_header_block(f.stream, &block, end_stream)
+            self.on_header_block(f.stream, block, end_stream)
         } else {
-            self.pending = Some((f.stream, block, end_stream));
+            self.pending = Some((f.stream, block.to_vec(), end_stream));
             Ok(())
         }
     }
@@ -424,17 +423,17 @@ impl<H: Unary + ?Sized> Connection<'_, H> {
             self.frame(RST_STREAM, 0, stream, &code);
             return Ok(());
         }
-        let path = path.filter(|_| method_post && grpc);
-        let answerable = path.is_some();
+        let Some(path) = path.filter(|_| method_post && grpc) else {
+            // Not a gRPC call: answered as one that failed, so that any client learns why.
+            let why = "only gRPC calls (POST, application/grpc, a :path) are served here";
+            self.answer_status(stream, &Status::new(Code::Unimplemented, why));
+            return Ok(());
+        };
         self.streams.insert(
             stream,
             Stream { path, authority, body: Vec::new(), send_window: self.initial_window },
         );
-        if !answerable {
-            // Not a gRPC call: answered as one that failed, so that any client learns why.
-            let why = "only gRPC calls (POST, application/grpc, a :path) are served here";
-            self.answer_status(stream, &Status::new(Code::Unimplemented, why));
-        } else if end_stream {
+        if end_stream {
             self.finish(stream);
         }
         Ok(())
@@ -446,60 +445,54 @@ impl<H: Unary + ?Sized> Connection<'_, H> {
             // Whatever comes back to the client's window at once: the bound is MAX_MESSAGE.
             self.frame(WINDOW_UPDATE, 0, 0, &received.to_be_bytes());
         }
-        let data = unpad(&f)?.to_vec();
-        if !self.streams.contains_key(&f.stream) {
+        let data = unpad(&f)?;
+        let Some(s) = self.streams.get_mut(&f.stream) else {
             // A stream already answered or reset: its data is dropped.
             return Ok(());
-        }
-        if received > 0 && f.flags & END_STREAM == 0 {
-            self.frame(WINDOW_UPDATE, 0, f.stream, &received.to_be_bytes());
-        }
-        let Some(s) = self.streams.get_mut(&f.stream) else { return Ok(()) };
+        };
         if s.body.len() + data.len() > MAX_MESSAGE + 5 {
+            self.streams.remove(&f.stream);
             let why = format!("a request past {MAX_MESSAGE} bytes");
             self.answer_status(f.stream, &Status::new(Code::ResourceExhausted, why));
             let code = 0x8u32.to_be_bytes(); // CANCEL: nothing more is read of it.
             self.frame(RST_STREAM, 0, f.stream, &code);
             return Ok(());
         }
-        s.body.extend_from_slice(&data);
+        s.body.extend_from_slice(data);
         if f.flags & END_STREAM != 0 {
             self.finish(f.stream);
+        } else if received > 0 {
+            self.frame(WINDOW_UPDATE, 0, f.stream, &received.to_be_bytes());
         }
         Ok(())
     }
 
     /// The client's message is complete: the call is answered and the stream closed.
     fn finish(&mut self, stream: u32) {
-        let Some(s) = self.streams.get(&stream) else { return };
-        let Some(path) = s.path.clone() else {
-            self.streams.remove(&stream);
-            return;
-        };
-        let answer = match grpc_message(&s.body) {
-            Ok(message) => {
-                self.handler.call(&Call { path: &path, authority: &s.authority, message })
-            }
-            Err(status) => Err(status),
-        };
+        let Some(s) = self.streams.remove(&stream) else { return };
+        let answer = grpc_message(&s.body).and_then(|message| {
+            self.handler.call(&Call { path: &s.path, authority: &s.authority, message })
+        });
         match answer {
-            Ok(message) => self.answer_message(stream, &message),
+            Ok(message) => self.answer_message(stream, s.send_window, &message),
             Err(status) => self.answer_status(stream, &status),
         }
     }
 
-    fn answer_message(&mut self, stream: u32, message: &[u8]) {
+    /// The answer's message, within the client's window for the stream (`window`) and the
+    /// connection.
+    fn answer_message(&mut self, stream: u32, window: i64, message: &[u8]) {
         let mut body = Vec::with_capacity(message.len() + 5);
         body.push(0);
         body.extend_from_slice(&u32::try_from(message.len()).unwrap_or(u32::MAX).to_be_bytes());
         body.extend_from_slice(message);
-        let window = self.streams.get(&stream).map_or(0, |s| s.send_window).min(self.send_window);
-        if i64::try_from(body.len()).unwrap_or(i64::MAX) > window {
+        let size = i64::try_from(body.len()).unwrap_or(i64::MAX);
+        if size > window.min(self.send_window) {
             let why = "the answer is larger than the client's flow-control window";
             self.answer_status(stream, &Status::new(Code::ResourceExhausted, why));
             return;
         }
-        self.send_window -= i64::try_from(body.len()).unwrap_or(0);
+        self.send_window -= size;
         let mut head = Vec::new();
         head.push(0x88); // :status 200, static table index 8.
         literal(&mut head, b"content-type", b"application/grpc");
@@ -510,7 +503,6 @@ impl<H: Unary + ?Sized> Connection<'_, H> {
         let mut trailers = Vec::new();
         literal(&mut trailers, b"grpc-status", b"0");
         self.frame(HEADERS, END_HEADERS | END_STREAM, stream, &trailers);
-        self.streams.remove(&stream);
     }
 
     /// A trailers-only answer: the status, no message.
@@ -521,7 +513,6 @@ impl<H: Unary + ?Sized> Connection<'_, H> {
         literal(&mut head, b"grpc-status", (status.code as u8).to_string().as_bytes());
         literal(&mut head, b"grpc-message", &percent_encode(&status.message));
         self.frame(HEADERS, END_HEADERS | END_STREAM, stream, &head);
-        self.streams.remove(&stream);
     }
 }
 

@@ -125,11 +125,11 @@ impl PodEntry {
     }
 }
 
-/// One node's place in the view: its name, its entry (none while it is gone) and its stamp.
-/// A name keeps its slot for the view's life, so that the verbs' memos can be indexed by slot.
+/// One node's place in the view: its entry (none while it is gone) and its stamp (its name is
+/// the [`NameIndex`]'s). A name keeps its slot for the view's life, so that the verbs' memos
+/// can be indexed by slot.
 #[derive(Debug)]
 struct Slot {
-    name: String,
     entry: Option<NodeEntry>,
     stamp: u64,
 }
@@ -161,10 +161,15 @@ struct NameIndex {
     table: hashbrown::HashTable<usize>,
 }
 
+/// Slot `slot`'s name in [`NameIndex`]'s `names` and `ends`.
+fn name_at<'a>(names: &'a str, ends: &[usize], slot: usize) -> &'a str {
+    let start = slot.checked_sub(1).map_or(0, |i| ends[i]);
+    &names[start..ends[slot]]
+}
+
 impl NameIndex {
     fn name(&self, slot: usize) -> &str {
-        let start = slot.checked_sub(1).map_or(0, |i| self.ends[i]);
-        &self.names[start..self.ends[slot]]
+        name_at(&self.names, &self.ends, slot)
     }
 
     fn hash(&self, name: &str) -> u64 {
@@ -183,8 +188,7 @@ impl NameIndex {
         let hash = self.hash(name);
         let Self { hasher, names, ends, table } = self;
         table.insert_unique(hash, slot, |&i| {
-            let start = i.checked_sub(1).map_or(0, |j| ends[j]);
-            std::hash::BuildHasher::hash_one(&*hasher, &names[start..ends[i]])
+            std::hash::BuildHasher::hash_one(&*hasher, name_at(names, ends, i))
         });
         slot
     }
@@ -215,7 +219,7 @@ impl ClusterView {
             return i;
         }
         let i = self.ids.push(name);
-        self.slots.push(Slot { name: name.to_owned(), entry: None, stamp: 0 });
+        self.slots.push(Slot { entry: None, stamp: 0 });
         i
     }
 
@@ -268,12 +272,8 @@ impl ClusterView {
 
     /// Keeps only the nodes `keep` names (after a watcher's fresh list).
     pub fn retain_nodes(&mut self, keep: impl Fn(&str) -> bool) {
-        let gone: Vec<String> = self
-            .slots
-            .iter()
-            .filter(|s| s.entry.is_some() && !keep(&s.name))
-            .map(|s| s.name.clone())
-            .collect();
+        let gone: Vec<String> =
+            self.nodes().filter(|(name, _)| !keep(name)).map(|(name, _)| name.to_owned()).collect();
         for name in gone {
             self.remove_node(&name);
         }
@@ -293,8 +293,11 @@ impl ClusterView {
     }
 
     /// Every node.
-    pub fn nodes(&self) -> impl Iterator<Item = (&String, &NodeEntry)> {
-        self.slots.iter().filter_map(|s| Some((&s.name, s.entry.as_ref()?)))
+    pub fn nodes(&self) -> impl Iterator<Item = (&str, &NodeEntry)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((self.ids.name(i), s.entry.as_ref()?)))
     }
 
     /// How many nodes.
