@@ -590,6 +590,152 @@ fn percent_encode(text: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// Echoes the message.
+    struct Echo;
+    impl Unary for Echo {
+        fn call(&self, call: &Call<'_>) -> Result<Vec<u8>, Status> {
+            Ok(call.message.to_vec())
+        }
+    }
+
+    fn raw_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = u32::try_from(payload.len()).expect("len").to_be_bytes()[1..].to_vec();
+        out.extend_from_slice(&[kind, flags]);
+        out.extend_from_slice(&stream.to_be_bytes());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    fn request_headers() -> Vec<u8> {
+        let mut block = vec![0x83]; // :method POST
+        literal(&mut block, b":path", b"/x.Y/Z");
+        literal(&mut block, b":authority", b"%2Fvar%2Flib%2Fkubelet%2Fx-reg.sock");
+        literal(&mut block, b"content-type", b"application/grpc");
+        block
+    }
+
+    /// Runs the server on `input` (after the preface) and returns how it ended and what it wrote.
+    async fn exchange(input: &[u8]) -> (Ended, Vec<u8>) {
+        let (client, server) = tokio::io::duplex(4 << 20);
+        let (mut read, mut write) = tokio::io::split(client);
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend_from_slice(input);
+        let writer = tokio::spawn(async move {
+            write.write_all(&bytes).await.expect("write");
+            write.shutdown().await.expect("shutdown");
+        });
+        let ended = serve(server, &Echo, Duration::from_secs(5)).await;
+        writer.await.expect("writer");
+        let mut out = Vec::new();
+        read.read_to_end(&mut out).await.expect("read");
+        (ended, out)
+    }
+
+    /// The frames in `out`: (kind, flags, stream, payload).
+    fn frames(mut out: &[u8]) -> Vec<(u8, u8, u32, Vec<u8>)> {
+        let mut all = Vec::new();
+        while out.len() >= 9 {
+            let n = usize::from(out[0]) << 16 | usize::from(out[1]) << 8 | usize::from(out[2]);
+            let stream = u32::from_be_bytes([out[5], out[6], out[7], out[8]]);
+            all.push((out[3], out[4], stream, out[9..9 + n].to_vec()));
+            out = &out[9 + n..];
+        }
+        all
+    }
+
+    #[tokio::test]
+    async fn a_call_split_over_continuation_and_padded_data_is_answered() {
+        let block = request_headers();
+        let (first, rest) = block.split_at(5);
+        let mut input = raw_frame(SETTINGS, 0, 0, &[]);
+        input.extend(raw_frame(HEADERS, 0, 1, first));
+        input.extend(raw_frame(CONTINUATION, END_HEADERS, 1, rest));
+        // One message of 3 bytes, padded with 4.
+        input.extend(raw_frame(
+            DATA,
+            PADDED | END_STREAM,
+            1,
+            &[4, 0, 0, 0, 0, 3, 7, 8, 9, 0, 0, 0, 0],
+        ));
+        input.extend(raw_frame(PING, 0, 0, &[1; 8]));
+        let (ended, out) = exchange(&input).await;
+        assert_eq!(ended, Ended::Closed);
+        let frames = frames(&out);
+        assert!(frames.iter().any(|f| f.0 == SETTINGS && f.1 == ACK), "settings acked");
+        assert!(frames.iter().any(|f| f.0 == PING && f.1 == ACK && f.3 == [1; 8]), "ping answered");
+        let data: Vec<_> = frames.iter().filter(|f| f.0 == DATA && f.2 == 1).collect();
+        assert_eq!(data.len(), 1);
+        assert_eq!(data[0].3, [0, 0, 0, 0, 3, 7, 8, 9]);
+        let trailers = frames.iter().rfind(|f| f.0 == HEADERS && f.2 == 1).expect("trailers");
+        assert_eq!(trailers.1, END_HEADERS | END_STREAM);
+        let headers = loona_hpack::Decoder::new().decode(&trailers.3).expect("hpack");
+        assert_eq!(headers, [(b"grpc-status".to_vec(), b"0".to_vec())]);
+    }
+
+    #[tokio::test]
+    async fn a_frame_past_16_kib_ends_the_connection_with_frame_size_error() {
+        let mut input = raw_frame(HEADERS, END_HEADERS, 1, &request_headers());
+        input.extend(raw_frame(DATA, 0, 1, &vec![0; MAX_FRAME + 1]));
+        let (ended, out) = exchange(&input).await;
+        assert!(matches!(ended, Ended::Refused(H2Error::FrameSize, _)), "{ended:?}");
+        let goaway = frames(&out).into_iter().find(|f| f.0 == GOAWAY).expect("GOAWAY");
+        assert_eq!(goaway.3[4..8], (H2Error::FrameSize as u32).to_be_bytes());
+    }
+
+    #[tokio::test]
+    async fn a_message_past_1_mib_is_refused_and_its_stream_cancelled() {
+        let mut input = raw_frame(HEADERS, END_HEADERS, 1, &request_headers());
+        let chunk = vec![0; MAX_FRAME];
+        for _ in 0..=(MAX_MESSAGE / MAX_FRAME) {
+            input.extend(raw_frame(DATA, 0, 1, &chunk));
+        }
+        let (ended, out) = exchange(&input).await;
+        assert_eq!(ended, Ended::Closed);
+        let frames = frames(&out);
+        let status = frames.iter().find(|f| f.0 == HEADERS && f.2 == 1).expect("status");
+        let headers = loona_hpack::Decoder::new().decode(&status.3).expect("hpack");
+        assert!(headers.contains(&(b"grpc-status".to_vec(), b"8".to_vec())), "{headers:?}");
+        assert!(frames.iter().any(|f| f.0 == RST_STREAM && f.2 == 1), "stream cancelled");
+        assert!(!frames.iter().any(|f| f.0 == DATA), "nothing answered");
+    }
+
+    #[tokio::test]
+    async fn streams_past_the_bound_are_refused_and_a_bad_preface_or_block_ends_it() {
+        // 17 streams opened, none finished: the 17th is refused.
+        let mut input = Vec::new();
+        for i in 0..=MAX_STREAMS {
+            let id = u32::try_from(2 * i + 1).expect("id");
+            input.extend(raw_frame(HEADERS, END_HEADERS, id, &request_headers()));
+        }
+        let (_, out) = exchange(&input).await;
+        let refused: Vec<_> = frames(&out).into_iter().filter(|f| f.0 == RST_STREAM).collect();
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].2, 33);
+        assert_eq!(refused[0].3, (H2Error::RefusedStream as u32).to_be_bytes());
+        // A header block HPACK cannot decode (an index past both tables).
+        let (ended, _) = exchange(&raw_frame(HEADERS, END_HEADERS, 1, &[0xff, 0x7f])).await;
+        assert!(matches!(ended, Ended::Refused(H2Error::Compression, _)), "{ended:?}");
+        // A frame of another stream inside a header block.
+        let mut input = raw_frame(HEADERS, 0, 1, &request_headers()[..2]);
+        input.extend(raw_frame(DATA, 0, 3, &[]));
+        let (ended, _) = exchange(&input).await;
+        assert!(matches!(ended, Ended::Refused(H2Error::Protocol, _)), "{ended:?}");
+        // Not HTTP/2 at all.
+        let (client, server) = tokio::io::duplex(1024);
+        let (_, mut write) = tokio::io::split(client);
+        write.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.expect("write");
+        let ended = serve(server, &Echo, Duration::from_secs(5)).await;
+        assert!(matches!(ended, Ended::Refused(H2Error::Protocol, _)), "{ended:?}");
+    }
+
+    #[tokio::test]
+    async fn a_silent_client_is_dropped_when_idle() {
+        let (_client, server) = tokio::io::duplex(1024);
+        let ended = serve(server, &Echo, Duration::from_millis(50)).await;
+        assert_eq!(ended, Ended::Idle);
+    }
 
     #[test]
     fn integers_are_rfc_7541s_examples() {
