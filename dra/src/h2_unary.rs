@@ -590,7 +590,6 @@ fn percent_encode(text: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     /// Echoes the message.
     struct Echo;
