@@ -214,6 +214,11 @@ struct Seen {
     recent: VecDeque<Demand>,
     uids: std::collections::HashSet<String>,
     since_rebuild: usize,
+    /// Pods learned so far.
+    learned: u64,
+    /// Rebuilds asked so far, and how many of those the last finished rebuild covered.
+    asked: u64,
+    built: u64,
 }
 
 /// The extender.
@@ -502,9 +507,11 @@ impl Extender {
             seen.recent.pop_front();
         }
         seen.since_rebuild += 1;
+        seen.learned += 1;
         // The first pod too: until then the target is empty and every node scores the same.
         if seen.since_rebuild >= self.settings.rebuild_every || seen.recent.len() == 1 {
             seen.since_rebuild = 0;
+            seen.asked += 1;
             self.rebuild.notify_one();
         }
         if seen.uids.len() > 4 * self.settings.target_window {
@@ -519,9 +526,9 @@ impl Extender {
 
     /// Rebuilds the policy from the pods seen (the LP of `baleen` runs here, not in a verb).
     pub fn rebuild_policy(&self) {
-        let demands: Vec<Demand> = {
+        let (demands, asked): (Vec<Demand>, u64) = {
             let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-            seen.recent.iter().cloned().collect()
+            (seen.recent.iter().cloned().collect(), seen.asked)
         };
         let requests = self.requests_of(&demands);
         let (cpu, gpus) = {
@@ -584,6 +591,16 @@ impl Extender {
             std::mem::replace(&mut *scores, warm)
         };
         drop(old);
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        seen.built = seen.built.max(asked);
+    }
+
+    /// How many pods the extender has learned from, and whether every policy rebuild they
+    /// asked for has finished: for harnesses that replay a trace and must not depend on how
+    /// fast the watcher and the rebuilder run (the cluster loop's CI tests).
+    pub fn learning(&self) -> (u64, bool) {
+        let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        (seen.learned, seen.built >= seen.asked)
     }
 
     /// The demands as placement requests on the cluster's most common GPU (its units).

@@ -44,6 +44,10 @@ struct Args {
     /// Keep every k-th node only (1: all), for a quicker run.
     #[arg(long, default_value_t = 1)]
     every: usize,
+    /// Wait before each pod until the extender has learned every pod and finished the rebuilds
+    /// they asked for (what the CI tests do: the packing then does not depend on timing).
+    #[arg(long)]
+    settled: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,6 +60,7 @@ fn main() -> anyhow::Result<()> {
         listing_delay: args.listing_delay,
         cpu_most_allocated: args.cpu_most_allocated,
         cpu_by_extender: args.cpu_by_extender,
+        settled: args.settled,
         ..LoopOptions::default()
     };
     let sim = replay(

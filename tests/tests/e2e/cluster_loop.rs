@@ -47,7 +47,8 @@ async fn live_and_replayed(list: &str, seeds: &[u64], options: &LoopOptions) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trace_replayed_through_the_live_path_packs_like_the_replay() -> Result<()> {
-    let (live, replayed) = live_and_replayed("default", &[42], &LoopOptions::default()).await?;
+    let options = LoopOptions { settled: true, ..LoopOptions::default() };
+    let (live, replayed) = live_and_replayed("default", &[42], &options).await?;
     ensure!(live <= replayed + 0.3, "live {live:.2} % unallocated, the replay {replayed:.2} %");
     Ok(())
 }
@@ -59,7 +60,7 @@ async fn a_trace_replayed_through_the_live_path_packs_like_the_replay() -> Resul
 /// same ten seeds were 2.86 points worse (docs/benchmarks.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn where_cpu_is_scarce_the_live_path_packs_like_the_replay() -> Result<()> {
-    let options = LoopOptions { cpu_by_extender: true, ..LoopOptions::default() };
+    let options = LoopOptions { cpu_by_extender: true, settled: true, ..LoopOptions::default() };
     let seeds: Vec<u64> = (42..52).collect();
     let (live, replayed) = live_and_replayed("cpu300", &seeds, &options).await?;
     ensure!(
