@@ -9,6 +9,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/deviceplugin_v1beta1.proto",
         "proto/podresources_v1.proto",
         "proto/pluginregistration_v1.proto",
+        "proto/dra_v1.proto",
+        "proto/dra_v1beta1.proto",
     ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");

@@ -4,6 +4,8 @@
 //! - [`deviceplugin::v1beta1`]: the device-plugin API (`Registration` served by the kubelet,
 //!   `DevicePlugin` served by each plugin).
 //! - [`podresources::v1`]: the pod-resources API (`PodResourcesLister`, served by the kubelet).
+//! - [`pluginregistration::v1`]: the plugin-registration API (a DRA driver's registration socket).
+//! - [`dra::v1`] and [`dra::v1beta1`]: the DRA plugin API (`DRAPlugin`, served by a DRA driver).
 //!
 //! The device-plugin crate is the only user of the generated server traits; the agent uses the
 //! pod-resources client. [`FILE_DESCRIPTOR_SET`] holds the compiled descriptors, which this crate's
@@ -59,6 +61,27 @@ pub mod pluginregistration {
         pub const GET_INFO_PATH: &str = "/pluginregistration.Registration/GetInfo";
         /// `NotifyRegistrationStatus`'s gRPC path.
         pub const NOTIFY_PATH: &str = "/pluginregistration.Registration/NotifyRegistrationStatus";
+    }
+}
+
+/// The kubelet's DRA plugin API (`k8s.io/kubelet/pkg/apis/dra`), served by the agent in DRA mode
+/// on its service socket (tonic: kubelets dial it with authority `localhost`).
+pub mod dra {
+    /// Version v1 (kubelets 1.34 and later), package `k8s.io.kubelet.pkg.apis.dra.v1`.
+    #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+
+        /// The name of this service version in `PluginInfo.supported_versions`.
+        pub const SERVICE_VERSION: &str = "v1.DRAPlugin";
+    }
+    /// Version v1beta1 (kubelets 1.32 and later), package `k8s.io.kubelet.pkg.apis.dra.v1beta1`.
+    #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+
+        /// The name of this service version in `PluginInfo.supported_versions`.
+        pub const SERVICE_VERSION: &str = "v1beta1.DRAPlugin";
     }
 }
 

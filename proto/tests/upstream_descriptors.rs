@@ -220,9 +220,13 @@ fn grpc_method_paths_are_the_kubelets() {
         }
     }
     paths.sort();
-    let expected = [
+    let mut expected = [
         baleen_proto::pluginregistration::v1::GET_INFO_PATH,
         baleen_proto::pluginregistration::v1::NOTIFY_PATH,
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
         "/v1.PodResourcesLister/Get",
         "/v1.PodResourcesLister/GetAllocatableResources",
         "/v1.PodResourcesLister/List",
@@ -233,5 +237,124 @@ fn grpc_method_paths_are_the_kubelets() {
         "/v1beta1.DevicePlugin/PreStartContainer",
         "/v1beta1.Registration/Register",
     ];
+    expected.sort_unstable();
     assert_eq!(paths, expected);
+}
+
+/// A file's wire shape in one line per item: each method with its types and streaming, each
+/// field with its number, type, label and proto3 optionality (map fields by their entry type).
+fn shape(file: &FileDescriptorProto) -> Vec<String> {
+    let mut out = vec![format!("package {}", file.package())];
+    for svc in &file.service {
+        for m in &svc.method {
+            out.push(format!(
+                "rpc {}.{}({}{}) -> {}{}",
+                svc.name(),
+                m.name(),
+                if m.client_streaming() { "stream " } else { "" },
+                m.input_type(),
+                if m.server_streaming() { "stream " } else { "" },
+                m.output_type()
+            ));
+        }
+    }
+    fn messages(scope: &str, ms: &[DescriptorProto], out: &mut Vec<String>) {
+        for m in ms {
+            let name = format!("{scope}{}", m.name());
+            for f in &m.field {
+                let ty = if f.type_name().is_empty() {
+                    format!("{:?}", f.r#type()).to_lowercase()
+                } else {
+                    f.type_name().to_owned()
+                };
+                out.push(format!(
+                    "{name}.{}={} {ty} {:?}{}",
+                    f.name(),
+                    f.number(),
+                    f.label(),
+                    if f.proto3_optional() { " optional" } else { "" }
+                ));
+            }
+            messages(&format!("{name}."), &m.nested_type, out);
+        }
+    }
+    messages("", &file.message_type, &mut out);
+    out.sort();
+    out
+}
+
+/// The DRA plugin API as kubernetes/kubelet defines it at commit 63b3249724f7
+/// (pkg/apis/dra/v1/api.proto; v1beta1/api.proto is the same but for its package and for
+/// `Device.share_id`, which v1 added). Transcribed field by field: ../shared/proto-upstream has
+/// no copy of these files yet.
+fn dra_upstream_shape(version: &str) -> Vec<String> {
+    let p = format!(".k8s.io.kubelet.pkg.apis.dra.{version}");
+    let mut v = vec![
+        format!("package k8s.io.kubelet.pkg.apis.dra.{version}"),
+        format!(
+            "rpc DRAPlugin.NodePrepareResources({p}.NodePrepareResourcesRequest) -> \
+             {p}.NodePrepareResourcesResponse"
+        ),
+        format!(
+            "rpc DRAPlugin.NodeUnprepareResources({p}.NodeUnprepareResourcesRequest) -> \
+             {p}.NodeUnprepareResourcesResponse"
+        ),
+        format!("NodePrepareResourcesRequest.claims=1 {p}.Claim Repeated"),
+        format!(
+            "NodePrepareResourcesResponse.claims=1 {p}.NodePrepareResourcesResponse.ClaimsEntry \
+             Repeated"
+        ),
+        "NodePrepareResourcesResponse.ClaimsEntry.key=1 string Optional".to_owned(),
+        format!(
+            "NodePrepareResourcesResponse.ClaimsEntry.value=2 {p}.NodePrepareResourceResponse \
+             Optional"
+        ),
+        format!("NodePrepareResourceResponse.devices=1 {p}.Device Repeated"),
+        "NodePrepareResourceResponse.error=2 string Optional".to_owned(),
+        "Device.request_names=1 string Repeated".to_owned(),
+        "Device.pool_name=2 string Optional".to_owned(),
+        "Device.device_name=3 string Optional".to_owned(),
+        "Device.cdi_device_ids=4 string Repeated".to_owned(),
+        format!("NodeUnprepareResourcesRequest.claims=1 {p}.Claim Repeated"),
+        format!(
+            "NodeUnprepareResourcesResponse.claims=1 \
+             {p}.NodeUnprepareResourcesResponse.ClaimsEntry Repeated"
+        ),
+        "NodeUnprepareResourcesResponse.ClaimsEntry.key=1 string Optional".to_owned(),
+        format!(
+            "NodeUnprepareResourcesResponse.ClaimsEntry.value=2 \
+             {p}.NodeUnprepareResourceResponse Optional"
+        ),
+        "NodeUnprepareResourceResponse.error=1 string Optional".to_owned(),
+        "Claim.namespace=1 string Optional".to_owned(),
+        "Claim.uid=2 string Optional".to_owned(),
+        "Claim.name=3 string Optional".to_owned(),
+    ];
+    if version == "v1" {
+        v.push("Device.share_id=5 string Optional optional".to_owned());
+    }
+    v.sort();
+    v
+}
+
+#[test]
+fn dra_v1_and_v1beta1_have_the_kubelets_shape() {
+    for version in ["v1", "v1beta1"] {
+        let ours = shape(&our_file(&format!("k8s.io.kubelet.pkg.apis.dra.{version}")));
+        let theirs = dra_upstream_shape(version);
+        let missing: Vec<_> = theirs.iter().filter(|l| !ours.contains(l)).collect();
+        let extra: Vec<_> = ours.iter().filter(|l| !theirs.contains(l)).collect();
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "DRA {version} drifted from the kubelet's: missing {missing:#?}, not upstream {extra:#?}"
+        );
+    }
+}
+
+#[test]
+fn the_shape_notices_a_renumbered_dra_field() {
+    let mut changed = our_file("k8s.io.kubelet.pkg.apis.dra.v1");
+    let claim = changed.message_type.iter_mut().find(|m| m.name() == "Claim").expect("Claim");
+    claim.field[1].number = Some(9);
+    assert_ne!(shape(&changed), dra_upstream_shape("v1"));
 }
