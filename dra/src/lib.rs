@@ -6,5 +6,7 @@
 //! - [`registration`]: `pluginregistration.Registration` (`GetInfo`,
 //!   `NotifyRegistrationStatus`) on `<registry>/<driver>-reg.sock`.
 
+pub mod cdi;
+pub mod claims;
 pub mod h2_unary;
 pub mod registration;
