@@ -65,42 +65,40 @@ pub struct ClaimAllocation {
     pub reserved_for: Vec<Consumer>,
 }
 
-/// Why a claim cannot be prepared from what the API server holds.
+/// Why a claim cannot be prepared from what the API server holds: the claim, and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ClaimError {
+#[error("claim {claim}: {problem}")]
+pub struct ClaimError {
+    /// The claim, as the kubelet named it (boxed: errors stay small).
+    pub claim: Box<ClaimRef>,
+    /// What is wrong with it.
+    pub problem: Problem,
+}
+
+/// What is wrong with a claim.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Problem {
     /// The claim found is another one than the kubelet asked for (deleted and recreated).
     #[error(
-        "claim {asked} is not the one the API server holds under that name (UID {found}): it was \
-         deleted and created again; the pod must be recreated"
+        "the API server holds another claim under that name (UID {found}): it was deleted and \
+         created again; the pod must be recreated"
     )]
     UidMismatch {
-        /// What the kubelet asked for.
-        asked: ClaimRef,
         /// The UID found.
         found: String,
     },
     /// The claim has no allocation.
-    #[error("claim {claim} is not allocated (no status.allocation): nothing to prepare")]
-    NotAllocated {
-        /// The claim.
-        claim: ClaimRef,
-    },
+    #[error("not allocated (no status.allocation): nothing to prepare")]
+    NotAllocated,
     /// No result of the allocation is this driver's.
-    #[error("claim {claim} has no device of driver {driver} allocated")]
+    #[error("no device of driver {driver} is allocated")]
     NoDevices {
-        /// The claim.
-        claim: ClaimRef,
         /// The driver.
         driver: String,
     },
     /// A result names a device of another pool (another node).
-    #[error(
-        "claim {claim}: device {device} was allocated from pool {pool}, not this node's pool \
-         {ours}"
-    )]
+    #[error("device {device} was allocated from pool {pool}, not this node's pool {ours}")]
     OtherPool {
-        /// The claim.
-        claim: ClaimRef,
         /// The device.
         device: String,
         /// Its pool.
@@ -109,10 +107,8 @@ pub enum ClaimError {
         ours: String,
     },
     /// A consumed capacity this driver does not publish, or one that is not whole bytes.
-    #[error("claim {claim}: device {device} consumes {name}: {value:?}, which {why}")]
+    #[error("device {device} consumes {name}: {value:?}, which {why}")]
     BadCapacity {
-        /// The claim.
-        claim: ClaimRef,
         /// The device.
         device: String,
         /// The capacity's name.
@@ -124,23 +120,19 @@ pub enum ClaimError {
     },
     /// Admin access (monitoring a device in use) is not offered by this driver.
     #[error(
-        "claim {claim}: device {device} was allocated with adminAccess, which this driver does \
-         not serve (it would reach a GPU other pods hold)"
+        "device {device} was allocated with adminAccess, which this driver does not serve (it \
+         would reach a GPU other pods hold)"
     )]
     AdminAccess {
-        /// The claim.
-        claim: ClaimRef,
         /// The device.
         device: String,
     },
     /// Opaque parameters for this driver, which takes none.
     #[error(
-        "claim {claim} carries opaque parameters for driver {driver} (from its {origin}), which \
-         takes none: remove them"
+        "it carries opaque parameters for driver {driver} (from its {origin}), which takes none: \
+         remove them"
     )]
     Parameters {
-        /// The claim.
-        claim: ClaimRef,
         /// The driver.
         driver: String,
         /// `FromClass` or `FromClaim`.
@@ -158,20 +150,17 @@ pub fn read_allocation(
 ) -> Result<ClaimAllocation, ClaimError> {
     let found = claim.metadata.uid.clone().unwrap_or_default();
     if found != asked.uid {
-        return Err(ClaimError::UidMismatch { asked: asked.clone(), found });
+        return Err(refuse(asked, Problem::UidMismatch { found }));
     }
     let status = claim.status.as_ref();
     let Some(allocation) = status.and_then(|s| s.allocation.as_ref()) else {
-        return Err(ClaimError::NotAllocated { claim: asked.clone() });
+        return Err(refuse(asked, Problem::NotAllocated));
     };
     let results = allocation.devices.as_ref();
     for config in results.and_then(|d| d.config.as_deref()).unwrap_or_default() {
         if config.opaque.as_ref().is_some_and(|o| o.driver == driver) {
-            return Err(ClaimError::Parameters {
-                claim: asked.clone(),
-                driver: driver.to_owned(),
-                origin: config.source.clone(),
-            });
+            let (driver, origin) = (driver.to_owned(), config.source.clone());
+            return Err(refuse(asked, Problem::Parameters { driver, origin }));
         }
     }
     let mut devices = Vec::new();
@@ -182,7 +171,7 @@ pub fn read_allocation(
         devices.push(read_result(result, asked, pool)?);
     }
     if devices.is_empty() {
-        return Err(ClaimError::NoDevices { claim: asked.clone(), driver: driver.to_owned() });
+        return Err(refuse(asked, Problem::NoDevices { driver: driver.to_owned() }));
     }
     let reserved_for = status
         .and_then(|s| s.reserved_for.as_deref())
@@ -197,33 +186,27 @@ pub fn read_allocation(
     Ok(ClaimAllocation { claim: asked.clone(), devices, reserved_for })
 }
 
+fn refuse(claim: &ClaimRef, problem: Problem) -> ClaimError {
+    ClaimError { claim: Box::new(claim.clone()), problem }
+}
+
 fn read_result(
     result: &DeviceRequestAllocationResult,
     claim: &ClaimRef,
     pool: &str,
 ) -> Result<Allocated, ClaimError> {
     if result.pool != pool {
-        return Err(ClaimError::OtherPool {
-            claim: claim.clone(),
-            device: result.device.clone(),
-            pool: result.pool.clone(),
-            ours: pool.to_owned(),
-        });
+        let (device, ours) = (result.device.clone(), pool.to_owned());
+        return Err(refuse(claim, Problem::OtherPool { device, pool: result.pool.clone(), ours }));
     }
     if result.admin_access == Some(true) {
-        return Err(ClaimError::AdminAccess {
-            claim: claim.clone(),
-            device: result.device.clone(),
-        });
+        return Err(refuse(claim, Problem::AdminAccess { device: result.device.clone() }));
     }
     let mut memory_bytes = None;
     for (name, quantity) in result.consumed_capacity.iter().flatten() {
-        let bad = |why| ClaimError::BadCapacity {
-            claim: claim.clone(),
-            device: result.device.clone(),
-            name: name.clone(),
-            value: quantity.0.clone(),
-            why,
+        let bad = |why| {
+            let (device, name, value) = (result.device.clone(), name.clone(), quantity.0.clone());
+            refuse(claim, Problem::BadCapacity { device, name, value, why })
         };
         if name != MEMORY_CAPACITY {
             return Err(bad("this driver does not publish"));
@@ -305,7 +288,8 @@ mod tests {
         let mut other = asked();
         other.uid = "uid-0".into();
         let e = read_allocation(&c, &other, "gpu.example.com", "node-a").expect_err("mismatch");
-        assert!(matches!(&e, ClaimError::UidMismatch { found, .. } if found == "uid-1"), "{e}");
+        assert!(matches!(&e.problem, Problem::UidMismatch { found } if found == "uid-1"), "{e}");
+        assert!(e.to_string().starts_with("claim team-a/infer-gpu (UID uid-0): "), "{e}");
         assert!(e.to_string().contains("deleted and created again"), "{e}");
     }
 
@@ -350,7 +334,7 @@ mod tests {
         let unallocated = claim(json!({"metadata": {"uid": "uid-1"}, "spec": {}}));
         let e = read_allocation(&unallocated, &asked(), "gpu.example.com", "node-a")
             .expect_err("not allocated");
-        assert!(matches!(e, ClaimError::NotAllocated { .. }), "{e}");
+        assert_eq!(e.problem, Problem::NotAllocated, "{e}");
     }
 
     #[test]
@@ -380,7 +364,7 @@ mod tests {
         devices.config = Some(vec![config("gpu.example.com")]);
         let e = read_allocation(&c, &asked(), "gpu.example.com", "node-a").expect_err("ours");
         assert!(
-            matches!(&e, ClaimError::Parameters { origin, .. } if origin == "FromClaim"),
+            matches!(&e.problem, Problem::Parameters { origin, .. } if origin == "FromClaim"),
             "{e}"
         );
     }
