@@ -10,3 +10,4 @@ pub mod cdi;
 pub mod claims;
 pub mod h2_unary;
 pub mod registration;
+pub mod slices;
