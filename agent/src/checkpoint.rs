@@ -557,6 +557,7 @@ mod tests {
             allocated_at: 7,
             listed: true,
             holder: None,
+            claim: None,
         }
     }
 

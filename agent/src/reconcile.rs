@@ -198,6 +198,7 @@ pub fn reconcile(
             allocated_at: now,
             listed: true,
             holder: Some(holder.clone()),
+            claim: None,
         })
         .collect();
     let refused = state.restore(&missing);
@@ -465,6 +466,7 @@ mod tests {
             allocated_at: 100,
             listed: true,
             holder: None,
+            claim: None,
         };
         assert!(s.restore(std::slice::from_ref(&record)).is_empty());
         let api = Witness { kubelet_settling: true, pods: Some(BTreeMap::new()) };

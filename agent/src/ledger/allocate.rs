@@ -136,6 +136,7 @@ impl DeviceLedger {
                 allocated_at: now,
                 listed: false,
                 holder: None,
+                claim: None,
             },
             view: view.clone(),
             gpus: parsed.gpus,

@@ -26,6 +26,7 @@
 //! `baleen_scheduler_core::ledger::NodeLedger`, keeps the GPU shares; this one keeps device IDs.)
 
 mod allocate;
+mod claims;
 pub mod device_id;
 mod node_state;
 pub mod preferred;
@@ -44,6 +45,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::inventory::{Gpu, Inventory};
 
+pub use claims::{ClaimBooking, ClaimDevice, ClaimHolder};
 pub use device_id::UNIT_SEPARATOR;
 use device_id::{group_id, parse_unit_id, unit_id};
 pub use view::{View, ViewConfig};
@@ -72,6 +74,9 @@ pub struct AllocationRecord {
     /// later list misses it (`crate::reconcile`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder: Option<Holder>,
+    /// The DRA claim it is booked for (`driver: dra`); `None` for a device-plugin grant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<ClaimHolder>,
 }
 
 /// A pod's container, as the kubelet's pod-resources list names it.

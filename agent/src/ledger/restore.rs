@@ -95,6 +95,11 @@ impl DeviceLedger {
                     .map(drop)
                     .map_err(|e| e.to_string()),
             };
+            if outcome.is_ok()
+                && let Some(claim) = &record.claim
+            {
+                self.set_claim(&record.device_ids, claim.clone());
+            }
             match outcome {
                 Err(why) => refused.push((record.clone(), why)),
                 Ok(()) if record.listed => {

@@ -251,6 +251,7 @@ fn whole_gpus_are_chosen_by_connectivity_and_records_restore() {
         allocated_at: 0,
         listed: false,
         holder: None,
+        claim: None,
     }]);
     assert_eq!(refused.len(), 1);
 }
@@ -542,6 +543,7 @@ fn allocations_on_an_unreadable_gpu_are_parked_and_their_other_gpus_reserved() {
         allocated_at: 2,
         listed: true,
         holder: None,
+        claim: None,
     };
     assert!(state.restore(std::slice::from_ref(&listed)).is_empty());
     assert_eq!(state.parked().len(), 2);
