@@ -11,6 +11,7 @@ mod agreement;
 mod cluster_loop;
 mod device_plugin;
 mod extender;
+mod fake_apiserver_resource;
 mod fuzz_seeds;
 mod gpu_day;
 mod install;
