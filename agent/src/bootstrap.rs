@@ -72,6 +72,7 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
         let node_api: Option<Arc<dyn crate::kube_api::NodeApi>> = if settings.agent.annotation.enabled
             || settings.agent.colocation.enabled
             || settings.agent.watchdog.enabled
+            || matches!(settings.agent.driver, crate::dra::DriverMode::Dra(_))
         {
             Some(crate::kube_api::KubeNodeApi::from_environment().await.map_err(RunError::KubeApi)?)
         } else {

@@ -25,5 +25,19 @@ pub const AGENT: &[ApiRule] = &[
     ApiRule { api_group: "events.k8s.io", resource: "events", verbs: &["create"] },
 ];
 
+/// What the agent calls in addition in DRA mode (`driver: dra`, `crate::run::dra`): its node's
+/// ResourceSlices (found with the field selectors `spec.nodeName` and `spec.driver`, created,
+/// replaced and deleted; watched, since the kubelet deletes them all at its start), each
+/// prepared claim (get), and its Node (get: the slices' owner is the Node, by UID).
+pub const DRA_AGENT: &[ApiRule] = &[
+    ApiRule { api_group: "", resource: "nodes", verbs: &["get"] },
+    ApiRule {
+        api_group: "resource.k8s.io",
+        resource: "resourceslices",
+        verbs: &["list", "watch", "create", "update", "delete"],
+    },
+    ApiRule { api_group: "resource.k8s.io", resource: "resourceclaims", verbs: &["get"] },
+];
+
 /// The `reportingController` of the agent's Events (`reportingInstance` adds the node).
 pub const EVENT_CONTROLLER: &str = "awesome-ai-company.com/baleen-agent";

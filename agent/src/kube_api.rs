@@ -53,6 +53,12 @@ pub trait NodeApi: Send + Sync {
     /// Records `notice` as a Warning Event (`events.k8s.io/v1`) about its pod, or about `node`,
     /// reported by the agent of `node`.
     async fn record_event(&self, node: &str, notice: &Notice) -> Result<(), ApiError>;
+
+    /// The kube-rs client behind it, for the DRA mode (`crate::run::dra`: ResourceSlices and
+    /// ResourceClaims); `None` where there is none (test doubles).
+    fn client(&self) -> Option<kube::Client> {
+        None
+    }
 }
 
 /// The Event of `notice`, reported by the agent on `node`, and its namespace.
@@ -132,6 +138,10 @@ impl KubeNodeApi {
 
 #[async_trait::async_trait]
 impl NodeApi for KubeNodeApi {
+    fn client(&self) -> Option<kube::Client> {
+        Some(self.client.clone())
+    }
+
     async fn annotate(&self, node: &str, key: &str, value: &str) -> Result<(), ApiError> {
         // A JSON merge patch of one annotation: nothing else of the Node is read or written.
         let patch = serde_json::json!({ "metadata": { "annotations": { key: value } } });

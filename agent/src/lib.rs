@@ -8,6 +8,8 @@
 //! - [`config`] and [`defaults`]: settings from defaults, file, environment and flags;
 //! - [`run`]: the running agent, how each subsystem is started and stopped (one task each);
 //! - [`resources`]: the device-plugin adapter (views as resources, Allocate answers);
+//! - [`dra`]: the DRA mode's adapter (`driver: dra`: slices' device names, claims booked in
+//!   the ledger, what a prepared claim's containers get);
 //! - [`metrics`] and [`instruments`]: the Prometheus endpoint (`/metrics`, `/healthz`,
 //!   `/readyz`) and the agent's own measurements;
 //! - [`isolation`]: what a container needs for its share to be enforced (MPS client setup), and
@@ -28,6 +30,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod defaults;
+pub mod dra;
 pub mod error_chain;
 pub mod files;
 pub mod instruments;

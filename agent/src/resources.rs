@@ -26,8 +26,8 @@ use crate::isolation::pod_identity::{self, PodIdentifier};
 use crate::isolation::watchdog::Holding;
 use crate::isolation::{ContainerSetup, mps};
 use crate::ledger::{
-    AllocationRecord, Delta, DeviceLedger, DeviceState, Fragmentation, GpuState, Grant, Refusal,
-    View,
+    AllocationRecord, ClaimBooking, Delta, DeviceLedger, DeviceState, Fragmentation, GpuState,
+    Grant, Refusal, View,
 };
 use crate::reconcile::{self, KubeletAllocation, Report};
 
@@ -880,6 +880,52 @@ impl NodeResources {
         self.change_devices(|state, reasons| {
             note_reason(reasons, uuid, healthy, reason);
             state.set_health(uuid, healthy)
+        })
+    }
+
+    /// What DRA claim `uid` holds (`driver: dra`), from the published ledger.
+    pub fn claim_grants(&self, uid: &str) -> Vec<(AllocationRecord, Grant)> {
+        self.published().state.claim_grants(uid)
+    }
+
+    /// Books a DRA claim's devices in one change, on disk before it returns (blocks: call it
+    /// off the async threads). A share whose GPU's MPS daemon does not answer is refused; a
+    /// claim already held is answered as held. A booking whose write fails is taken back out
+    /// of the ledger (it was never answered, and the kubelet asks again), so no later Prepare
+    /// answers a booking the checkpoint does not hold.
+    pub fn book_claim(
+        &self,
+        bookings: &[ClaimBooking],
+    ) -> Result<Vec<(AllocationRecord, Grant)>, ChangeError> {
+        let booked = self.change(|state, _| {
+            let held = state.claim_grants(bookings.first().map_or("", |b| b.holder.uid.as_str()));
+            if !held.is_empty() {
+                return Ok((held, Trust::Unchanged));
+            }
+            let booked = state.book_claim(bookings, boot_seconds())?;
+            for (_, grant) in &booked {
+                let gpus = state.unenforced(&grant.view, &grant.device_ids);
+                if !gpus.is_empty() {
+                    return Err(ChangeError::Unenforced { gpus });
+                }
+            }
+            Ok((booked, Trust::Granted))
+        });
+        if let Err(ChangeError::NotDurable { .. }) = &booked
+            && let Some(b) = bookings.first()
+            && let Err(e) = self.release_claim(&b.holder.uid)
+        {
+            tracing::error!(claim = b.holder.uid, error = %e, "a booking that was not written cannot be taken back durably either");
+        }
+        booked
+    }
+
+    /// Releases DRA claim `uid`, on disk before it returns (blocks); whether it was held.
+    pub fn release_claim(&self, uid: &str) -> Result<bool, ChangeError> {
+        self.change(|state, _| {
+            let released = state.release_claim(uid);
+            let trust = if released.is_empty() { Trust::Unchanged } else { Trust::Granted };
+            Ok((!released.is_empty(), trust))
         })
     }
 }

@@ -7,6 +7,7 @@ use serde::Deserialize;
 pub use super::sections::annotation::AnnotationFile;
 pub use super::sections::colocation::ColocationFile;
 pub use super::sections::devices::CdiFile;
+pub use super::sections::dra::DraFile;
 pub use super::sections::health::HealthFile;
 pub use super::sections::inventory::InventoryFile;
 pub use super::sections::log::LogFile;
@@ -32,6 +33,11 @@ pub struct FileConfig {
     pub domain: Option<String>,
     /// Size of one gpu-memory unit, e.g. `1GiB`, `512MiB`.
     pub memory_unit: Option<String>,
+    /// Which kubelet API the node is served through: `device-plugin` (default) or `dra`.
+    pub driver: Option<String>,
+    /// `dra:`: the DRA mode's driver name and directories.
+    #[serde(default)]
+    pub dra: DraFile,
     /// Which views to offer.
     #[serde(default)]
     pub resources: ResourcesFile,

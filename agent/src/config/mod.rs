@@ -207,6 +207,7 @@ fn resolve_with(
     let metrics = sections::metrics::resolve(&src, &mut problems);
     let annotation = sections::annotation::resolve(&src, &domain, &mut problems);
     let colocation = sections::colocation::resolve(&src, &mut problems);
+    let driver = sections::dra::resolve(&src, &domain, &mut problems);
     let (log_format, log_level) = sections::log::resolve(&src, &mut problems);
     let inventory = sections::inventory::resolve(&src, node_name.clone(), &mut problems);
     if !problems.is_empty() {
@@ -237,6 +238,7 @@ fn resolve_with(
         reconcile_interval: reconcile.interval,
         reconcile_grace: reconcile.grace,
         reconcile_settle: reconcile.settle,
+        driver,
     };
     Ok(Settings { agent, inventory, log_format, log_level })
 }

@@ -109,9 +109,10 @@ impl DeviceLedger {
     /// units of its GPU.
     fn claim_ids(&self, b: &ClaimBooking) -> Result<(View, Vec<String>), Refusal> {
         let gpu = |uuid: &str| {
-            self.by_uuid.get(uuid).copied().ok_or_else(|| Refusal::UnknownDevices {
-                ids: vec![uuid.to_owned()],
-            })
+            self.by_uuid
+                .get(uuid)
+                .copied()
+                .ok_or_else(|| Refusal::UnknownDevices { ids: vec![uuid.to_owned()] })
         };
         match &b.device {
             ClaimDevice::Whole { gpu_uuid } => {

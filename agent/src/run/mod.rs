@@ -27,6 +27,7 @@
 
 pub mod annotation;
 pub mod colocation;
+pub mod dra;
 pub mod endpoint;
 pub mod events;
 pub mod health;
@@ -100,6 +101,8 @@ pub struct AgentConfig {
     /// ordinary init container's, or one the kubelet has not recorded yet); allocations it
     /// listed are released as soon as they leave the list.
     pub reconcile_grace: Duration,
+    /// Which kubelet API the node is served through (device plugins, or a DRA driver).
+    pub driver: crate::dra::DriverMode,
 }
 
 impl AgentConfig {
@@ -140,6 +143,7 @@ impl AgentConfig {
             reconcile_interval: crate::defaults::RECONCILE_INTERVAL,
             reconcile_settle: crate::defaults::RECONCILE_SETTLE,
             reconcile_grace: crate::defaults::RECONCILE_GRACE,
+            driver: crate::dra::DriverMode::DevicePlugin,
         }
     }
 }
@@ -230,6 +234,34 @@ pub enum AgentError {
         /// The directory.
         dir: PathBuf,
     },
+    /// The DRA mode cannot start or serve.
+    #[error("DRA mode: {what}")]
+    Dra {
+        /// What failed.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A DRA driver's checkpoint that cannot be trusted (a configuration error: exit code 64).
+    #[error(
+        "the checkpoint {} cannot be trusted ({reason}); in DRA mode it is the only record of \
+         the claims prepared on this node (the kubelet does not prepare them again), so the \
+         agent does not serve an empty ledger. Drain the node (no pod using a claim of this \
+         driver), then delete the checkpoint and restart the agent.",
+        checkpoint.display()
+    )]
+    DraCheckpointUntrusted {
+        /// The checkpoint.
+        checkpoint: PathBuf,
+        /// Why it is not trusted.
+        reason: String,
+    },
+    /// The node is served as a DRA driver but the agent was given no Kubernetes client.
+    #[error(
+        "driver: dra needs the Kubernetes API (ResourceSlices, ResourceClaims), and the agent was given no client"
+    )]
+    DraWithoutApi,
     /// The node's agent lock cannot be taken.
     #[error(transparent)]
     Lock(#[from] lock::LockError),
@@ -259,6 +291,7 @@ impl AgentError {
             self,
             AgentError::Inventory(InventoryError::Topology(_))
                 | AgentError::HeldDevicesChanged { .. }
+                | AgentError::DraCheckpointUntrusted { .. }
                 | AgentError::SocketPathsTooLong { .. }
                 | AgentError::NoDevicePluginDir { .. }
                 | AgentError::Lock(lock::LockError::StateDir { .. })
@@ -332,9 +365,19 @@ impl Agent {
     ) -> Result<Self, AgentError> {
         // The kubelet makes the device-plugin directory: one that does not exist is a wrong
         // path (or no kubelet on this node), and waiting for a socket in it would wait forever.
-        if !config.device_plugin_dir.is_dir() {
+        let dra = match &config.driver {
+            crate::dra::DriverMode::DevicePlugin => None,
+            crate::dra::DriverMode::Dra(dra) => Some(dra.clone()),
+        };
+        if dra.is_none() && !config.device_plugin_dir.is_dir() {
             return Err(AgentError::NoDevicePluginDir { dir: config.device_plugin_dir.clone() });
         }
+        let dra_client = match &dra {
+            Some(_) => Some(
+                deps.node_api.as_ref().and_then(|a| a.client()).ok_or(AgentError::DraWithoutApi)?,
+            ),
+            None => None,
+        };
         // Alive from the first second: the metrics address answers while the agent waits for
         // its lock and for the kubelet, /readyz saying for what.
         let phase: crate::metrics::StartPhase = Default::default();
@@ -408,7 +451,14 @@ impl Agent {
             &shutdown,
         )?;
         let pods = follow_node_pods(&mut tasks, &config, colocating, api, view, pods, &shutdown);
-        let plugins = plugins::spawn(&mut tasks, &config, &resources, &shutdown);
+        // One kubelet API per node: device plugins, or a DRA driver on the same ledger.
+        let plugins = match (&dra, dra_client) {
+            (Some(dra), Some(client)) => {
+                dra::start(&mut tasks, &config, dra, &resources, client, &shutdown)?;
+                Vec::new()
+            }
+            _ => plugins::spawn(&mut tasks, &config, &resources, &shutdown),
+        };
         annotation::start(
             &mut tasks,
             &config,
@@ -417,7 +467,11 @@ impl Agent {
             &resources,
             &shutdown,
         )?;
-        reconciler::start(&mut tasks, &config, &resources, (&plugins, &pods), &shutdown);
+        // A DRA driver's claims are released by NodeUnprepareResources, never by a
+        // pod-resources list (which does not show them).
+        if dra.is_none() {
+            reconciler::start(&mut tasks, &config, &resources, (&plugins, &pods), &shutdown);
+        }
         let calls = Arc::new(crate::inventory::CallFailures::default());
         let watchdog = watchdog::start(
             &mut tasks,

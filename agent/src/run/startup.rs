@@ -87,6 +87,7 @@ pub async fn restore(
             "MPS is off (mps.enabled: false): gpu-memory units are accounting only, no limit is enforced; every Allocate answer says so (BALEEN_GPU_SHARING=accounting-only)"
         );
     }
+    let dra = matches!(config.driver, crate::dra::DriverMode::Dra(_));
     let checkpoint = Checkpoint::in_dir(&config.state_dir);
     let read = checkpoint.read();
     // Whatever its boot, an intact checkpoint of this node says what the device IDs the kubelet
@@ -94,7 +95,8 @@ pub async fn restore(
     if let Ok(Some(contents)) = &read
         && contents.node == config.node_name
     {
-        let problems = ledger.meaning_changes(&contents.layout, &contents.allocations);
+        let mut problems = ledger.meaning_changes(&contents.layout, &contents.allocations);
+        problems.extend(mode_changes(dra, &contents.allocations));
         if !problems.is_empty() {
             return Err(AgentError::HeldDevicesChanged {
                 checkpoint: checkpoint.path().to_path_buf(),
@@ -102,10 +104,23 @@ pub async fn restore(
             });
         }
     }
+    // A DRA driver's claims outlive a reboot (the kubelet keeps its own record of prepared
+    // claims and does not prepare them again): its checkpoint is trusted whatever its boot.
     let verified = read.and_then(|contents| match contents {
-        Some(c) => checkpoint.verify(&c, &config.node_name, &boot_id).map(|()| Some(c)),
+        Some(c) => {
+            let boot = if dra { c.boot_id.clone() } else { boot_id.clone() };
+            checkpoint.verify(&c, &config.node_name, &boot).map(|()| Some(c))
+        }
         None => Ok(None),
     });
+    if dra && let Err(e) = &verified {
+        // Nothing else records the claims prepared here: serving an empty ledger would hand
+        // their GPUs out again.
+        return Err(AgentError::DraCheckpointUntrusted {
+            checkpoint: checkpoint.path().to_path_buf(),
+            reason: Chain(e).to_string(),
+        });
+    }
     let restored = match verified {
         Ok(Some(contents)) => {
             let refused = ledger.restore_from(&contents.allocations, &contents.layout);
@@ -135,6 +150,25 @@ pub async fn restore(
             None
         }
     };
+    if dra {
+        // No pod-resources list to wait for: the checkpoint (or, on a first start, nothing) is
+        // the whole truth of a DRA driver's claims.
+        let restored = restored.or(Some(0));
+        let resources = NodeResources::new(
+            ledger,
+            checkpoint,
+            config.node_name.clone(),
+            boot_id,
+            None,
+            crate::resources::ResponseConfig {
+                devices: config.devices.clone(),
+                mps: config.mps.clone(),
+            },
+            restored,
+        );
+        resources.persist()?;
+        return Ok(resources);
+    }
     let trusted = restored.is_some();
     let resources = NodeResources::new(
         ledger,
@@ -205,4 +239,26 @@ pub async fn restore(
         tracing::info!("stopped before the ledger was reconciled; checkpoint left as it was");
     }
     Ok(resources)
+}
+
+/// What a checkpoint written in the other mode holds that this mode cannot serve: device-plugin
+/// grants on a node now served as a DRA driver, or claims on one now served by device plugins
+/// (one mode per node: drain it before switching).
+fn mode_changes(dra: bool, records: &[crate::ledger::AllocationRecord]) -> Vec<String> {
+    records
+        .iter()
+        .filter(|r| r.claim.is_some() != dra)
+        .map(|r| match &r.claim {
+            Some(c) => format!(
+                "DRA claim {}/{} (UID {}) holds {} {:?}, but the node is served by device plugins \
+                 now (driver: device-plugin): drain the node before switching modes",
+                c.namespace, c.name, c.uid, r.resource, r.device_ids
+            ),
+            None => format!(
+                "a device-plugin container holds {} {:?}, but the node is served as a DRA driver \
+                 now (driver: dra): drain the node before switching modes",
+                r.resource, r.device_ids
+            ),
+        })
+        .collect()
 }

@@ -6,6 +6,7 @@
 pub(super) mod annotation;
 pub(super) mod colocation;
 pub(super) mod devices;
+pub(super) mod dra;
 pub(super) mod health;
 pub(super) mod inventory;
 pub(super) mod log;
