@@ -27,6 +27,7 @@ use crate::support::{
 
 mod allocation;
 mod colocation;
+mod dra;
 mod health;
 mod inventory;
 mod metrics;

@@ -1,0 +1,255 @@
+//! The agent as a DRA driver (`driver: dra`) against the fake API server (ResourceSlices,
+//! ResourceClaims) and the kubelet's side of the DRA sockets: registration asked by a gRPC
+//! C-core client under the kubelet's percent-encoded authority, Prepare and Unprepare through
+//! tonic's client of both versions, the CDI specs written, a restart with prepared claims, and
+//! the kubelet's wipe of the node's slices.
+
+use std::path::Path;
+use std::process::Command;
+
+use baleen_agent::dra::{DraConfig, DriverMode};
+use baleen_agent::kube_api::KubeNodeApi;
+use baleen_proto::dra::v1;
+use baleen_proto::pluginregistration::v1 as reg;
+use baleen_tests::fake_apiserver::FakeApiServer;
+use prost::Message as _;
+use serde_json::{Value, json};
+
+use super::*;
+
+const DRIVER: &str = "gpu.awesome-ai-company.com";
+
+/// A node served as a DRA driver, its host paths under the test node's root.
+async fn dra_node() -> Result<(TestNode, FakeApiServer)> {
+    let mut node = TestNode::new("h200-8x-nvswitch.yaml", Backend::Simulated).await?;
+    let root = node.config.state_dir.parent().context("a root")?.to_path_buf();
+    let mut dra = DraConfig::new(DRIVER);
+    dra.registry_dir = root.join("plugins_registry");
+    dra.plugin_dir = root.join("plugins").join(DRIVER);
+    dra.cdi_dir = root.join("run-cdi");
+    std::fs::create_dir_all(&dra.registry_dir)?;
+    node.config.driver = DriverMode::Dra(dra);
+    let api = FakeApiServer::start(&[]).await?;
+    api.put_node(json!({"metadata": {"name": "node-a", "uid": "node-a-uid"}}));
+    Ok((node, api))
+}
+
+fn dra(node: &TestNode) -> Result<DraConfig> {
+    match &node.config.driver {
+        DriverMode::Dra(d) => Ok(d.clone()),
+        DriverMode::DevicePlugin => anyhow::bail!("a DRA node"),
+    }
+}
+
+async fn start(node: &TestNode, api: &FakeApiServer) -> Result<(Agent, CancellationToken)> {
+    let client: Arc<dyn baleen_agent::kube_api::NodeApi> = KubeNodeApi::at(&api.url())?;
+    node.start_with(Some(client)).await
+}
+
+/// The devices of the node's published slices, by name.
+fn published(api: &FakeApiServer) -> std::collections::BTreeMap<String, Value> {
+    api.resource_slices()
+        .into_iter()
+        .filter(|s| s["spec"]["nodeName"] == "node-a" && s["spec"]["driver"] == DRIVER)
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .filter_map(|d| Some((d["name"].as_str()?.to_owned(), d)))
+        .collect()
+}
+
+/// One unary call through gRPC C-core (Python grpcio) under the authority grpc-go sends.
+fn c_core_call(socket: &Path, method: &str, request: &[u8]) -> Result<Vec<u8>> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dra/tests/grpc_c_core_call.py");
+    let hex: String = request.iter().map(|b| format!("{b:02x}")).collect();
+    let out = Command::new("/usr/bin/python3")
+        .arg(&script)
+        .arg(socket)
+        .arg(method)
+        .arg(&hex)
+        .output()
+        .context("run /usr/bin/python3: install Debian's python3 and python3-grpcio")?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let answer = text.strip_prefix("ok").with_context(|| {
+        format!("C-core call {method}: {text} {}", String::from_utf8_lossy(&out.stderr))
+    })?;
+    let answer = answer.trim();
+    (0..answer.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&answer[i..i + 2], 16).context("hex"))
+        .collect()
+}
+
+fn allocated_claim(name: &str, uid: &str, device: &str, memory: Option<&str>) -> Value {
+    let mut result = json!({
+        "request": "gpu", "driver": DRIVER, "pool": "node-a", "device": device, "shareID": format!("share-{uid}")
+    });
+    if let Some(m) = memory {
+        result["consumedCapacity"] = json!({"memory": m});
+    }
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "team-a", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
+        "status": {
+            "allocation": {"devices": {"results": [result]}},
+            "reservedFor": [{"resource": "pods", "name": format!("pod-{name}"), "uid": format!("pod-{uid}")}]
+        }
+    })
+}
+
+fn claim(name: &str, uid: &str) -> v1::Claim {
+    v1::Claim { namespace: "team-a".into(), name: name.into(), uid: uid.into() }
+}
+
+async fn client(
+    socket: &Path,
+) -> Result<v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>> {
+    let channel = baleen_device_plugin::uds::connect(socket, WAIT).await?;
+    Ok(v1::dra_plugin_client::DraPluginClient::new(channel))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_as_a_dra_driver_registers_publishes_prepares_and_keeps_claims_across_a_restart()
+-> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let (agent, token) = start(&node, &api).await?;
+
+    // Registration, as the kubelet's plugin watcher asks it.
+    let socket = d.registration_socket();
+    poll("the registration socket", async || Ok(socket.exists().then_some(()))).await?;
+    let info = reg::PluginInfo::decode(
+        c_core_call(&socket, reg::GET_INFO_PATH, &reg::InfoRequest {}.encode_to_vec())?.as_slice(),
+    )?;
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, DRIVER);
+    assert_eq!(Path::new(&info.endpoint), d.socket());
+    assert_eq!(info.supported_versions, ["v1.DRAPlugin", "v1beta1.DRAPlugin"]);
+
+    // Slices: every GPU shared by memory once its MPS daemon answers.
+    let devices = poll("8 shared GPUs published", async || {
+        let p = published(&api);
+        Ok((p.len() == 8 && p.values().all(|d| d["allowMultipleAllocations"] == true)).then_some(p))
+    })
+    .await?;
+    let gpu0 = &devices["gpu-0"];
+    assert_eq!(gpu0["capacity"]["memory"]["requestPolicy"]["validRange"]["step"], "1Gi");
+    let slice = &api.resource_slices()[0];
+    assert_eq!(slice["metadata"]["ownerReferences"][0]["uid"], "node-a-uid");
+    assert_eq!(slice["spec"]["pool"]["name"], "node-a");
+
+    // Prepare a share of 8 GiB on gpu-0.
+    api.put_resource_claim(allocated_claim("infer", "uid-1", "gpu-0", Some("8Gi")));
+    let mut dra_client = client(&d.socket()).await?;
+    let answer = dra_client
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("infer", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    let entry = &answer.claims["uid-1"];
+    assert_eq!(entry.error, "", "{answer:?}");
+    let prepared = &entry.devices[0];
+    assert_eq!(prepared.device_name, "gpu-0");
+    assert_eq!(prepared.share_id.as_deref(), Some("share-uid-1"));
+    let own = format!("{DRIVER}/claim=uid-1-gpu-0");
+    assert!(prepared.cdi_device_ids.contains(&own), "{:?}", prepared.cdi_device_ids);
+    let uuid = agent.resources().published().state.gpus().next().context("a GPU")?.uuid.to_string();
+    assert!(
+        prepared.cdi_device_ids.contains(&format!("nvidia.com/gpu={uuid}")),
+        "{:?}",
+        prepared.cdi_device_ids
+    );
+    let spec_path = d.cdi_dir.join(format!("{DRIVER}-claim_uid-1.json"));
+    let spec = std::fs::read_to_string(&spec_path)?;
+    assert!(spec.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M"), "{spec}");
+    assert!(spec.contains("CUDA_MPS_PIPE_DIRECTORY="), "{spec}");
+    assert!(spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="), "{spec}");
+    assert!(spec.contains(&format!("{uuid}/pipe")), "the pipe directory is mounted: {spec}");
+
+    // More than gpu-0 holds beside it: refused, nothing booked.
+    api.put_resource_claim(allocated_claim("train", "uid-2", "gpu-0", Some("140Gi")));
+    let over = dra_client
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("train", "uid-2")],
+        })
+        .await?
+        .into_inner();
+    assert!(over.claims["uid-2"].error.contains("memory units free"), "{over:?}");
+    assert!(agent.resources().claim_grants("uid-2").is_empty());
+
+    // A crash; the CDI directory lost (tmpfs at a reboot); the claim deleted from the API.
+    drop(agent);
+    drop(token);
+    std::fs::remove_file(&spec_path)?;
+    api.delete_resource_claim("team-a", "infer");
+    let (agent, token) = start(&node, &api).await?;
+    assert_eq!(agent.resources().claim_grants("uid-1").len(), 1, "the claim survives the restart");
+    assert!(spec_path.exists(), "its CDI spec written again before serving");
+    // Unprepare works from the ledger alone.
+    let mut dra_client = client(&d.socket()).await?;
+    let done = dra_client
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: vec![claim("infer", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(done.claims["uid-1"].error, "");
+    assert!(agent.resources().claim_grants("uid-1").is_empty());
+    assert!(!spec_path.exists());
+
+    // The kubelet starts and deletes every slice of its node: republished within seconds.
+    let before = published(&api).len();
+    assert!(api.delete_resource_slices_of_node("node-a") > 0);
+    poll("slices republished after the kubelet's wipe", async || {
+        Ok((published(&api).len() == before).then_some(()))
+    })
+    .await?;
+    stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pods_prepared_at_once_on_one_gpu_never_share_a_unit_nor_exceed_it() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let (agent, token) = start(&node, &api).await?;
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    let units = agent.resources().published().state.gpu_states()[0].units;
+    // Two claims of 60 % of the GPU each: one fits, the other must be refused.
+    let share = format!("{}Gi", units * 6 / 10);
+    api.put_resource_claim(allocated_claim("a", "uid-a", "gpu-0", Some(&share)));
+    api.put_resource_claim(allocated_claim("b", "uid-b", "gpu-0", Some(&share)));
+    let (mut ca, mut cb) = (client(&d.socket()).await?, client(&d.socket()).await?);
+    let (ra, rb) = tokio::join!(
+        ca.node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("a", "uid-a")]
+        }),
+        cb.node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("b", "uid-b")]
+        }),
+    );
+    let (ra, rb) = (ra?.into_inner(), rb?.into_inner());
+    let errors = [ra.claims["uid-a"].error.clone(), rb.claims["uid-b"].error.clone()];
+    assert_eq!(errors.iter().filter(|e| e.is_empty()).count(), 1, "{errors:?}");
+    let taken = agent.resources().published().state.units_taken(0);
+    assert_eq!(taken, units * 6 / 10, "exactly one share is held");
+    stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_device_plugin_grants_is_refused_in_dra_mode() -> Result<()> {
+    let (mut node, api) = dra_node().await?;
+    let d = node.config.driver.clone();
+    // First as a device-plugin node with one grant.
+    node.config.driver = DriverMode::DevicePlugin;
+    let (agent, token) = node.start().await?;
+    node.registered(&agent, 1).await?;
+    node.kubelet.admit(&format!("{}/gpu", baleen_agent::defaults::DOMAIN), 1).await?;
+    stop(agent, token).await?;
+    node.config.driver = d;
+    let Err(e) = start(&node, &api).await else {
+        anyhow::bail!("a DRA start over device-plugin grants must fail")
+    };
+    let text = format!("{e:#}");
+    assert!(text.contains("drain the node before switching modes"), "{text}");
+    Ok(())
+}
