@@ -253,3 +253,70 @@ async fn a_checkpoint_of_device_plugin_grants_is_refused_in_dra_mode() -> Result
     assert!(text.contains("drain the node before switching modes"), "{text}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_going_unhealthy_under_held_shares_is_withdrawn_and_its_shares_kept() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let (agent, token) = start(&node, &api).await?;
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    api.put_resource_claim(allocated_claim("held", "uid-1", "gpu-0", Some("4Gi")));
+    let mut c = client(&d.socket()).await?;
+    let r = c
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("held", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(r.claims["uid-1"].error, "");
+    let uuid = agent.resources().published().state.gpus().next().context("a GPU")?.uuid.to_string();
+    agent.resources().set_health(&uuid, false, "XID 79 (test)");
+    poll("gpu-0 withdrawn from the slices", async || {
+        let p = published(&api);
+        Ok((p.len() == 7 && !p.contains_key("gpu-0")).then_some(()))
+    })
+    .await?;
+    assert_eq!(agent.resources().claim_grants("uid-1").len(), 1, "the held share is kept");
+    // A claim the scheduler allocated before the withdrawal: refused while the GPU is sick.
+    api.put_resource_claim(allocated_claim("late", "uid-2", "gpu-0", Some("4Gi")));
+    let late = c
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("late", "uid-2")],
+        })
+        .await?
+        .into_inner();
+    assert!(late.claims["uid-2"].error.contains("unhealthy"), "{late:?}");
+    agent.resources().set_health(&uuid, true, "");
+    poll("gpu-0 published again", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    let again = c
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("late", "uid-2")],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(again.claims["uid-2"].error, "", "{again:?}");
+    stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_on_a_gpu_whose_mps_daemon_does_not_answer_is_refused() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let (agent, token) = start(&node, &api).await?;
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    let uuid = agent.resources().published().state.gpus().next().context("a GPU")?.uuid.to_string();
+    agent.resources().set_shares_enforced(&uuid, false);
+    poll("gpu-0 withdrawn", async || Ok((!published(&api).contains_key("gpu-0")).then_some(())))
+        .await?;
+    api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
+    let r = client(&d.socket())
+        .await?
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("c", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    assert!(r.claims["uid-1"].error.contains("MPS daemon"), "{r:?}");
+    assert!(agent.resources().claim_grants("uid-1").is_empty());
+    stop(agent, token).await
+}
