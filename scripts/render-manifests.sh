@@ -24,6 +24,6 @@ render() {
   } >"$out/$name.yaml"
 }
 render default --values "$chart/values.yaml"
-for name in mig no-mps extender-service prometheus-operator; do
+for name in mig no-mps extender-service prometheus-operator dra; do
   render "$name" --values "$chart/ci/$name-values.yaml"
 done

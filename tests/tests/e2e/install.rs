@@ -27,13 +27,15 @@ use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, Pod, PodSpec, Service, ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::api::resource::v1::DeviceClass;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The values the chart is checked with: its defaults, and each file under its `ci/`.
-const VALUES: [&str; 8] = [
+const VALUES: [&str; 9] = [
     "default",
+    "dra",
     "cpu-only-pods",
     "mig",
     "no-mps",
@@ -43,6 +45,7 @@ const VALUES: [&str; 8] = [
     "custom-domain",
 ];
 const AGENT: &str = "baleen-agent";
+const DRA_AGENT: &str = "baleen-agent-dra";
 const MPS: &str = "baleen-mps";
 const CHART: &str = "packaging/helm/baleen";
 
@@ -192,6 +195,7 @@ struct Install {
     service_monitors: Vec<ServiceMonitor>,
     deployments: Vec<Deployment>,
     admission_policies: Vec<ValidatingAdmissionPolicy>,
+    device_classes: Vec<DeviceClass>,
     policy_bindings: Vec<ValidatingAdmissionPolicyBinding>,
     webhooks: Vec<MutatingWebhookConfiguration>,
     network_policies: Vec<k8s_openapi::api::networking::v1::NetworkPolicy>,
@@ -218,6 +222,7 @@ impl Install {
                     install.policy_bindings.push(strict(&doc)?);
                 }
                 "MutatingWebhookConfiguration" => install.webhooks.push(strict(&doc)?),
+                "DeviceClass" => install.device_classes.push(strict(&doc)?),
                 "NetworkPolicy" => install.network_policies.push(strict(&doc)?),
                 "PrometheusRule" | "Certificate" | "Issuer" => install.custom.push(doc),
                 "Role" => {
@@ -552,8 +557,18 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     let sa = spec.service_account_name.clone().context("serviceAccountName")?;
     ensure!(install.service_accounts.iter().any(|s| s.metadata.name.as_deref() == Some(&sa)));
     let granted = install.granted_to(&sa)?;
-    let called =
-        calls(baleen_agent::kube_access::AGENT.iter().map(|r| (r.api_group, r.resource, r.verbs)));
+    // With the DRA agent beside it (same account), what it calls too.
+    let dra: &[baleen_agent::kube_access::ApiRule] = if install.daemon_set(DRA_AGENT).is_some() {
+        baleen_agent::kube_access::DRA_AGENT
+    } else {
+        &[]
+    };
+    let called = calls(
+        baleen_agent::kube_access::AGENT
+            .iter()
+            .chain(dra)
+            .map(|r| (r.api_group, r.resource, r.verbs)),
+    );
     ensure!(granted == called, "RBAC grants {granted:?}, the agent calls {called:?}");
     if called.is_empty() {
         ensure!(
@@ -641,6 +656,11 @@ fn every_values_file_renders_into_valid_objects_that_match_the_agent() -> Result
             let (_, s) = settings_of(&install, spec, only_container(spec)?, scratch.path())?;
             check_scheduling(&install, &s.agent.views.domain)
                 .with_context(|| format!("{name}: the scheduler"))?;
+            if name == "dra" {
+                check_dra_agent(&install, scratch.path()).context("the DRA agent")?;
+            } else {
+                ensure!(install.daemon_set(DRA_AGENT).is_none(), "{name}: no DRA agent");
+            }
             let operator = name == "prometheus-operator";
             ensure!(
                 install.service_monitors.is_empty() != operator,
@@ -1406,11 +1426,23 @@ fn node_policy_admits(
     object: &Value,
     old: &Value,
 ) -> Result<Option<bool>> {
+    policy_admits(install, "baleen-agent-own-node", request, object, old)
+}
+
+/// Admission policy `name` evaluated as the API server would: its match condition, then its
+/// variables, then every validation.
+fn policy_admits(
+    install: &Install,
+    name: &str,
+    request: &Value,
+    object: &Value,
+    old: &Value,
+) -> Result<Option<bool>> {
     let policy = install
         .admission_policies
         .iter()
-        .find(|p| p.metadata.name.as_deref() == Some("baleen-agent-own-node"))
-        .context("the node policy")?;
+        .find(|p| p.metadata.name.as_deref() == Some(name))
+        .with_context(|| format!("the policy {name}"))?;
     let spec = policy.spec.as_ref().context("spec")?;
     ensure!(spec.failure_policy.as_deref() == Some("Fail"), "an error admits nothing");
     let base = [("request", request), ("object", object), ("oldObject", old)];
@@ -1700,6 +1732,189 @@ fn the_values_table_in_the_install_docs_lists_every_value() -> Result<()> {
     ensure!(
         missing.is_empty() && extra.is_empty(),
         "docs/install.md's values table: missing {missing:?}, not in values.yaml {extra:?}"
+    );
+    Ok(())
+}
+
+/// The DRA agent (`dra.enabled`): runs `driver: dra` with the kubelet's DRA directories mounted
+/// at their host paths, only on nodes labelled for it while the device-plugin agent keeps the
+/// others, and the DeviceClasses select its devices.
+fn check_dra_agent(install: &Install, scratch: &Path) -> Result<()> {
+    let ds = install.daemon_set(DRA_AGENT).context("the DRA agent's DaemonSet")?;
+    let spec = pod_spec(ds)?;
+    let c = only_container(spec)?;
+    let (command, settings) = settings_of(install, spec, c, scratch)?;
+    ensure!(command.is_none(), "the DRA agent runs a subcommand");
+    let a = &settings.agent;
+    let baleen_agent::dra::DriverMode::Dra(d) = &a.driver else {
+        bail!("the DRA agent's configuration says driver: device-plugin")
+    };
+    ensure!(d.driver_name == "gpu.awesome-ai-company.com", "driver {}", d.driver_name);
+    ensure!(
+        d.registry_dir == Path::new("/var/lib/kubelet/plugins_registry")
+            && d.plugin_dir == Path::new("/var/lib/kubelet/plugins/gpu.awesome-ai-company.com"),
+        "the kubelet's directories: {d:?}"
+    );
+    let mut used = vec![
+        d.registry_dir.clone(),
+        d.plugin_dir.clone(),
+        d.cdi_dir.clone(),
+        a.pod_resources_socket.parent().context("socket dir")?.to_path_buf(),
+        a.state_dir.clone(),
+    ];
+    if a.mps.enabled {
+        used.push(a.mps.root.clone());
+    }
+    if a.colocation.enabled {
+        used.push(a.colocation.cgroup_root.clone());
+    }
+    used.extend(a.devices.cdi_spec_dirs.iter().cloned());
+    used.push(a.devices.toolkit_config.parent().context("toolkit dir")?.to_path_buf());
+    let (host, _) = mounts(spec, c)?;
+    check_host_paths("the DRA agent", &host, &used)?;
+    // The CDI directory it writes is mounted writable.
+    let cdi = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| Path::new(&m.mount_path) == d.cdi_dir)
+        .context("the CDI directory mounted")?;
+    ensure!(cdi.read_only != Some(true), "the DRA agent writes {}", d.cdi_dir.display());
+    // Labelled nodes run the DRA agent, the others the device-plugin agent.
+    let expression = |ds: &DaemonSet| -> Option<(String, Vec<String>)> {
+        let terms = pod_spec(ds)
+            .ok()?
+            .affinity
+            .as_ref()?
+            .node_affinity
+            .as_ref()?
+            .required_during_scheduling_ignored_during_execution
+            .as_ref()?
+            .node_selector_terms
+            .clone();
+        let e = terms
+            .first()?
+            .match_expressions
+            .as_ref()?
+            .iter()
+            .find(|e| e.key == "awesome-ai-company.com/driver")?
+            .clone();
+        Some((e.operator, e.values.unwrap_or_default()))
+    };
+    ensure!(expression(ds) == Some(("In".into(), vec!["dra".into()])), "the DRA agent's nodes");
+    let plugin = install.daemon_set(AGENT).context("the device-plugin agent")?;
+    ensure!(
+        expression(plugin) == Some(("NotIn".into(), vec!["dra".into()])),
+        "the device-plugin agent leaves the DRA nodes"
+    );
+    // The DeviceClasses select this driver's GPUs and MIG instances, by the attribute the
+    // slices publish.
+    let names: Vec<_> =
+        install.device_classes.iter().filter_map(|c| c.metadata.name.clone()).collect();
+    ensure!(
+        names == ["gpu.awesome-ai-company.com", "mig.gpu.awesome-ai-company.com"],
+        "DeviceClasses {names:?}"
+    );
+    for (class, kind) in install.device_classes.iter().zip(["gpu", "mig"]) {
+        let selectors = class.spec.selectors.as_deref().unwrap_or_default();
+        let cel = selectors.first().and_then(|s| s.cel.as_ref()).context("a CEL selector")?;
+        let device = |driver: &str, t: &str| serde_json::json!({"driver": driver, "attributes": {driver: {"type": t}}});
+        let eval = |d: Value| -> Result<bool> {
+            match cel_eval(&cel.expression, &[("device", &d)], &Default::default())? {
+                cel::Value::Bool(b) => Ok(b),
+                other => bail!("{} gave {other:?}", cel.expression),
+            }
+        };
+        ensure!(eval(device("gpu.awesome-ai-company.com", kind))?, "{kind}: its own devices");
+        let other = if kind == "gpu" { "mig" } else { "gpu" };
+        ensure!(!eval(device("gpu.awesome-ai-company.com", other))?, "{kind}: not {other}s");
+        ensure!(!eval(device("gpu.nvidia.com", kind))?, "{kind}: not another driver's");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_agents_account_may_write_only_its_own_nodes_slices() -> Result<()> {
+    let install = Install::parse(&render("dra")?)?;
+    let agent = |node: &str| {
+        serde_json::json!({
+            "userInfo": {
+                "username": "system:serviceaccount:baleen-system:baleen-agent",
+                "extra": {"authentication.kubernetes.io/node-name": [node]}
+            }
+        })
+    };
+    let slice = |node: &str, driver: &str| serde_json::json!({"metadata": {"name": format!("{node}-s")}, "spec": {"nodeName": node, "driver": driver, "pool": {"name": node}}});
+    let ours = "gpu.awesome-ai-company.com";
+    let none = Value::Null;
+    let cases = [
+        (
+            "its own node's slice, created",
+            agent("gpu-1"),
+            slice("gpu-1", ours),
+            none.clone(),
+            Some(true),
+        ),
+        (
+            "its own node's slice, deleted",
+            agent("gpu-1"),
+            none.clone(),
+            slice("gpu-1", ours),
+            Some(true),
+        ),
+        (
+            "another node's slice, created",
+            agent("gpu-2"),
+            slice("gpu-1", ours),
+            none.clone(),
+            Some(false),
+        ),
+        (
+            "another node's slice, deleted",
+            agent("gpu-2"),
+            none.clone(),
+            slice("gpu-1", ours),
+            Some(false),
+        ),
+        (
+            "its slice moved to another node",
+            agent("gpu-1"),
+            slice("gpu-2", ours),
+            slice("gpu-1", ours),
+            Some(false),
+        ),
+        (
+            "another driver's slice",
+            agent("gpu-1"),
+            slice("gpu-1", "gpu.nvidia.com"),
+            none.clone(),
+            Some(false),
+        ),
+        (
+            "a token without a node",
+            serde_json::json!({"userInfo": {"username": "system:serviceaccount:baleen-system:baleen-agent"}}),
+            slice("gpu-1", ours),
+            none.clone(),
+            Some(false),
+        ),
+        (
+            "the kubelet (not matched)",
+            serde_json::json!({"userInfo": {"username": "system:node:gpu-1"}}),
+            none.clone(),
+            slice("gpu-2", ours),
+            None,
+        ),
+    ];
+    for (what, request, object, old, want) in cases {
+        let got = policy_admits(&install, "baleen-agent-own-slices", &request, &object, &old)?;
+        ensure!(got == want, "{what}: {got:?}, not {want:?}");
+    }
+    ensure!(
+        install
+            .policy_bindings
+            .iter()
+            .any(|b| b.metadata.name.as_deref() == Some("baleen-agent-own-slices")),
+        "the slices policy is bound"
     );
     Ok(())
 }

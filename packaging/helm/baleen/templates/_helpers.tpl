@@ -35,6 +35,66 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{ toYaml $config }}
 {{- end }}
 
+{{/* The DRA driver's name: dra.driverName, or gpu.<domain>. */}}
+{{- define "baleen.draDriver" -}}
+{{- default (printf "gpu.%s" .Values.domain) .Values.dra.driverName -}}
+{{- end }}
+
+{{/* The DRA agent's configuration: the agent's, served as a DRA driver. */}}
+{{- define "baleen.agentDraConfig" -}}
+{{- $config := include "baleen.agentConfig" . | fromYaml -}}
+{{- $_ := set $config "driver" "dra" -}}
+{{- $dra := dict "driverName" (include "baleen.draDriver" .) "registryDir" .Values.dra.registryDir "pluginDir" (printf "%s/%s" (trimSuffix "/" .Values.dra.pluginsDir) (include "baleen.draDriver" .)) "cdiDir" .Values.dra.cdiDir -}}
+{{- $_ := set $config "dra" $dra -}}
+{{ toYaml $config }}
+{{- end }}
+
+{{/*
+Where an agent DaemonSet runs (dict "root" . "dra" bool): the chart's placement, and with
+dra.enabled and dra.nodes labelled, nodes labelled <domain>/driver=dra for the DRA agent and
+the others for the device-plugin agent (ANDed into every node selector term of the affinity).
+*/}}
+{{- define "baleen.agentPlacement" -}}
+{{- $root := .root -}}
+{{- $affinity := deepCopy (default dict $root.Values.affinity) -}}
+{{- if and $root.Values.dra.enabled (eq $root.Values.dra.nodes "labelled") -}}
+{{- $expression := dict "key" (printf "%s/driver" $root.Values.domain) "operator" (ternary "In" "NotIn" .dra) "values" (list "dra") -}}
+{{- $nodeAffinity := default dict (get $affinity "nodeAffinity") -}}
+{{- $required := default dict (get $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution") -}}
+{{- $terms := default (list dict) (get $required "nodeSelectorTerms") -}}
+{{- $anded := list -}}
+{{- range $terms -}}
+{{- $term := deepCopy . -}}
+{{- $_ := set $term "matchExpressions" (append (default list (get $term "matchExpressions")) $expression) -}}
+{{- $anded = append $anded $term -}}
+{{- end -}}
+{{- $_ := set $required "nodeSelectorTerms" $anded -}}
+{{- $_ := set $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" $required -}}
+{{- $_ := set $affinity "nodeAffinity" $nodeAffinity -}}
+{{- end -}}
+{{- with $root.Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $root.Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $root.Values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The agent's metrics port, from agent.config.metrics.address (host:port). */}}
 {{- define "baleen.metricsPort" -}}
 {{- $address := dig "metrics" "address" "0.0.0.0:9477" .Values.agent.config -}}
