@@ -438,7 +438,7 @@ fn state_families(sources: &StateSources) -> Result<Families, prometheus::Error>
     for u in &usage {
         used_by.entry((u.gpu.as_str(), u.resource.as_str(), u.device_ids.as_slice())).or_insert(u);
     }
-    for (record, gpu, bytes, holder) in grants {
+    for (record, gpu, bytes, holder) in grants.iter().cloned() {
         let (namespace, pod, container) =
             holder.map(|k| (k.namespace, k.pod, k.container)).unwrap_or_default();
         let labels = [
@@ -454,6 +454,21 @@ fn state_families(sources: &StateSources) -> Result<Families, prometheus::Error>
         if let Some(u) = used {
             grant_used.with_label_values(&labels).set(int(u.used_bytes));
             grant_episodes.with_label_values(&labels).inc_by(u.over_grant_episodes);
+        }
+    }
+
+    // DRA claims (`driver: dra`): each booked device by its claim and the pod it is reserved for.
+    let claim_bytes = f.add(int_gauges(
+        "baleen_claim_memory_bytes",
+        "GPU memory a DRA claim's device holds on one GPU (driver: dra): a share's consumed memory, a whole GPU's or a MIG instance's; the pod is the first the claim is reserved for. The series ends with the claim's Unprepare.",
+        &["namespace", "pod", "claim", "device", "gpu_uuid"],
+    ))?;
+    for (record, gpu, bytes, _) in grants {
+        if let Some(c) = &record.claim {
+            let pod = c.pod.as_deref().unwrap_or("");
+            let labels =
+                [c.namespace.as_str(), pod, c.name.as_str(), c.device.as_str(), gpu.as_str()];
+            claim_bytes.with_label_values(&labels).set(int(bytes));
         }
     }
 

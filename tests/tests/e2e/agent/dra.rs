@@ -166,6 +166,16 @@ async fn the_agent_as_a_dra_driver_registers_publishes_prepares_and_keeps_claims
     assert!(spec.contains("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="), "{spec}");
     assert!(spec.contains(&format!("{uuid}/pipe")), "the pipe directory is mounted: {spec}");
 
+    // The share in the metrics, by claim and pod.
+    let address = agent.metrics_address().context("metrics")?;
+    let line = scraped(address, "the claim's series", |text| {
+        text.lines().find(|l| l.starts_with("baleen_claim_memory_bytes{")).map(str::to_owned)
+    })
+    .await?;
+    assert!(line.contains(r#"claim="infer""#) && line.contains(r#"pod="pod-infer""#), "{line}");
+    assert!(line.contains(r#"namespace="team-a""#) && line.contains(r#"device="gpu-0""#), "{line}");
+    assert!(line.ends_with(&format!(" {}", 8_u64 << 30)), "{line}");
+
     // More than gpu-0 holds beside it: refused, nothing booked.
     api.put_resource_claim(allocated_claim("train", "uid-2", "gpu-0", Some("140Gi")));
     let over = dra_client

@@ -149,7 +149,7 @@ async fn http_get(address: std::net::SocketAddr, path: &str) -> Result<(u16, Str
 }
 
 /// Scrapes `/metrics` until `found` answers `Some` of the text (`poll`).
-async fn scraped<T>(
+pub(super) async fn scraped<T>(
     address: std::net::SocketAddr,
     what: &str,
     found: impl Fn(&str) -> Option<T>,
