@@ -48,6 +48,10 @@ struct Args {
     /// they asked for (what the CI tests do: the packing then does not depend on timing).
     #[arg(long)]
     settled: bool,
+    /// Also run every seed with each node a DRA driver (`baleen_tests::dra_loop`): the test
+    /// allocator choosing devices first fit, kube-scheduler's LeastAllocated choosing nodes.
+    #[arg(long)]
+    dra: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -80,13 +84,23 @@ fn main() -> anyhow::Result<()> {
         args.listing_delay
     );
     println!(
-        "seed  submitted  placed  admission-failures  live-unallocated-%  baleen-sim-online-%"
+        "seed  submitted  placed  admission-failures  live-unallocated-%  baleen-sim-online-%{}",
+        if args.dra { "  dra-placed  dra-failures  dra-first-fit-%" } else { "" }
     );
     for (k, &seed) in args.seeds.iter().enumerate() {
         let started = std::time::Instant::now();
         let live = runtime.block_on(run_seed(&workload, seed, &options))?;
+        let dra = if args.dra {
+            let d = baleen_tests::dra_loop::run_seed(&workload, seed, options.tune)?;
+            format!(
+                "  {:>10}  {:>12}  {:>15.2}",
+                d.placed, d.admission_failures, d.unallocated_at_100
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "{seed:>4}  {:>9}  {:>6}  {:>18}  {:>18.2}  {:>19.2}   ({:.0} s)",
+            "{seed:>4}  {:>9}  {:>6}  {:>18}  {:>18.2}  {:>19.2}{dra}   ({:.0} s)",
             live.submitted,
             live.placed,
             live.admission_failures,

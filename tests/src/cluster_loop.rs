@@ -35,7 +35,7 @@ use crate::fake_apiserver::FakeApiServer;
 const DOMAIN: &str = "awesome-ai-company.com";
 const UNITS_PER_GPU: u64 = 1000;
 /// One unit: a GPU of 1,000 units of 16 MiB.
-const UNIT_BYTES: u64 = 16 << 20;
+pub(crate) const UNIT_BYTES: u64 = 16 << 20;
 
 /// How to run.
 #[derive(Debug, Clone)]
@@ -102,7 +102,7 @@ struct LoopNode {
     holders: HashMap<String, (String, usize)>,
 }
 
-fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
+pub(crate) fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
     let gpus = spec
         .gpus
         .iter()
@@ -471,7 +471,7 @@ async fn post_binding(address: std::net::SocketAddr, key: &str, binding: &Value)
 
 /// The replay's headline: the mean unallocated % of the records whose arrived % rounds (half
 /// to even) to 100; if none does, of those rounding to 99 and 101.
-fn at_100(rows: &[(f64, f64)]) -> f64 {
+pub(crate) fn at_100(rows: &[(f64, f64)]) -> f64 {
     let mean = |lo: f64, hi: f64| {
         let v: Vec<f64> = rows
             .iter()

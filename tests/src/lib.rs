@@ -6,6 +6,9 @@
 //!   container, and a restart that wipes the directory.
 //! - [`cluster_loop`]: a trace list replayed through the extender, a fake API server and
 //!   agent ledgers (the cluster in the loop);
+//! - [`dra_allocator`]: a test allocator playing kube-scheduler's DRA allocator (first fit by
+//!   each device's `requestPolicy`), and [`dra_loop`]: the cluster loop with every node a DRA
+//!   driver;
 //! - [`bench`](mod@bench): the in-process benchmarks' agent configuration;
 //! - [`fuzz`]: the bodies and seeds of the fuzz targets (`fuzz/`);
 //! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
@@ -21,6 +24,8 @@
 
 pub mod bench;
 pub mod cluster_loop;
+pub mod dra_allocator;
+pub mod dra_loop;
 pub mod fake_apiserver;
 pub mod fake_cuda;
 pub mod fake_kubelet;

@@ -1,0 +1,173 @@
+//! The cluster loop in DRA mode: the same trace, order and node priority as
+//! [`crate::cluster_loop`], but each node is served as a DRA driver and placed as
+//! kube-scheduler places claims: its ResourceSlices are the agent's own
+//! (`baleen_agent::dra::node_devices` through `baleen_dra::slices::build`, read back through
+//! JSON into k8s-openapi's types, as the API server holds them), the test allocator
+//! ([`crate::dra_allocator`]) chooses devices first fit by their `requestPolicy`, kube-scheduler
+//! filters nodes by CPU, memory and whether the claim can be allocated there and scores them by
+//! NodeResourcesFit's LeastAllocated (no DRA scoring: the default plugins score no device), and
+//! the node's agent books the allocation in its ledger as `NodePrepareResources` does
+//! (`DeviceLedger::book_claim`): a booking it refuses is an admission failure.
+//!
+//! A share of one GPU (`gpu_milli` < 1000) is a claim of `gpu_milli` units of memory (a unit is
+//! a thousandth of a GPU, as in [`crate::cluster_loop`]); whole GPUs a claim of `count` devices
+//! asking no capacity. The headline is the replay's: unallocated GPU % at arrived = 100 %.
+
+use anyhow::{Context as _, Result};
+use baleen_agent::ledger::{ClaimBooking, ClaimDevice, ClaimHolder, DeviceLedger, ViewConfig};
+use baleen_dra::slices::{self, Owner};
+use baleen_scheduler_core::model::GpuDemand;
+use baleen_scheduler_sim::replay::{Workload, node_ranks, submission_order};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use rand::SeedableRng;
+
+use crate::cluster_loop::{LoopOutcome, UNIT_BYTES, at_100, inventory};
+use crate::dra_allocator::{Allocator, Ask};
+
+const DRIVER: &str = "gpu.awesome-ai-company.com";
+
+struct DraNode {
+    ledger: DeviceLedger,
+    slices: Vec<ResourceSlice>,
+    targets: std::collections::BTreeMap<String, baleen_agent::dra::Target>,
+    cpu_used: u64,
+    memory_used: u64,
+}
+
+/// Replays `seed` of `workload` with every node a DRA driver (see the module's documentation).
+pub fn run_seed(workload: &Workload, seed: u64, tune: f64) -> Result<LoopOutcome> {
+    let capacity = workload.gpu_capacity_milli();
+    let mut order_rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let order = submission_order(&workload.tasks, capacity, tune, &mut order_rng);
+    let ranks = node_ranks(&workload.nodes, &mut order_rng);
+    let config = ViewConfig {
+        domain: "awesome-ai-company.com".into(),
+        memory_unit_bytes: UNIT_BYTES,
+        whole_gpus: true,
+        gpu_memory: true,
+        mig: false,
+        nvlink_group_sizes: vec![],
+    };
+    let mut nodes = Vec::with_capacity(workload.nodes.len());
+    for (i, spec) in workload.nodes.iter().enumerate() {
+        let ledger = DeviceLedger::new(&spec.name, &inventory(i, spec)?, config.clone())?;
+        let (devices, targets) = baleen_agent::dra::node_devices(&ledger, None);
+        let owner = Owner { node_name: spec.name.clone(), node_uid: format!("uid-{i}") };
+        let built = slices::build(DRIVER, &owner, 1, &devices)?;
+        // As the API server holds them: through JSON.
+        let slices = serde_json::from_value(serde_json::to_value(&built)?)?;
+        nodes.push(DraNode { ledger, slices, targets, cpu_used: 0, memory_used: 0 });
+    }
+    let mut allocator = Allocator::default();
+    let (mut arrived, mut allocated) = (0u64, 0u64);
+    let (mut placed, mut admission_failures) = (0usize, 0usize);
+    let mut rows = Vec::with_capacity(order.len());
+    for (seq, &task) in order.iter().enumerate() {
+        let request = &workload.tasks[task].request;
+        arrived += request.gpu.total_milli();
+        let ask = match request.gpu {
+            GpuDemand::None => None,
+            GpuDemand::Shared { milli, .. } => Some(Ask::Memory(u64::from(milli.0) * UNIT_BYTES)),
+            GpuDemand::Whole { count } => Some(Ask::Whole(count)),
+        };
+        let pool = |i: usize| workload.nodes[i].name.as_str();
+        // kube-scheduler's filters: CPU and memory, and the DRA plugin (can the claim be
+        // allocated on the node?); then NodeResourcesFit's LeastAllocated score.
+        let chosen = (0..nodes.len())
+            .filter(|&i| {
+                let s = &workload.nodes[i];
+                nodes[i].cpu_used + request.cpu.0 <= s.cpu.0
+                    && nodes[i].memory_used + request.memory.0 <= s.memory.0
+                    && ask.is_none_or(|a| allocator.fits(&nodes[i].slices, pool(i), a))
+            })
+            .map(|i| {
+                let s = &workload.nodes[i];
+                let free =
+                    |used: u64, cap: u64, want: u64| (cap - used - want) as f64 / cap.max(1) as f64;
+                let score = (free(nodes[i].cpu_used, s.cpu.0, request.cpu.0)
+                    + free(nodes[i].memory_used, s.memory.0, request.memory.0))
+                    / 2.0;
+                (score, i)
+            })
+            .max_by(|a, b| a.0.total_cmp(&b.0).then(ranks[b.1].cmp(&ranks[a.1])))
+            .map(|(_, i)| i);
+        if let Some(i) = chosen {
+            let uid = format!("claim-{seq}");
+            let booked = match ask {
+                None => Ok(()),
+                Some(a) => {
+                    let given = allocator
+                        .allocate(&nodes[i].slices, pool(i), &uid, a)
+                        .context("the claim fitted when filtered")?;
+                    let bookings: Vec<ClaimBooking> = given
+                        .iter()
+                        .map(|g| {
+                            let target = nodes[i].targets.get(&g.device).cloned();
+                            let device = match (target, g.consumed) {
+                                (
+                                    Some(baleen_agent::dra::Target::Shared(gpu_uuid)),
+                                    Some(bytes),
+                                ) => ClaimDevice::Share { gpu_uuid, bytes },
+                                (Some(baleen_agent::dra::Target::Whole(gpu_uuid)), _) => {
+                                    ClaimDevice::Whole { gpu_uuid }
+                                }
+                                (t, c) => anyhow::bail!("device {} ({t:?}, {c:?})", g.device),
+                            };
+                            Ok(ClaimBooking {
+                                holder: ClaimHolder {
+                                    namespace: "loop".into(),
+                                    name: uid.clone(),
+                                    uid: uid.clone(),
+                                    request: "gpu".into(),
+                                    device: g.device.clone(),
+                                    share_id: g.share_id.clone(),
+                                    pod: Some(format!("t{seq}")),
+                                },
+                                device,
+                            })
+                        })
+                        .collect::<Result<_>>()?;
+                    let mut next = nodes[i].ledger.clone();
+                    match next.book_claim(&bookings, 0) {
+                        Ok(_) => {
+                            nodes[i].ledger = next;
+                            Ok(())
+                        }
+                        Err(e) => {
+                            allocator.release(&uid);
+                            Err(e.to_string())
+                        }
+                    }
+                }
+            };
+            match booked {
+                Ok(()) => {
+                    nodes[i].cpu_used += request.cpu.0;
+                    nodes[i].memory_used += request.memory.0;
+                    allocated += request.gpu.total_milli();
+                    placed += 1;
+                }
+                Err(why) => {
+                    admission_failures += 1;
+                    tracing::warn!(
+                        claim = uid,
+                        node = pool(i),
+                        why,
+                        "Prepare refused the allocation"
+                    );
+                }
+            }
+        }
+        rows.push((
+            100.0 * arrived as f64 / capacity as f64,
+            100.0 - 100.0 * allocated as f64 / capacity as f64,
+        ));
+    }
+    Ok(LoopOutcome {
+        seed,
+        submitted: order.len(),
+        placed,
+        admission_failures,
+        unallocated_at_100: at_100(&rows),
+    })
+}
