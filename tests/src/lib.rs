@@ -13,6 +13,9 @@
 //! - [`fuzz`]: the bodies and seeds of the fuzz targets (`fuzz/`);
 //! - [`fake_apiserver`]: a Kubernetes API server on loopback for the agent's node annotation,
 //!   which can go away and come back;
+//! - [`fake_dra_kubelet`]: a kubelet's DRA side (slices wiped at its start, the plugin watcher
+//!   registering with a gRPC C-core client, Prepare batched per pod, Unprepare retried, never a
+//!   claim prepared twice);
 //! - [`fake_cuda`]: a CUDA driver library for the agent's MPS client probe, without a GPU;
 //! - [`http`]: a plain HTTP/1.1 client for the tests;
 //! - [`memory_backend`]: an in-memory device-plugin backend for tests and benchmarks;
@@ -28,6 +31,7 @@ pub mod dra_allocator;
 pub mod dra_loop;
 pub mod fake_apiserver;
 pub mod fake_cuda;
+pub mod fake_dra_kubelet;
 pub mod fake_kubelet;
 pub mod fake_nvml;
 pub mod fuzz;

@@ -576,6 +576,39 @@ mod tests {
     }
 
     #[test]
+    fn the_driver_is_device_plugin_unless_told_and_dra_takes_its_defaults_and_checks() {
+        use crate::dra::DriverMode;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.yaml");
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        std::fs::write(&file, "nodeName: n\n").expect("write");
+        let plain = resolve(&args, &Environment::default()).expect("valid");
+        assert_eq!(plain.agent.driver, DriverMode::DevicePlugin);
+        std::fs::write(&file, "nodeName: n\ndomain: example.org\ndriver: dra\n").expect("write");
+        let dra = resolve(&args, &Environment::default()).expect("valid");
+        let DriverMode::Dra(d) = dra.agent.driver else { panic!("driver: dra") };
+        assert_eq!(d.driver_name, "gpu.example.org");
+        assert_eq!(d.socket(), Path::new("/var/lib/kubelet/plugins/gpu.example.org/dra.sock"));
+        assert_eq!(
+            d.registration_socket(),
+            Path::new("/var/lib/kubelet/plugins_registry/gpu.example.org-reg.sock")
+        );
+        std::fs::write(
+            &file,
+            "nodeName: n\ndriver: dra\ndra:\n  driverName: GPU_x\n  cdiDir: run/cdi\n  pluginDirr: /x\n",
+        )
+        .expect("write");
+        let err = resolve(&args, &Environment::default()).expect_err("three problems");
+        assert_eq!(err.problems.len(), 3, "{err}");
+        assert!(err.to_string().contains("is not a DNS subdomain"), "{err}");
+        assert!(err.to_string().contains("dra.cdiDir run/cdi must be an absolute path"), "{err}");
+        assert!(err.to_string().contains("pluginDirr"), "{err}");
+        std::fs::write(&file, "nodeName: n\ndriver: csi\n").expect("write");
+        let err = resolve(&args, &Environment::default()).expect_err("unknown driver");
+        assert!(err.to_string().contains("not one of device-plugin (the default), dra"), "{err}");
+    }
+
+    #[test]
     fn the_node_name_is_never_empty_nor_a_pods_host_name() {
         let args = RunArgs::default();
         let err = resolve(&args, &Environment::with_node_name(Some(""))).expect_err("empty");

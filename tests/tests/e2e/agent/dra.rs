@@ -5,13 +5,14 @@
 //! the kubelet's wipe of the node's slices.
 
 use std::path::Path;
-use std::process::Command;
 
 use baleen_agent::dra::{DraConfig, DriverMode};
 use baleen_agent::kube_api::KubeNodeApi;
 use baleen_proto::dra::v1;
 use baleen_proto::pluginregistration::v1 as reg;
+use baleen_tests::dra_allocator::{Allocator, Ask, claim_status};
 use baleen_tests::fake_apiserver::FakeApiServer;
+use baleen_tests::fake_dra_kubelet::{self as dra_kubelet, FakeDraKubelet, c_core_call};
 use prost::Message as _;
 use serde_json::{Value, json};
 
@@ -53,28 +54,6 @@ fn published(api: &FakeApiServer) -> std::collections::BTreeMap<String, Value> {
         .filter(|s| s["spec"]["nodeName"] == "node-a" && s["spec"]["driver"] == DRIVER)
         .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
         .filter_map(|d| Some((d["name"].as_str()?.to_owned(), d)))
-        .collect()
-}
-
-/// One unary call through gRPC C-core (Python grpcio) under the authority grpc-go sends.
-fn c_core_call(socket: &Path, method: &str, request: &[u8]) -> Result<Vec<u8>> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../dra/tests/grpc_c_core_call.py");
-    let hex: String = request.iter().map(|b| format!("{b:02x}")).collect();
-    let out = Command::new("/usr/bin/python3")
-        .arg(&script)
-        .arg(socket)
-        .arg(method)
-        .arg(&hex)
-        .output()
-        .context("run /usr/bin/python3: install Debian's python3 and python3-grpcio")?;
-    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    let answer = text.strip_prefix("ok").with_context(|| {
-        format!("C-core call {method}: {text} {}", String::from_utf8_lossy(&out.stderr))
-    })?;
-    let answer = answer.trim();
-    (0..answer.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&answer[i..i + 2], 16).context("hex"))
         .collect()
 }
 
@@ -328,5 +307,124 @@ async fn a_share_on_a_gpu_whose_mps_daemon_does_not_answer_is_refused() -> Resul
         .into_inner();
     assert!(r.claims["uid-1"].error.contains("MPS daemon"), "{r:?}");
     assert!(agent.resources().claim_grants("uid-1").is_empty());
+    stop(agent, token).await
+}
+
+/// The node's slices as kube-scheduler reads them (k8s-openapi's types).
+fn slices(api: &FakeApiServer) -> Result<Vec<k8s_openapi::api::resource::v1::ResourceSlice>> {
+    api.resource_slices().into_iter().map(|s| Ok(serde_json::from_value(s)?)).collect()
+}
+
+/// Allocates a claim `name` (UID `uid`) of `ask` with the test allocator from the node's
+/// slices, reserved for pod `pod`, and stores it in the API server.
+fn allocate(
+    api: &FakeApiServer,
+    allocator: &mut Allocator,
+    name: &str,
+    uid: &str,
+    ask: Ask,
+    pod: &str,
+) -> Result<dra_kubelet::Claim> {
+    let given = allocator
+        .allocate(&slices(api)?, "node-a", uid, ask)
+        .with_context(|| format!("{ask:?} does not fit the node's slices"))?;
+    api.put_resource_claim(json!({
+        "metadata": {"name": name, "namespace": "team-a", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
+        "status": claim_status(DRIVER, &given, (pod, &format!("uid-{pod}")))
+    }));
+    Ok(dra_kubelet::Claim { namespace: "team-a".into(), name: name.into(), uid: uid.into() })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_a_kubelet_claims_survive_both_restarts_and_are_prepared_once() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    // Slices left by an earlier agent: the kubelet's start deletes them.
+    let stale = json!({"metadata": {"name": "stale"}, "spec": {"driver": DRIVER, "nodeName": "node-a",
+        "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1}, "devices": []}});
+    let (status, body) = baleen_tests::http::request(
+        api.address(),
+        "POST",
+        "/apis/resource.k8s.io/v1/resourceslices",
+        &stale.to_string(),
+    )
+    .await?;
+    assert_eq!(status, 201, "{body}");
+    let kubelet = FakeDraKubelet::start(&d.registry_dir, "node-a", api.address()).await?;
+    assert!(api.resource_slices().is_empty(), "the kubelet's start wipes the node's slices");
+    let (agent, token) = start(&node, &api).await?;
+    let plugin = kubelet.registered(DRIVER, 1, WAIT).await?;
+    assert_eq!(plugin.version, "v1.DRAPlugin");
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+
+    // Two pods' claims on the node, allocated first fit: both land on gpu-0.
+    let mut allocator = Allocator::default();
+    let a = allocate(&api, &mut allocator, "a", "uid-a", Ask::Memory(8 << 30), "pod-a")?;
+    let b = allocate(&api, &mut allocator, "b", "uid-b", Ask::Memory(16 << 30), "pod-b")?;
+    let (ra, rb) = tokio::join!(
+        kubelet.run_pod(DRIVER, "pod-a", std::slice::from_ref(&a)),
+        kubelet.run_pod(DRIVER, "pod-b", std::slice::from_ref(&b)),
+    );
+    let (ra, rb) = (ra?, rb?);
+    assert_eq!(ra["uid-a"][0].device, "gpu-0");
+    assert_eq!(rb["uid-b"][0].device, "gpu-0");
+    assert_eq!(agent.resources().published().state.units_taken(0), 24);
+    let spec_a = std::fs::read_to_string(d.cdi_dir.join(format!("{DRIVER}-claim_uid-a.json")))?;
+    assert!(spec_a.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M"), "{spec_a}");
+
+    // The kubelet restarts: slices wiped and republished; nothing prepared again.
+    let calls = kubelet.calls();
+    kubelet.restart().await?;
+    kubelet.registered(DRIVER, 1, WAIT).await?;
+    poll("slices republished", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    kubelet.run_pod(DRIVER, "pod-a", std::slice::from_ref(&a)).await?;
+    assert_eq!(kubelet.calls(), calls, "a prepared claim is not prepared again");
+
+    // The plugin restarts (a crash): registered again; the kubelet does not prepare again, the
+    // claims and their MPS limits are as they were, and Unprepare works, with the claim gone.
+    drop(agent);
+    drop(token);
+    let (agent, token) = start(&node, &api).await?;
+    kubelet.registered(DRIVER, 2, WAIT).await?;
+    assert_eq!(agent.resources().published().state.units_taken(0), 24, "both shares kept");
+    let again = std::fs::read_to_string(d.cdi_dir.join(format!("{DRIVER}-claim_uid-a.json")))?;
+    assert_eq!(again, spec_a, "the MPS limits of the running pod are kept");
+    api.delete_resource_claim("team-a", "a");
+    kubelet.end_pod(DRIVER, "pod-a", WAIT).await?;
+    allocator.release("uid-a");
+    assert_eq!(agent.resources().published().state.units_taken(0), 16);
+    assert!(kubelet.prepared("uid-a").is_none());
+    kubelet.end_pod(DRIVER, "pod-b", WAIT).await?;
+    assert_eq!(agent.resources().published().state.units_taken(0), 0);
+    assert_eq!(kubelet.calls().0, calls.0, "Prepare was called only for the two pods");
+    stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_a_kubelet_a_recreated_claim_and_an_overcommitted_gpu_fail_the_pod() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let kubelet = FakeDraKubelet::start(&d.registry_dir, "node-a", api.address()).await?;
+    let (agent, token) = start(&node, &api).await?;
+    kubelet.registered(DRIVER, 1, WAIT).await?;
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    let mut allocator = Allocator::default();
+    // Deleted and created again under its name between scheduling and the pod's start.
+    let mut c = allocate(&api, &mut allocator, "c", "uid-1", Ask::Memory(1 << 30), "p")?;
+    c.uid = "uid-0".into();
+    let e = kubelet.run_pod(DRIVER, "p", &[c]).await.expect_err("the UID differs");
+    assert!(format!("{e:#}").contains("deleted and created again"), "{e:#}");
+    // Two allocators that each think the GPU is theirs (the scheduler's sum slipped): the
+    // second pod cannot start, and nothing is booked for it.
+    let mut other = Allocator::default();
+    let units = agent.resources().published().state.gpu_states()[0].units;
+    let big = u64::from(units - 4) << 30;
+    let x = allocate(&api, &mut allocator, "x", "uid-x", Ask::Memory(big), "px")?;
+    let y = allocate(&api, &mut other, "y", "uid-y", Ask::Memory(big), "py")?;
+    kubelet.run_pod(DRIVER, "px", &[x]).await?;
+    let e = kubelet.run_pod(DRIVER, "py", &[y]).await.expect_err("over the GPU");
+    assert!(format!("{e:#}").contains("memory units free"), "{e:#}");
+    assert!(agent.resources().claim_grants("uid-y").is_empty());
     stop(agent, token).await
 }
