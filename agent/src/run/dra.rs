@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use baleen_device_plugin::PluginState;
 use baleen_dra::cdi::SpecDir;
 use baleen_dra::service::{self, Bookings as _, Preparer};
 use baleen_dra::slices::{self, Owner};
@@ -35,7 +36,9 @@ pub const RESYNC: Duration = Duration::from_secs(30);
 /// The least time between two checks (a burst of watch events is one check).
 const DEBOUNCE: Duration = Duration::from_millis(200);
 
-/// Starts the DRA service, its registration and the slice publisher.
+/// Starts the DRA service, its registration and the slice publisher; returns the driver's
+/// name with its registration's state (as a device plugin's: `Registered` once the kubelet
+/// said so, counted; `Refused` with its reason), for `/readyz` and `Agent::plugins`.
 pub fn start(
     tasks: &mut Tasks,
     config: &AgentConfig,
@@ -43,7 +46,7 @@ pub fn start(
     resources: &Arc<NodeResources>,
     client: kube::Client,
     shutdown: &CancellationToken,
-) -> Result<(), AgentError> {
+) -> Result<super::PluginWatch, AgentError> {
     let (_, targets) = node_devices(&resources.published().state, None);
     let bookings = Arc::new(LedgerBookings::new(
         resources.clone(),
@@ -70,8 +73,32 @@ pub fn start(
             source: std::io::Error::other(Chain(&e).to_string()),
         })
     });
-    let (registration, _verdict) =
+    let (registration, mut verdict) =
         baleen_dra::registration::Registration::new(&dra.driver_name, &dra.socket());
+    let (state, watched) = tokio::sync::watch::channel(PluginState::WaitingForKubelet {
+        attempts: 0,
+        last_error: "the kubelet has not registered the driver yet".into(),
+    });
+    let token = shutdown.clone();
+    tasks.spawn("dra registration state", async move {
+        let (mut registrations, mut refusals) = (0_u64, 0_u32);
+        loop {
+            tokio::select! {
+                () = token.cancelled() => break,
+                changed = verdict.changed() => if changed.is_err() { break },
+            }
+            let Some(v) = verdict.borrow_and_update().clone() else { continue };
+            if v.registered {
+                registrations += 1;
+                state.send_replace(PluginState::Registered { registrations });
+            } else {
+                refusals += 1;
+                state.send_replace(PluginState::Refused { attempts: refusals, reason: v.error });
+            }
+        }
+        state.send_replace(PluginState::Stopped);
+        Ok(())
+    });
     let registry_socket = dra.registration_socket();
     let token = shutdown.clone();
     tasks.spawn("dra registration", async move {
@@ -100,7 +127,7 @@ pub fn start(
         registration = %dra.registration_socket().display(),
         "serving the node as a DRA driver"
     );
-    Ok(())
+    Ok((dra.driver_name.clone(), watched))
 }
 
 /// Writes the CDI spec of every claim the ledger holds and removes those of claims it does not.

@@ -454,8 +454,7 @@ impl Agent {
         // One kubelet API per node: device plugins, or a DRA driver on the same ledger.
         let plugins = match (&dra, dra_client) {
             (Some(dra), Some(client)) => {
-                dra::start(&mut tasks, &config, dra, &resources, client, &shutdown)?;
-                Vec::new()
+                vec![dra::start(&mut tasks, &config, dra, &resources, client, &shutdown)?]
             }
             _ => plugins::spawn(&mut tasks, &config, &resources, &shutdown),
         };

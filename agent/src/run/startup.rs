@@ -34,10 +34,19 @@ pub const MAX_SOCKET_PATH: usize = 107;
 fn check_socket_paths(config: &AgentConfig, ledger: &DeviceLedger) -> Result<(), AgentError> {
     let domain = &ledger.config().domain;
     let mut paths = vec![config.pod_resources_socket.clone()];
-    for view in ledger.views() {
-        let plugin = PluginConfig::new(&config.device_plugin_dir, &view.resource_name(domain));
-        paths.push(plugin.socket_path());
-        paths.push(plugin.kubelet_socket());
+    match &config.driver {
+        crate::dra::DriverMode::DevicePlugin => {
+            for view in ledger.views() {
+                let resource = view.resource_name(domain);
+                let plugin = PluginConfig::new(&config.device_plugin_dir, &resource);
+                paths.push(plugin.socket_path());
+                paths.push(plugin.kubelet_socket());
+            }
+        }
+        crate::dra::DriverMode::Dra(dra) => {
+            paths.push(dra.socket());
+            paths.push(dra.registration_socket());
+        }
     }
     let long: Vec<PathBuf> =
         paths.into_iter().filter(|p| p.as_os_str().len() > MAX_SOCKET_PATH).collect();

@@ -356,6 +356,17 @@ async fn through_a_kubelet_claims_survive_both_restarts_and_are_prepared_once() 
     let (agent, token) = start(&node, &api).await?;
     let plugin = kubelet.registered(DRIVER, 1, WAIT).await?;
     assert_eq!(plugin.version, "v1.DRAPlugin");
+    // The kubelet's verdict is the agent's readiness, as a device plugin's registration is.
+    let registered = |agent: &Agent, n: u64| {
+        agent.plugins().iter().any(|(name, s)| {
+            name == DRIVER
+                && matches!(*s.borrow(), baleen_device_plugin::PluginState::Registered { registrations } if registrations == n)
+        })
+    };
+    eventually("the agent knows it is registered", || registered(&agent, 1)).await?;
+    let address = agent.metrics_address().context("metrics")?;
+    let (code, _) = baleen_tests::http::request(address, "GET", "/readyz", "").await?;
+    assert_eq!(code, 200, "ready once registered");
     poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
 
     // Two pods' claims on the node, allocated first fit: both land on gpu-0.
@@ -377,6 +388,7 @@ async fn through_a_kubelet_claims_survive_both_restarts_and_are_prepared_once() 
     let calls = kubelet.calls();
     kubelet.restart().await?;
     kubelet.registered(DRIVER, 1, WAIT).await?;
+    eventually("registered again after the kubelet's restart", || registered(&agent, 2)).await?;
     poll("slices republished", async || Ok((published(&api).len() == 8).then_some(()))).await?;
     kubelet.run_pod(DRIVER, "pod-a", std::slice::from_ref(&a)).await?;
     assert_eq!(kubelet.calls(), calls, "a prepared claim is not prepared again");
@@ -427,4 +439,20 @@ async fn through_a_kubelet_a_recreated_claim_and_an_overcommitted_gpu_fail_the_p
     assert!(format!("{e:#}").contains("memory units free"), "{e:#}");
     assert!(agent.resources().claim_grants("uid-y").is_empty());
     stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dra_socket_path_too_long_or_no_api_client_is_refused_before_serving() -> Result<()> {
+    let (mut node, api) = dra_node().await?;
+    let mut d = dra(&node)?;
+    d.plugin_dir = d.plugin_dir.join("p".repeat(100));
+    node.config.driver = DriverMode::Dra(d);
+    let Err(e) = start(&node, &api).await else { anyhow::bail!("a socket path too long") };
+    let e = e.downcast::<baleen_agent::run::AgentError>()?;
+    assert!(e.is_configuration(), "{e}");
+    assert!(e.to_string().contains("dra.sock"), "{e}");
+    let (node, _api) = dra_node().await?;
+    let Err(e) = node.start_with(None).await else { anyhow::bail!("no API client") };
+    assert!(format!("{e:#}").contains("driver: dra needs the Kubernetes API"), "{e:#}");
+    Ok(())
 }
