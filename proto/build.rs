@@ -11,6 +11,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/pluginregistration_v1.proto",
         "proto/dra_v1.proto",
         "proto/dra_v1beta1.proto",
+        // Package `v1`, as pod-resources: generated into the same `v1` module.
+        "proto/dra_health_v1.proto",
     ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");

@@ -14,6 +14,10 @@
 //!   alone (the claim may be gone from the API server); a claim not held is already unprepared.
 //!
 //! Every claim asked about gets an entry in the answer, as the kubelet requires.
+//!
+//! Beside them, where the agent gives one, [`HealthService`]: `v1.DRAResourceHealth`'s
+//! `NodeWatchResources` stream of every device's health, which kubelets with
+//! `ResourceHealthStatus` (KEP-4680) put in the status of the pods using the devices.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -23,7 +27,7 @@ use std::time::Duration;
 
 use baleen_device_plugin::limits;
 use baleen_device_plugin::uds::BoundSocket;
-use baleen_proto::dra::{v1, v1beta1};
+use baleen_proto::dra::{health, v1, v1beta1};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use tokio_util::sync::CancellationToken;
 
@@ -365,17 +369,125 @@ impl<D: Driver> v1beta1::dra_plugin_server::DraPlugin for Service<D> {
     }
 }
 
-/// Serves `driver` (both versions) on a socket bound at `path`, with the device-plugin sockets'
-/// bounds (connections, streams, windows), until `token` is cancelled; the socket file is
-/// removed then.
+/// One device's health, as the kubelet's health stream carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceHealth {
+    /// The device's name in the pool.
+    pub device: String,
+    /// Whether it is healthy.
+    pub healthy: bool,
+    /// Why not, when it is not.
+    pub message: String,
+}
+
+/// How often the health stream says every device's health again, whether or not it changed:
+/// the kubelet takes a device whose last word is older than [`HEALTH_TIMEOUT_SECONDS`] as of
+/// unknown health.
+pub const HEALTH_RESEND: Duration = Duration::from_secs(10);
+/// How long the kubelet may trust one message of the health stream.
+pub const HEALTH_TIMEOUT_SECONDS: i64 = 30;
+
+/// `v1.DRAResourceHealth`: every device's health on each change of `health`, and every
+/// [`HEALTH_RESEND`].
+#[derive(Clone)]
+pub struct HealthService {
+    pool: String,
+    health: tokio::sync::watch::Receiver<Vec<DeviceHealth>>,
+    /// Ends every stream (a server shutting down waits for its streams).
+    stop: CancellationToken,
+}
+
+impl HealthService {
+    /// The health of the devices of `pool`, as `health` says it, until `stop` (which ends every
+    /// stream).
+    pub fn new(
+        pool: &str,
+        health: tokio::sync::watch::Receiver<Vec<DeviceHealth>>,
+        stop: CancellationToken,
+    ) -> Self {
+        Self { pool: pool.to_owned(), health, stop }
+    }
+
+    fn message(&self, devices: &[DeviceHealth]) -> health::NodeWatchResourcesResponse {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        health::NodeWatchResourcesResponse {
+            devices: devices
+                .iter()
+                .map(|d| health::DeviceHealth {
+                    device: Some(health::DeviceIdentifier {
+                        pool_name: self.pool.clone(),
+                        device_name: d.device.clone(),
+                    }),
+                    health: if d.healthy {
+                        health::HealthStatus::Healthy
+                    } else {
+                        health::HealthStatus::Unhealthy
+                    }
+                    .into(),
+                    last_updated_time: now,
+                    health_check_timeout_seconds: HEALTH_TIMEOUT_SECONDS,
+                    // The kubelet cuts a longer message at 1,021 characters and adds "...".
+                    message: d.message.chars().take(1024).collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+type HealthStream = std::pin::Pin<
+    Box<
+        dyn futures_util::Stream<Item = Result<health::NodeWatchResourcesResponse, tonic::Status>>
+            + Send,
+    >,
+>;
+
+#[tonic::async_trait]
+impl health::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = HealthStream;
+
+    async fn node_watch_resources(
+        &self,
+        _: tonic::Request<health::NodeWatchResourcesRequest>,
+    ) -> Result<tonic::Response<HealthStream>, tonic::Status> {
+        let mut watch = self.health.clone();
+        watch.mark_changed();
+        let service = self.clone();
+        let stream = futures_util::stream::unfold((watch, service), |(mut watch, service)| async {
+            // The first message at once, then on each change or every HEALTH_RESEND.
+            if !watch.has_changed().unwrap_or(false) {
+                tokio::select! {
+                    () = service.stop.cancelled() => return None,
+                    _ = tokio::time::timeout(HEALTH_RESEND, watch.changed()) => {}
+                }
+            }
+            if service.stop.is_cancelled() {
+                return None;
+            }
+            let devices = watch.borrow_and_update().clone();
+            let message = service.message(&devices);
+            Some((Ok(message), (watch, service)))
+        });
+        Ok(tonic::Response::new(Box::pin(stream)))
+    }
+}
+
+/// Serves `driver` (both versions) on a socket bound at `path`, with `health`'s stream where
+/// given, with the device-plugin sockets' bounds (connections, streams, windows), until `token`
+/// is cancelled; the socket file is removed then.
 pub fn serve<D: Driver>(
     path: &Path,
     driver: Arc<D>,
+    health: Option<HealthService>,
     token: CancellationToken,
 ) -> std::io::Result<impl Future<Output = Result<(), tonic::transport::Error>> + Send + 'static> {
     let (socket, listener) = BoundSocket::bind(path)?;
     let service = Service::new(driver);
     let router = limits::bounded_server()
+        .add_optional_service(
+            health.map(health::dra_resource_health_server::DraResourceHealthServer::new),
+        )
         .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service));
     Ok(async move {

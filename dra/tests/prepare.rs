@@ -113,7 +113,7 @@ async fn setup() -> Setup {
         Preparer::new(DRIVER, "node-a", Source(claims.clone()), ledger.clone(), specs.clone());
     let socket = dir.path().join("dra.sock");
     let token = CancellationToken::new();
-    let served = service::serve(&socket, Arc::new(preparer), token.clone()).expect("bound");
+    let served = service::serve(&socket, Arc::new(preparer), None, token.clone()).expect("bound");
     tokio::spawn(served);
     Setup { claims, ledger, specs, socket, token, _dir: dir }
 }

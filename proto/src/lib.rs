@@ -75,6 +75,17 @@ pub mod dra {
         /// The name of this service version in `PluginInfo.supported_versions`.
         pub const SERVICE_VERSION: &str = "v1.DRAPlugin";
     }
+    /// The resource-health stream (`v1.DRAResourceHealth`, kubelets with KEP-4680's
+    /// `ResourceHealthStatus`), package `v1`: generated beside pod-resources (the same package),
+    /// re-exported here.
+    pub mod health {
+        pub use crate::podresources::v1::dra_resource_health_client;
+        pub use crate::podresources::v1::dra_resource_health_server;
+        pub use crate::podresources::v1::{
+            DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
+            NodeWatchResourcesResponse,
+        };
+    }
     /// Version v1beta1 (kubelets 1.32 and later), package `k8s.io.kubelet.pkg.apis.dra.v1beta1`.
     #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
     pub mod v1beta1 {

@@ -30,10 +30,16 @@ fn upstream(file: &str) -> FileDescriptorProto {
 }
 
 fn our_file(package: &str) -> FileDescriptorProto {
+    // Two of our files are package `v1` (pod-resources and DRA health), as upstream's are.
+    let name = match package {
+        "v1" => Some("podresources_v1.proto"),
+        "dra-health" => Some("dra_health_v1.proto"),
+        _ => None,
+    };
     ours()
         .file
         .into_iter()
-        .find(|f| f.package() == package)
+        .find(|f| name.map_or(f.package() == package, |n| f.name() == n))
         .unwrap_or_else(|| panic!("no compiled file with package {package}"))
 }
 
@@ -227,6 +233,7 @@ fn grpc_method_paths_are_the_kubelets() {
         "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
         "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
         "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
+        "/v1.DRAResourceHealth/NodeWatchResources",
         "/v1.PodResourcesLister/Get",
         "/v1.PodResourcesLister/GetAllocatableResources",
         "/v1.PodResourcesLister/List",
@@ -357,4 +364,32 @@ fn the_shape_notices_a_renumbered_dra_field() {
     let claim = changed.message_type.iter_mut().find(|m| m.name() == "Claim").expect("Claim");
     claim.field[1].number = Some(9);
     assert_ne!(shape(&changed), dra_upstream_shape("v1"));
+}
+
+#[test]
+fn dra_health_v1_has_the_kubelets_shape() {
+    // kubernetes/kubelet pkg/apis/dra-health/v1/api.proto at commit 63b3249724f7.
+    let mut theirs = vec![
+        "package v1".to_owned(),
+        "rpc DRAResourceHealth.NodeWatchResources(.v1.NodeWatchResourcesRequest) -> stream \
+         .v1.NodeWatchResourcesResponse"
+            .to_owned(),
+        "DeviceIdentifier.pool_name=1 string Optional".to_owned(),
+        "DeviceIdentifier.device_name=2 string Optional".to_owned(),
+        "DeviceHealth.device=1 .v1.DeviceIdentifier Optional".to_owned(),
+        "DeviceHealth.health=2 .v1.HealthStatus Optional".to_owned(),
+        "DeviceHealth.last_updated_time=3 int64 Optional".to_owned(),
+        "DeviceHealth.health_check_timeout_seconds=4 int64 Optional".to_owned(),
+        "DeviceHealth.message=5 string Optional".to_owned(),
+        "NodeWatchResourcesResponse.devices=1 .v1.DeviceHealth Repeated".to_owned(),
+    ];
+    theirs.sort();
+    let file = our_file("dra-health");
+    assert_eq!(shape(&file), theirs);
+    let values: Vec<(String, i32)> =
+        file.enum_type[0].value.iter().map(|v| (v.name().to_owned(), v.number())).collect();
+    assert_eq!(
+        values,
+        [("UNKNOWN".to_owned(), 0), ("HEALTHY".to_owned(), 1), ("UNHEALTHY".to_owned(), 2)]
+    );
 }

@@ -65,7 +65,26 @@ pub fn start(
         bookings,
         specs,
     );
-    let serving = service::serve(&dra.socket(), Arc::new(preparer), shutdown.clone())
+    let (health, watched_health) = tokio::sync::watch::channel(device_health(resources));
+    let follower = resources.clone();
+    let token = shutdown.clone();
+    tasks.spawn("dra health", async move {
+        let mut state = follower.watch_state();
+        loop {
+            tokio::select! {
+                () = token.cancelled() => return Ok(()),
+                changed = state.changed() => if changed.is_err() { return Ok(()) },
+            }
+            let now = device_health(&follower);
+            health.send_if_modified(|h| {
+                let changed = *h != now;
+                *h = now;
+                changed
+            });
+        }
+    });
+    let health = service::HealthService::new(&config.node_name, watched_health, shutdown.clone());
+    let serving = service::serve(&dra.socket(), Arc::new(preparer), Some(health), shutdown.clone())
         .map_err(|source| AgentError::Dra { what: "binding the DRA service socket", source })?;
     tasks.spawn("dra service", async move {
         serving.await.map_err(|e| AgentError::Dra {
@@ -128,6 +147,34 @@ pub fn start(
         "serving the node as a DRA driver"
     );
     Ok((dra.driver_name.clone(), watched))
+}
+
+/// Every device's health as the slices see it, with why where it is not healthy: the GPU's
+/// reason (an XID, unreadable, ...), or its MPS daemon not answering.
+fn device_health(resources: &NodeResources) -> Vec<service::DeviceHealth> {
+    let published = resources.published();
+    let (devices, _) = node_devices(&published.state, None);
+    let enforced: BTreeMap<String, bool> =
+        published.state.gpu_states().into_iter().map(|g| (g.uuid, g.shares_enforced)).collect();
+    devices
+        .into_iter()
+        .map(|d| {
+            let gpu = match &d.kind {
+                slices::DeviceKind::Mig { parent_uuid, .. } => parent_uuid.clone(),
+                _ => d.uuid.clone(),
+            };
+            let message = if d.healthy {
+                String::new()
+            } else if let Some(why) = published.unhealthy.get(&gpu) {
+                why.clone()
+            } else if enforced.get(&gpu) == Some(&false) {
+                "its MPS daemon does not answer: no memory limit on it can be enforced".into()
+            } else {
+                "unhealthy".into()
+            };
+            service::DeviceHealth { device: d.name, healthy: d.healthy, message }
+        })
+        .collect()
 }
 
 /// Writes the CDI spec of every claim the ledger holds and removes those of claims it does not.

@@ -258,8 +258,46 @@ async fn a_gpu_going_unhealthy_under_held_shares_is_withdrawn_and_its_shares_kep
         .await?
         .into_inner();
     assert_eq!(r.claims["uid-1"].error, "");
+    // The kubelet's health stream (KEP-4680), on the same socket.
+    let channel = baleen_device_plugin::uds::connect(&d.socket(), WAIT).await?;
+    let mut watch =
+        baleen_proto::dra::health::dra_resource_health_client::DraResourceHealthClient::new(
+            channel,
+        )
+        .node_watch_resources(baleen_proto::dra::health::NodeWatchResourcesRequest {})
+        .await?
+        .into_inner();
+    let first = watch.message().await?.context("a first message")?;
+    assert_eq!(first.devices.len(), 8);
+    assert!(
+        first
+            .devices
+            .iter()
+            .all(|h| h.health == baleen_proto::dra::health::HealthStatus::Healthy as i32)
+    );
+    assert!(
+        first.devices.iter().all(|h| h.device.as_ref().is_some_and(|i| i.pool_name == "node-a"))
+    );
     let uuid = agent.resources().published().state.gpus().next().context("a GPU")?.uuid.to_string();
     agent.resources().set_health(&uuid, false, "XID 79 (test)");
+    let sick = tokio::time::timeout(WAIT, async {
+        loop {
+            let m = watch.message().await?.context("the stream ended")?;
+            let gpu0 = m
+                .devices
+                .iter()
+                .find(|h| h.device.as_ref().is_some_and(|i| i.device_name == "gpu-0"))
+                .cloned();
+            if let Some(h) = gpu0
+                .filter(|h| h.health == baleen_proto::dra::health::HealthStatus::Unhealthy as i32)
+            {
+                return anyhow::Ok(h);
+            }
+        }
+    })
+    .await??;
+    assert!(sick.message.contains("XID 79 (test)"), "{sick:?}");
+    assert_eq!(sick.health_check_timeout_seconds, baleen_dra::service::HEALTH_TIMEOUT_SECONDS);
     poll("gpu-0 withdrawn from the slices", async || {
         let p = published(&api);
         Ok((p.len() == 7 && !p.contains_key("gpu-0")).then_some(()))
