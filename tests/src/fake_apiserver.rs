@@ -148,6 +148,25 @@ struct World {
     events: broadcast::Sender<Event>,
     /// While held ([`FakeApiServer::hold_watches`]): the events open watches have not been sent.
     held: Option<Vec<Event>>,
+    /// Whether the `DRAConsumableCapacity` gate is off ([`FakeApiServer::without_consumable_capacity`]):
+    /// ResourceSlices are stored without the fields it serves.
+    no_consumable_capacity: bool,
+}
+
+/// Drops from a ResourceSlice what an API server without the `DRAConsumableCapacity` gate
+/// drops: each device's `allowMultipleAllocations` and its capacities' `requestPolicy`.
+fn drop_consumable_capacity(slice: &mut Value) {
+    for device in slice["spec"]["devices"].as_array_mut().into_iter().flatten() {
+        if let Some(d) = device.as_object_mut() {
+            d.remove("allowMultipleAllocations");
+        }
+        for capacity in device["capacity"].as_object_mut().into_iter().flat_map(|c| c.values_mut())
+        {
+            if let Some(c) = capacity.as_object_mut() {
+                c.remove("requestPolicy");
+            }
+        }
+    }
 }
 
 impl World {
@@ -285,6 +304,7 @@ impl FakeApiServer {
             requests: Vec::new(),
             events: broadcast::channel(4096).0,
             held: None,
+            no_consumable_capacity: false,
         };
         let shared: Shared = Arc::new((Mutex::new(world), watch::channel(0).0));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -295,6 +315,13 @@ impl FakeApiServer {
             server.put_node(json!({"metadata": {"name": n}}));
         }
         Ok(server)
+    }
+
+    /// From now on ResourceSlices are stored as an API server without the
+    /// `DRAConsumableCapacity` gate stores them: each device's `allowMultipleAllocations` and
+    /// its capacities' `requestPolicy` dropped (silently, as the real one does).
+    pub fn without_consumable_capacity(&self) {
+        self.world().no_consumable_capacity = true;
     }
 
     /// From now on open watches get no event (a watch delayed as a loaded API server delays
@@ -1369,6 +1396,9 @@ async fn create_resource_slice(
         metadata.insert("creationTimestamp".into(), json!(now()));
         metadata.insert("generation".into(), json!(1));
     }
+    if world.no_consumable_capacity {
+        drop_consumable_capacity(&mut slice);
+    }
     let slice = with_system_fields(kind, slice);
     let stored = world.put(kind, name, slice);
     drop(world);
@@ -1420,6 +1450,9 @@ async fn update_resource_slice(
     let errors = validate_resource_slice(&slice, Some(&stored));
     if !errors.is_empty() {
         return invalid(kind, &name, &errors);
+    }
+    if world.no_consumable_capacity {
+        drop_consumable_capacity(&mut slice);
     }
     let changed = normalised(&slice["spec"]) != normalised(&stored["spec"]);
     let generation = stored["metadata"]["generation"].as_i64().unwrap_or(1) + i64::from(changed);

@@ -210,6 +210,14 @@ fn restore_specs(resources: &NodeResources, bookings: &LedgerBookings, specs: &S
     }
 }
 
+/// What the publisher last wrote: the devices, and each slice's spec as the server answered.
+struct Written {
+    devices: Vec<baleen_dra::slices::NodeDevice>,
+    stored: BTreeMap<String, k8s_openapi::api::resource::v1::ResourceSliceSpec>,
+    /// Whether the server dropped fields of what was written (said once).
+    dropped: bool,
+}
+
 /// Publishes the node's slices and keeps them as the ledger says.
 struct Publisher {
     api: Api<ResourceSlice>,
@@ -245,22 +253,29 @@ impl Publisher {
         let mut events = watcher::watcher(self.api.clone(), config).boxed();
         let mut state = self.resources.watch_state();
         let mut generation = 0_i64;
+        let mut written: Option<Written> = None;
         loop {
-            match self.sync(&owner, &mut generation).await {
+            match self.sync(&owner, &mut generation, &mut written).await {
                 Ok(changed) if changed => tracing::info!(generation, "ResourceSlices published"),
                 Ok(_) => {}
-                Err(e) => tracing::warn!(error = e, "cannot publish the ResourceSlices; retrying"),
-            }
-            let wake = async {
-                tokio::select! {
-                    changed = state.changed() => { let _ = changed; }
-                    _ = events.next() => {}
-                    () = tokio::time::sleep(RESYNC) => {}
+                Err(e) => {
+                    // Written again in whole at the next try.
+                    written = None;
+                    tracing::warn!(error = e, "cannot publish the ResourceSlices; retrying");
                 }
-            };
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = wake => {}
+            }
+            loop {
+                let ledger_changed = tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    changed = state.changed() => { let _ = changed; true }
+                    _ = events.next() => false,
+                    () = tokio::time::sleep(RESYNC) => false,
+                };
+                // A change of the allocations alone leaves the devices as they were: no call.
+                let devices = node_devices(&self.resources.published().state, None).0;
+                if !ledger_changed || written.as_ref().is_none_or(|w| w.devices != devices) {
+                    break;
+                }
             }
             if !crate::retry::sleep_or_stop(DEBOUNCE, &shutdown).await {
                 return;
@@ -270,7 +285,18 @@ impl Publisher {
 
     /// Makes the API server's slices of this node and driver the ledger's; whether anything
     /// was written.
-    async fn sync(&self, owner: &Owner, generation: &mut i64) -> Result<bool, String> {
+    /// Makes the API server's slices of this node and driver the ledger's; whether anything
+    /// was written. Slices are written when the devices changed since the last write, or when
+    /// the server's slices are not what it answered to that write (one deleted, say by the
+    /// kubelet at its start, or changed by someone else): never because the server stores them
+    /// differently from what was sent (an API server without the DRAConsumableCapacity gate
+    /// drops the shared devices' fields; that is said once, not rewritten every resync).
+    async fn sync(
+        &self,
+        owner: &Owner,
+        generation: &mut i64,
+        memory: &mut Option<Written>,
+    ) -> Result<bool, String> {
         let (devices, _) = node_devices(&self.resources.published().state, None);
         let listed = self
             .api
@@ -279,41 +305,42 @@ impl Publisher {
             .map_err(|e| Chain(&e).to_string())?;
         let mut existing: BTreeMap<String, ResourceSlice> =
             listed.items.into_iter().filter_map(|s| Some((s.metadata.name.clone()?, s))).collect();
-        // A generation above every one seen: a pool's newest generation is the one counted.
-        let seen = existing.values().map(|s| s.spec.pool.generation).max().unwrap_or(0);
-        let build = |g: i64| -> Result<Vec<ResourceSlice>, String> {
-            slices::build(&self.driver, owner, g, &devices).map_err(|e| e.to_string())
-        };
-        let mut desired = build(*generation)?;
-        let same = desired.len() == existing.len()
-            && desired.iter().all(|d| {
-                d.metadata.name.as_ref().and_then(|n| existing.get(n)).is_some_and(|e| {
-                    e.spec == d.spec && e.metadata.owner_references == d.metadata.owner_references
-                })
-            });
-        if same {
+        let unchanged = memory.as_ref().is_some_and(|m| {
+            m.devices == devices
+                && m.stored.len() == existing.len()
+                && m.stored
+                    .iter()
+                    .all(|(name, spec)| existing.get(name).is_some_and(|e| e.spec == *spec))
+        });
+        if unchanged {
             return Ok(false);
         }
+        // A generation above every one seen: a pool's newest generation is the one counted.
+        let seen = existing.values().map(|s| s.spec.pool.generation).max().unwrap_or(0);
         *generation = (*generation).max(seen) + 1;
-        desired = build(*generation)?;
+        let desired =
+            slices::build(&self.driver, owner, *generation, &devices).map_err(|e| e.to_string())?;
+        let mut stored = BTreeMap::new();
+        let mut dropped = false;
         for d in &desired {
             let name = d.metadata.name.clone().unwrap_or_default();
-            match existing.remove(&name) {
+            let answer = match existing.remove(&name) {
                 Some(old) => {
                     let mut next = d.clone();
                     next.metadata.resource_version = old.metadata.resource_version;
                     self.api
                         .replace(&name, &PostParams::default(), &next)
                         .await
-                        .map_err(|e| format!("replacing {name}: {}", Chain(&e)))?;
+                        .map_err(|e| format!("replacing {name}: {}", Chain(&e)))?
                 }
-                None => {
-                    self.api
-                        .create(&PostParams::default(), d)
-                        .await
-                        .map_err(|e| format!("creating {name}: {}", Chain(&e)))?;
-                }
-            }
+                None => self
+                    .api
+                    .create(&PostParams::default(), d)
+                    .await
+                    .map_err(|e| format!("creating {name}: {}", Chain(&e)))?,
+            };
+            dropped |= answer.spec != d.spec;
+            stored.insert(name, answer.spec);
         }
         for name in existing.keys() {
             self.api
@@ -321,6 +348,15 @@ impl Publisher {
                 .await
                 .map_err(|e| format!("deleting {name}: {}", Chain(&e)))?;
         }
+        if dropped && memory.as_ref().is_none_or(|m| !m.dropped) {
+            tracing::warn!(
+                "the API server stores the ResourceSlices differently from what was written: it \
+                 dropped fields it does not serve. If allowMultipleAllocations and the memory \
+                 requestPolicy are gone, its DRAConsumableCapacity gate is off (alpha before \
+                 1.36) and every claim takes a GPU whole (docs/dra.md)"
+            );
+        }
+        *memory = Some(Written { devices, stored, dropped });
         Ok(true)
     }
 }

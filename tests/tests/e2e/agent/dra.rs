@@ -494,3 +494,38 @@ async fn a_dra_socket_path_too_long_or_no_api_client_is_refused_before_serving()
     assert!(format!("{e:#}").contains("driver: dra needs the Kubernetes API"), "{e:#}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_that_drops_the_shared_fields_is_not_rewritten_forever() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    api.without_consumable_capacity();
+    let (agent, token) = start(&node, &api).await?;
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    assert!(published(&api).values().all(|d| d.get("allowMultipleAllocations").is_none()));
+    let writes = || {
+        api.requests()
+            .iter()
+            .filter(|r| {
+                r.path.contains("/resourceslices") && (r.method == "POST" || r.method == "PUT")
+            })
+            .count()
+    };
+    let before = writes();
+    // A change of the allocations (and the watch events of the agent's own writes) leaves the
+    // stored slices alone.
+    api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
+    let d = dra(&node)?;
+    let r = client(&d.socket())
+        .await?
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("c", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(r.claims["uid-1"].error, "");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(writes(), before, "the slices are written again only when the devices change");
+    let generation = api.resource_slices()[0]["spec"]["pool"]["generation"].clone();
+    assert_eq!(generation, 1, "{generation}");
+    stop(agent, token).await
+}
