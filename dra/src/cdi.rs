@@ -163,7 +163,8 @@ impl SpecDir {
     }
 
     /// Writes the spec of claim `uid` with `devices` (device name in the pool, its edits),
-    /// replacing any spec it had; returns each device's qualified CDI name, in order.
+    /// replacing any other spec it had (one already as it would be written is left alone);
+    /// returns each device's qualified CDI name, in order.
     pub fn write(&self, uid: &str, devices: &[(String, Edits)]) -> Result<Vec<String>, CdiError> {
         let path = self.path_of(uid)?;
         let mut spec =
@@ -176,6 +177,10 @@ impl SpecDir {
             }
             names.push(self.qualified(&name));
             spec.devices.push(DeviceSpec { name, container_edits: edits.clone() });
+        }
+        // Already there as it would be written (a repeated Prepare): no write, no sync.
+        if matches!(self.read(uid), Ok(Some(on_disk)) if on_disk == spec) {
+            return Ok(names);
         }
         let bytes = serde_json::to_vec_pretty(&spec).map_err(|e| CdiError::Io {
             action: "encoding",
@@ -302,6 +307,28 @@ mod tests {
         assert!(specs.remove("uid-1").expect("removed"));
         assert!(!specs.remove("uid-1").expect("absent is fine"));
         assert!(specs.claims().expect("listed").is_empty());
+    }
+
+    #[test]
+    fn a_spec_already_as_written_is_not_written_again_and_a_changed_one_is() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let specs = SpecDir::new(dir.path(), "gpu.example.com/claim");
+        specs.write("uid-1", &[("gpu-0".into(), edits())]).expect("written");
+        let path = specs.path_of("uid-1").expect("path");
+        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&fs::metadata(p).expect("meta"));
+        let first = inode(&path);
+        specs.write("uid-1", &[("gpu-0".into(), edits())]).expect("the same");
+        assert_eq!(inode(&path), first, "not replaced");
+        let mut other = edits();
+        other.env.push("X=1".into());
+        specs.write("uid-1", &[("gpu-0".into(), other.clone())]).expect("changed");
+        assert_ne!(inode(&path), first, "replaced");
+        let read = specs.read("uid-1").expect("read").expect("there");
+        assert_eq!(read.devices[0].container_edits, other);
+        // A file corrupted on disk is replaced whole.
+        fs::write(&path, "{").expect("corrupt");
+        specs.write("uid-1", &[("gpu-0".into(), edits())]).expect("rewritten");
+        assert!(specs.read("uid-1").expect("parses").is_some());
     }
 
     #[test]
