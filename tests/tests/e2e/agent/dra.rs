@@ -529,3 +529,69 @@ async fn an_api_server_that_drops_the_shared_fields_is_not_rewritten_forever() -
     assert_eq!(generation, 1, "{generation}");
     stop(agent, token).await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_booking_that_cannot_be_written_is_refused_and_not_answered_later() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let (agent, token) = start(&node, &api).await?;
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    let checkpoint = baleen_agent::checkpoint::Checkpoint::in_dir(&node.config.state_dir);
+    // No journal to append to, and no snapshot can be written either.
+    let blocker = PathBuf::from(format!("{}.tmp", node.checkpoint().display()));
+    std::fs::create_dir_all(&blocker)?;
+    std::fs::remove_file(checkpoint.journal_path())?;
+    api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
+    let mut c = client(&d.socket()).await?;
+    let r = c
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("c", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    assert!(r.claims["uid-1"].error.contains("checkpoint cannot be written"), "{r:?}");
+    assert!(agent.resources().claim_grants("uid-1").is_empty(), "taken back out of the ledger");
+    assert!(!d.cdi_dir.join(format!("{DRIVER}-claim_uid-1.json")).exists());
+    // Once the disk takes writes again, the kubelet's retry books it, durably.
+    std::fs::remove_dir(&blocker)?;
+    let r = c
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("c", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(r.claims["uid-1"].error, "", "{r:?}");
+    let held = checkpoint.load("node-a", "boot-1")?.context("a checkpoint")?;
+    assert!(
+        held.allocations.iter().any(|a| a.claim.as_ref().is_some_and(|c| c.uid == "uid-1")),
+        "the claim is on disk"
+    );
+    stop(agent, token).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_checkpoint_stops_the_dra_agent() -> Result<()> {
+    let (node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let (agent, token) = start(&node, &api).await?;
+    api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
+    let r = client(&d.socket())
+        .await?
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("c", "uid-1")],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(r.claims["uid-1"].error, "");
+    stop(agent, token).await?;
+    // One byte of the snapshot changed: its checksum no longer matches.
+    let mut bytes = std::fs::read(node.checkpoint())?;
+    let at = bytes.iter().position(|b| *b == b'G').context("a GPU UUID")?;
+    bytes[at] = b'H';
+    std::fs::write(node.checkpoint(), bytes)?;
+    let Err(e) = start(&node, &api).await else { anyhow::bail!("a corrupt checkpoint served") };
+    let e = e.downcast::<baleen_agent::run::AgentError>()?;
+    assert!(e.is_configuration(), "exit 64: {e}");
+    assert!(e.to_string().contains("only record of the claims prepared"), "{e}");
+    Ok(())
+}
