@@ -176,7 +176,8 @@ impl LedgerBookings {
     }
 
     fn booked_one(&self, holder: ClaimHolder, grant: &Grant) -> Booked {
-        let answer = container_response(grant, self.lister.answer(&grant.visible), &self.mps, None);
+        let devices = self.lister.answer(&grant.visible);
+        let answer = container_response(grant, devices, &self.mps, holder.priority);
         let (edits, other_cdi_ids) = edits_of(answer);
         Booked {
             request: holder.request,
@@ -225,7 +226,19 @@ impl Bookings for LedgerBookings {
         allocation: &ClaimAllocation,
         consumers: &[Consumer],
     ) -> Result<Vec<Booked>, String> {
-        let pod = consumers.iter().find(|c| c.resource == "pods").map(|c| c.name.clone());
+        let first = consumers.iter().find(|c| c.resource == "pods");
+        let pod = first.map(|c| c.name.clone());
+        // The MPS client priority of the pod's class, where co-location runs (a share only).
+        let identifier = self.resources.pod_identifier().filter(|_| self.mps.enabled);
+        let shared = allocation.devices.iter().any(|d| d.memory_bytes.is_some());
+        let priority = match (identifier, first) {
+            (Some(id), Some(c)) if shared => {
+                // Called on the blocking pool (the booking syncs to disk): wait there.
+                let identity = tokio::runtime::Handle::current().block_on(id.class_of(&c.uid));
+                Some(crate::isolation::pod_identity::mps_priority(identity.class()))
+            }
+            _ => None,
+        };
         let mut bookings = Vec::new();
         for d in &allocation.devices {
             let device = match (self.targets.get(&d.device), d.memory_bytes) {
@@ -269,6 +282,7 @@ impl Bookings for LedgerBookings {
                     device: d.device.clone(),
                     share_id: d.share_id.clone(),
                     pod: pod.clone(),
+                    priority,
                 },
                 device,
             });

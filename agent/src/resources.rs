@@ -434,6 +434,11 @@ impl NodeResources {
         self.instruments.get()
     }
 
+    /// The finder of a pod's co-location class, once co-location runs.
+    pub fn pod_identifier(&self) -> Option<&Arc<PodIdentifier>> {
+        self.identifier.get()
+    }
+
     /// Gives MPS clients the priority of their pod's class from now on (co-location).
     pub fn set_pod_identifier(&self, identifier: Arc<PodIdentifier>) {
         let _ = self.identifier.set(identifier);

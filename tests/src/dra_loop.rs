@@ -122,6 +122,7 @@ pub fn run_seed(workload: &Workload, seed: u64, tune: f64) -> Result<LoopOutcome
                                     device: g.device.clone(),
                                     share_id: g.share_id.clone(),
                                     pod: Some(format!("t{seq}")),
+                                    priority: None,
                                 },
                                 device,
                             })

@@ -148,6 +148,34 @@ impl PodIdentifier {
         Identity::Ambiguous { pods, class: default }
     }
 
+    /// The class of the pod whose UID is `uid` (a DRA claim names the pods it is reserved
+    /// for), waiting up to the identifier's wait for the API's view to show it; the default
+    /// class, logged, when it does not.
+    pub async fn class_of(&self, uid: &str) -> Identity {
+        let mut pods = self.pods.clone();
+        let deadline = tokio::time::Instant::now() + self.wait;
+        loop {
+            let found = {
+                let view = pods.borrow_and_update();
+                view.pods.get(uid).map(|p| (p.key(), classify(&p.as_node_pod(&view), &self.policy)))
+            };
+            if let Some((key, class)) = found {
+                return Identity::Pods { pods: vec![key], class };
+            }
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => break,
+                changed = pods.changed() => if changed.is_err() { break },
+            }
+        }
+        let class = self.policy.default_class;
+        tracing::warn!(
+            pod.uid = uid,
+            ?class,
+            "the claim's pod is not in the API's view of the node; its containers get the default class"
+        );
+        Identity::Unknown { class }
+    }
+
     fn claimed(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String, u64), usize>> {
         self.claimed.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -27,6 +27,10 @@ pub struct ClaimHolder {
     /// The pod the claim is reserved for (the first, for the metrics' labels).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// The MPS client priority of the pod's co-location class when it was booked (kept, so
+    /// that the CDI spec written again after a restart is the one the containers started with).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
 }
 
 /// What a claim's device is, in the ledger's terms.
@@ -189,6 +193,7 @@ mod tests {
             device: device.into(),
             share_id: Some(format!("share-{uid}")),
             pod: Some("infer-0".into()),
+            priority: None,
         }
     }
 

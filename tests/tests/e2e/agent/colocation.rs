@@ -3,7 +3,10 @@
 use super::*;
 
 /// A cgroup v2 tree with each pod's directory (systemd driver), files at the kernel's defaults.
-fn cgroup_tree(root: &Path, pods: &[(&str, baleen_agent::isolation::cgroups::Qos)]) -> Result<()> {
+pub(super) fn cgroup_tree(
+    root: &Path,
+    pods: &[(&str, baleen_agent::isolation::cgroups::Qos)],
+) -> Result<()> {
     use baleen_agent::isolation::cgroups::{Driver, Layout};
     std::fs::create_dir_all(root)?;
     std::fs::write(root.join("cgroup.controllers"), "cpuset cpu io memory pids\n")?;

@@ -595,3 +595,59 @@ async fn a_corrupt_checkpoint_stops_the_dra_agent() -> Result<()> {
     assert!(e.to_string().contains("only record of the claims prepared"), "{e}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claims_share_gets_its_pods_mps_priority_and_keeps_it_across_a_restart() -> Result<()> {
+    use baleen_agent::isolation::cgroups::Qos;
+    let (mut node, api) = dra_node().await?;
+    let d = dra(&node)?;
+    let cgroups = node.config.state_dir.parent().context("root")?.join("cgroup");
+    super::colocation::cgroup_tree(
+        &cgroups,
+        &[("uid-serve", Qos::Guaranteed), ("uid-train", Qos::BestEffort)],
+    )?;
+    node.config.colocation = baleen_agent::run::colocation::ColocationConfig {
+        enabled: true,
+        cgroup_root: cgroups,
+        identify_wait: Duration::from_millis(500),
+        resync: Duration::from_millis(200),
+        ..Default::default()
+    };
+    api.put_node(json!({"metadata": {"name": "node-a", "uid": "node-a-uid"},
+        "status": {"allocatable": {"cpu": "8", "memory": "64Gi"}}}));
+    let class = baleen_agent::isolation::colocation::CLASS_LABEL;
+    api.put_namespace(json!({"metadata": {"name": "serving", "labels": {class: "inference"}}}));
+    api.put_namespace(json!({"metadata": {"name": "ml"}}));
+    api.put_pod(api_pod("serve", "node-a", "Guaranteed", None, "Pending", 0));
+    api.put_pod(api_pod("train", "node-a", "BestEffort", None, "Pending", 0));
+    let (agent, token) = start(&node, &api).await?;
+    poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
+    let reserved = |name: &str, uid: &str, pod: &str| {
+        let mut c = allocated_claim(name, uid, "gpu-0", Some("4Gi"));
+        c["status"]["reservedFor"] =
+            json!([{"resource": "pods", "name": pod, "uid": format!("uid-{pod}")}]);
+        c
+    };
+    api.put_resource_claim(reserved("s", "uid-s", "serve"));
+    api.put_resource_claim(reserved("t", "uid-t", "train"));
+    let r = client(&d.socket())
+        .await?
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![claim("s", "uid-s"), claim("t", "uid-t")],
+        })
+        .await?
+        .into_inner();
+    assert!(r.claims.values().all(|c| c.error.is_empty()), "{r:?}");
+    let spec =
+        |uid: &str| std::fs::read_to_string(d.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json")));
+    let (serve, train) = (spec("uid-s")?, spec("uid-t")?);
+    assert!(serve.contains("CUDA_MPS_CLIENT_PRIORITY=0"), "inference: normal priority: {serve}");
+    assert!(train.contains("CUDA_MPS_CLIENT_PRIORITY=1"), "training: below normal: {train}");
+    // After a restart, written again as the containers started with it.
+    drop(agent);
+    drop(token);
+    std::fs::remove_file(d.cdi_dir.join(format!("{DRIVER}-claim_uid-t.json")))?;
+    let (agent, token) = start(&node, &api).await?;
+    assert_eq!(spec("uid-t")?, train);
+    stop(agent, token).await
+}
