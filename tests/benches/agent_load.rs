@@ -10,27 +10,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use baleen_tests::bench::report_memory as report;
 use baleen_tests::fake_kubelet::FakeKubelet;
 use tokio::io::AsyncWriteExt as _;
 
 const MEM: &str = "awesome-ai-company.com/gpu-memory";
-
-fn kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-fn report(pid: u32, what: &str) {
-    println!(
-        "{what:>48}: RSS {:6.1} MiB, peak {:6.1} MiB",
-        kib(pid, "VmRSS:") as f64 / 1024.0,
-        kib(pid, "VmHWM:") as f64 / 1024.0
-    );
-}
 
 /// The size of one `/metrics` answer's body.
 async fn scrape(address: std::net::SocketAddr) -> anyhow::Result<usize> {

@@ -22,6 +22,7 @@ use baleen_agent::dra::{DraConfig, DriverMode};
 use baleen_agent::kube_api::KubeNodeApi;
 use baleen_agent::ledger::ViewConfig;
 use baleen_proto::dra::v1;
+use baleen_tests::bench::report_memory as report;
 use baleen_tests::fake_apiserver::FakeApiServer;
 use serde_json::json;
 
@@ -46,23 +47,6 @@ fn line(label: &str, samples: &mut [Duration]) {
         ms(samples, 0.9),
         ms(samples, 0.99),
         ms(samples, 1.0)
-    );
-}
-
-fn kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-fn report(pid: u32, what: &str) {
-    println!(
-        "{what:>44}: RSS {:6.1} MiB, peak {:6.1} MiB",
-        kib(pid, "VmRSS:") as f64 / 1024.0,
-        kib(pid, "VmHWM:") as f64 / 1024.0
     );
 }
 

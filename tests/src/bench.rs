@@ -93,3 +93,22 @@ pub async fn start_h200(
     kubelet.wait_registered(&format!("{}/gpu-memory", baleen_agent::defaults::DOMAIN), 1).await?;
     Ok((kubelet, agent, token))
 }
+
+/// A field of `/proc/<pid>/status` in KiB (`VmRSS:`, `VmHWM:`), 0 if it cannot be read.
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Prints process `pid`'s resident memory and its peak, labelled `what`.
+pub fn report_memory(pid: u32, what: &str) {
+    println!(
+        "{what:>48}: RSS {:6.1} MiB, peak {:6.1} MiB",
+        status_kib(pid, "VmRSS:") as f64 / 1024.0,
+        status_kib(pid, "VmHWM:") as f64 / 1024.0
+    );
+}

@@ -398,6 +398,25 @@ fn check_host_paths(what: &str, host: &BTreeMap<PathBuf, PathBuf>, used: &[PathB
     Ok(())
 }
 
+/// The host paths either agent uses whatever its kubelet API: pod-resources, the state, the
+/// MPS root and the cgroup tree where they are on, and what the device-isolation checks read
+/// at start (the CDI spec directories, the toolkit's settings).
+fn host_paths_used(a: &baleen_agent::run::AgentConfig) -> Result<Vec<PathBuf>> {
+    let mut used = vec![
+        a.pod_resources_socket.parent().context("socket dir")?.to_path_buf(),
+        a.state_dir.clone(),
+    ];
+    if a.mps.enabled {
+        used.push(a.mps.root.clone());
+    }
+    if a.colocation.enabled {
+        used.push(a.colocation.cgroup_root.clone());
+    }
+    used.extend(a.devices.cdi_spec_dirs.iter().cloned());
+    used.push(a.devices.toolkit_config.parent().context("toolkit dir")?.to_path_buf());
+    Ok(used)
+}
+
 fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     let install = Install::parse(&render(overlay)?)?;
     let version = env!("CARGO_PKG_VERSION");
@@ -426,20 +445,8 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     ensure!(spec.priority_class_name.as_deref() == Some("system-node-critical"));
     ensure!(!spec.tolerations.clone().unwrap_or_default().is_empty(), "tolerations");
     ensure!(!spec.node_selector.clone().unwrap_or_default().is_empty(), "a node selector");
-    let mut used = vec![
-        a.device_plugin_dir.clone(),
-        a.pod_resources_socket.parent().context("socket dir")?.to_path_buf(),
-        a.state_dir.clone(),
-    ];
-    if a.mps.enabled {
-        used.push(a.mps.root.clone());
-    }
-    if a.colocation.enabled {
-        used.push(a.colocation.cgroup_root.clone());
-    }
-    // What the device-isolation checks read at start.
-    used.extend(a.devices.cdi_spec_dirs.iter().cloned());
-    used.push(a.devices.toolkit_config.parent().context("toolkit dir")?.to_path_buf());
+    let mut used = host_paths_used(a)?;
+    used.push(a.device_plugin_dir.clone());
     ensure!(
         a.devices.strategy != baleen_agent::isolation::devices::Strategy::Envvar,
         "{overlay}: the envvar strategy lets any pod name any GPU"
@@ -1755,21 +1762,8 @@ fn check_dra_agent(install: &Install, scratch: &Path) -> Result<()> {
             && d.plugin_dir == Path::new("/var/lib/kubelet/plugins/gpu.awesome-ai-company.com"),
         "the kubelet's directories: {d:?}"
     );
-    let mut used = vec![
-        d.registry_dir.clone(),
-        d.plugin_dir.clone(),
-        d.cdi_dir.clone(),
-        a.pod_resources_socket.parent().context("socket dir")?.to_path_buf(),
-        a.state_dir.clone(),
-    ];
-    if a.mps.enabled {
-        used.push(a.mps.root.clone());
-    }
-    if a.colocation.enabled {
-        used.push(a.colocation.cgroup_root.clone());
-    }
-    used.extend(a.devices.cdi_spec_dirs.iter().cloned());
-    used.push(a.devices.toolkit_config.parent().context("toolkit dir")?.to_path_buf());
+    let mut used = host_paths_used(a)?;
+    used.extend([d.registry_dir.clone(), d.plugin_dir.clone(), d.cdi_dir.clone()]);
     let (host, _) = mounts(spec, c)?;
     check_host_paths("the DRA agent", &host, &used)?;
     // The CDI directory it writes is mounted writable.

@@ -79,11 +79,27 @@ fn claim(name: &str, uid: &str) -> v1::Claim {
     v1::Claim { namespace: "team-a".into(), name: name.into(), uid: uid.into() }
 }
 
-async fn client(
-    socket: &Path,
-) -> Result<v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>> {
+async fn client(socket: &Path) -> Result<DraClient> {
     let channel = baleen_device_plugin::uds::connect(socket, WAIT).await?;
     Ok(v1::dra_plugin_client::DraPluginClient::new(channel))
+}
+
+type DraClient = v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>;
+
+/// One NodePrepareResources batch of `claims`, as the kubelet sends it.
+async fn prepare(
+    c: &mut DraClient,
+    claims: Vec<v1::Claim>,
+) -> Result<v1::NodePrepareResourcesResponse> {
+    Ok(c.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }).await?.into_inner())
+}
+
+/// One NodeUnprepareResources batch of `claims`.
+async fn unprepare(
+    c: &mut DraClient,
+    claims: Vec<v1::Claim>,
+) -> Result<v1::NodeUnprepareResourcesResponse> {
+    Ok(c.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }).await?.into_inner())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,12 +135,7 @@ async fn the_agent_as_a_dra_driver_registers_publishes_prepares_and_keeps_claims
     // Prepare a share of 8 GiB on gpu-0.
     api.put_resource_claim(allocated_claim("infer", "uid-1", "gpu-0", Some("8Gi")));
     let mut dra_client = client(&d.socket()).await?;
-    let answer = dra_client
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("infer", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let answer = prepare(&mut dra_client, vec![claim("infer", "uid-1")]).await?;
     let entry = &answer.claims["uid-1"];
     assert_eq!(entry.error, "", "{answer:?}");
     let prepared = &entry.devices[0];
@@ -157,12 +168,7 @@ async fn the_agent_as_a_dra_driver_registers_publishes_prepares_and_keeps_claims
 
     // More than gpu-0 holds beside it: refused, nothing booked.
     api.put_resource_claim(allocated_claim("train", "uid-2", "gpu-0", Some("140Gi")));
-    let over = dra_client
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("train", "uid-2")],
-        })
-        .await?
-        .into_inner();
+    let over = prepare(&mut dra_client, vec![claim("train", "uid-2")]).await?;
     assert!(over.claims["uid-2"].error.contains("memory units free"), "{over:?}");
     assert!(agent.resources().claim_grants("uid-2").is_empty());
 
@@ -176,12 +182,7 @@ async fn the_agent_as_a_dra_driver_registers_publishes_prepares_and_keeps_claims
     assert!(spec_path.exists(), "its CDI spec written again before serving");
     // Unprepare works from the ledger alone.
     let mut dra_client = client(&d.socket()).await?;
-    let done = dra_client
-        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-            claims: vec![claim("infer", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let done = unprepare(&mut dra_client, vec![claim("infer", "uid-1")]).await?;
     assert_eq!(done.claims["uid-1"].error, "");
     assert!(agent.resources().claim_grants("uid-1").is_empty());
     assert!(!spec_path.exists());
@@ -251,12 +252,7 @@ async fn a_gpu_going_unhealthy_under_held_shares_is_withdrawn_and_its_shares_kep
     poll("slices", async || Ok((published(&api).len() == 8).then_some(()))).await?;
     api.put_resource_claim(allocated_claim("held", "uid-1", "gpu-0", Some("4Gi")));
     let mut c = client(&d.socket()).await?;
-    let r = c
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("held", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let r = prepare(&mut c, vec![claim("held", "uid-1")]).await?;
     assert_eq!(r.claims["uid-1"].error, "");
     // The kubelet's health stream (KEP-4680), on the same socket.
     let channel = baleen_device_plugin::uds::connect(&d.socket(), WAIT).await?;
@@ -306,21 +302,11 @@ async fn a_gpu_going_unhealthy_under_held_shares_is_withdrawn_and_its_shares_kep
     assert_eq!(agent.resources().claim_grants("uid-1").len(), 1, "the held share is kept");
     // A claim the scheduler allocated before the withdrawal: refused while the GPU is sick.
     api.put_resource_claim(allocated_claim("late", "uid-2", "gpu-0", Some("4Gi")));
-    let late = c
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("late", "uid-2")],
-        })
-        .await?
-        .into_inner();
+    let late = prepare(&mut c, vec![claim("late", "uid-2")]).await?;
     assert!(late.claims["uid-2"].error.contains("unhealthy"), "{late:?}");
     agent.resources().set_health(&uuid, true, "");
     poll("gpu-0 published again", async || Ok((published(&api).len() == 8).then_some(()))).await?;
-    let again = c
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("late", "uid-2")],
-        })
-        .await?
-        .into_inner();
+    let again = prepare(&mut c, vec![claim("late", "uid-2")]).await?;
     assert_eq!(again.claims["uid-2"].error, "", "{again:?}");
     stop(agent, token).await
 }
@@ -336,13 +322,7 @@ async fn a_share_on_a_gpu_whose_mps_daemon_does_not_answer_is_refused() -> Resul
     poll("gpu-0 withdrawn", async || Ok((!published(&api).contains_key("gpu-0")).then_some(())))
         .await?;
     api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
-    let r = client(&d.socket())
-        .await?
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("c", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let r = prepare(&mut client(&d.socket()).await?, vec![claim("c", "uid-1")]).await?;
     assert!(r.claims["uid-1"].error.contains("MPS daemon"), "{r:?}");
     assert!(agent.resources().claim_grants("uid-1").is_empty());
     stop(agent, token).await
@@ -515,13 +495,7 @@ async fn an_api_server_that_drops_the_shared_fields_is_not_rewritten_forever() -
     // stored slices alone.
     api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
     let d = dra(&node)?;
-    let r = client(&d.socket())
-        .await?
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("c", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let r = prepare(&mut client(&d.socket()).await?, vec![claim("c", "uid-1")]).await?;
     assert_eq!(r.claims["uid-1"].error, "");
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(writes(), before, "the slices are written again only when the devices change");
@@ -543,23 +517,13 @@ async fn a_booking_that_cannot_be_written_is_refused_and_not_answered_later() ->
     std::fs::remove_file(checkpoint.journal_path())?;
     api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
     let mut c = client(&d.socket()).await?;
-    let r = c
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("c", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let r = prepare(&mut c, vec![claim("c", "uid-1")]).await?;
     assert!(r.claims["uid-1"].error.contains("checkpoint cannot be written"), "{r:?}");
     assert!(agent.resources().claim_grants("uid-1").is_empty(), "taken back out of the ledger");
     assert!(!d.cdi_dir.join(format!("{DRIVER}-claim_uid-1.json")).exists());
     // Once the disk takes writes again, the kubelet's retry books it, durably.
     std::fs::remove_dir(&blocker)?;
-    let r = c
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("c", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let r = prepare(&mut c, vec![claim("c", "uid-1")]).await?;
     assert_eq!(r.claims["uid-1"].error, "", "{r:?}");
     let held = checkpoint.load("node-a", "boot-1")?.context("a checkpoint")?;
     assert!(
@@ -575,13 +539,7 @@ async fn a_corrupt_checkpoint_stops_the_dra_agent() -> Result<()> {
     let d = dra(&node)?;
     let (agent, token) = start(&node, &api).await?;
     api.put_resource_claim(allocated_claim("c", "uid-1", "gpu-0", Some("4Gi")));
-    let r = client(&d.socket())
-        .await?
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("c", "uid-1")],
-        })
-        .await?
-        .into_inner();
+    let r = prepare(&mut client(&d.socket()).await?, vec![claim("c", "uid-1")]).await?;
     assert_eq!(r.claims["uid-1"].error, "");
     stop(agent, token).await?;
     // One byte of the snapshot changed: its checksum no longer matches.
@@ -630,13 +588,9 @@ async fn a_claims_share_gets_its_pods_mps_priority_and_keeps_it_across_a_restart
     };
     api.put_resource_claim(reserved("s", "uid-s", "serve"));
     api.put_resource_claim(reserved("t", "uid-t", "train"));
-    let r = client(&d.socket())
-        .await?
-        .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("s", "uid-s"), claim("t", "uid-t")],
-        })
-        .await?
-        .into_inner();
+    let r =
+        prepare(&mut client(&d.socket()).await?, vec![claim("s", "uid-s"), claim("t", "uid-t")])
+            .await?;
     assert!(r.claims.values().all(|c| c.error.is_empty()), "{r:?}");
     let spec =
         |uid: &str| std::fs::read_to_string(d.cdi_dir.join(format!("{DRIVER}-claim_{uid}.json")));
