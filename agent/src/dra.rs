@@ -88,11 +88,10 @@ pub enum Target {
 }
 
 /// The node's devices as its slices publish them, and what each name is in the ledger.
-pub fn node_devices(
-    ledger: &DeviceLedger,
-    driver_version: Option<&str>,
-) -> (Vec<NodeDevice>, BTreeMap<String, Target>) {
+pub fn node_devices(ledger: &DeviceLedger) -> (Vec<NodeDevice>, BTreeMap<String, Target>) {
     let config = ledger.config();
+    let driver_version = ledger.driver_version();
+    let cliques = nvlink_cliques(ledger);
     let states: BTreeMap<String, crate::ledger::GpuState> =
         ledger.gpu_states().into_iter().map(|s| (s.uuid.clone(), s)).collect();
     let mut devices = Vec::new();
@@ -111,7 +110,7 @@ pub fn node_devices(
             driver_version: driver_version.map(str::to_owned),
             pci_bus_id: Some(gpu.pci_bus_id.to_string()),
             numa_node: gpu.numa_node,
-            nvlink_clique: None,
+            nvlink_clique: cliques.get(&gpu.uuid.to_string()).cloned(),
             healthy: state.healthy,
         };
         if gpu.mig.is_enabled() {
@@ -145,6 +144,30 @@ pub fn node_devices(
         }
     }
     (devices, targets)
+}
+
+/// Each GPU's NVLink clique: the GPUs it reaches over NVLink, directly or through others,
+/// named `nvlink-<index of the clique's first GPU>`; GPUs with no NVLink peer have none.
+fn nvlink_cliques(ledger: &DeviceLedger) -> BTreeMap<String, String> {
+    let gpus: Vec<&crate::inventory::Gpu> = ledger.gpus().collect();
+    let index: BTreeMap<String, usize> =
+        gpus.iter().enumerate().map(|(i, g)| (g.uuid.to_string(), i)).collect();
+    let mut clique = BTreeMap::new();
+    for start in 0..gpus.len() {
+        let uuid = gpus[start].uuid.to_string();
+        if clique.contains_key(&uuid) || gpus[start].nvlink_peers.is_empty() {
+            continue;
+        }
+        let name = format!("nvlink-{}", gpus[start].index);
+        let mut todo = vec![start];
+        while let Some(i) = todo.pop() {
+            if clique.insert(gpus[i].uuid.to_string(), name.clone()).is_some() {
+                continue;
+            }
+            todo.extend(gpus[i].nvlink_peers.iter().filter_map(|p| index.get(&p.to_string())));
+        }
+    }
+    clique
 }
 
 /// The agent's ledger as the DRA service books claims in it.
@@ -314,5 +337,76 @@ impl ClaimSource for ApiClaims {
         let api: kube::Api<ResourceClaim> =
             kube::Api::namespaced(self.client.clone(), &claim.namespace);
         api.get_opt(&claim.name).await.map_err(|e| crate::error_chain::Chain(&e).to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::GpuInventory as _;
+    use crate::inventory::simulated::SimulatedInventory;
+    use crate::ledger::ViewConfig;
+
+    fn ledger(example: &str, views: ViewConfig) -> DeviceLedger {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../packaging/examples")
+            .join(example);
+        let inventory =
+            SimulatedInventory::from_file(&path).expect("example").discover().expect("discover");
+        DeviceLedger::new("node-a", &inventory, views).expect("ledger")
+    }
+
+    #[test]
+    fn gpus_are_shared_devices_with_the_nodes_attributes() {
+        let (devices, targets) =
+            node_devices(&ledger("h200-8x-nvswitch.yaml", ViewConfig::default()));
+        assert_eq!(devices.len(), 8);
+        assert!(devices.iter().all(|d| matches!(d.kind, DeviceKind::Shared { .. })));
+        assert!(matches!(targets.get("gpu-3"), Some(Target::Shared(_))));
+        // Behind one NVSwitch: every GPU in one clique, named by its first GPU.
+        assert!(
+            devices.iter().all(|d| d.nvlink_clique.as_deref() == Some("nvlink-0")),
+            "{devices:?}"
+        );
+        assert!(devices.iter().all(|d| d.driver_version.as_deref() == Some("570.124.06")));
+        // The slices build from them, and say the version as a semantic version.
+        let owner = baleen_dra::slices::Owner { node_name: "node-a".into(), node_uid: "u".into() };
+        let slices =
+            baleen_dra::slices::build("gpu.example.com", &owner, 1, &devices).expect("built");
+        let d = &slices[0].spec.devices.as_ref().expect("devices")[0];
+        let attributes = d.attributes.as_ref().expect("attributes");
+        assert_eq!(attributes["driverVersion"].version.as_deref(), Some("570.124.6"));
+        assert_eq!(attributes["nvlinkClique"].string.as_deref(), Some("nvlink-0"));
+    }
+
+    #[test]
+    fn without_gpu_memory_gpus_are_whole_and_bridged_pairs_are_cliques_of_their_own() {
+        let views = ViewConfig { gpu_memory: false, ..ViewConfig::default() };
+        let (devices, targets) = node_devices(&ledger("l4-4x-pcie.yaml", views));
+        assert!(devices.iter().all(|d| d.kind == DeviceKind::Whole));
+        assert!(matches!(targets.get("gpu-0"), Some(Target::Whole(_))));
+        // The example bridges (0, 1) and (2, 3).
+        let cliques: Vec<Option<&str>> =
+            devices.iter().map(|d| d.nvlink_clique.as_deref()).collect();
+        assert_eq!(
+            cliques,
+            [Some("nvlink-0"), Some("nvlink-0"), Some("nvlink-2"), Some("nvlink-2")]
+        );
+        // No NVLink peer, no clique.
+        let (one, _) = node_devices(&ledger("h200-1x-gpu-day.yaml", ViewConfig::default()));
+        assert!(one.iter().all(|d| d.nvlink_clique.is_none()), "{one:?}");
+    }
+
+    #[test]
+    fn mig_instances_are_their_own_devices_named_by_their_instance_ids() {
+        let (devices, targets) = node_devices(&ledger("a100-4x-mig.yaml", ViewConfig::default()));
+        let mig: Vec<&NodeDevice> =
+            devices.iter().filter(|d| matches!(d.kind, DeviceKind::Mig { .. })).collect();
+        assert!(!mig.is_empty());
+        for d in &mig {
+            assert!(d.name.starts_with(&format!("gpu-{}-mig-", d.index)), "{}", d.name);
+            assert!(baleen_dra::slices::is_dns_label(&d.name), "{}", d.name);
+            assert!(matches!(targets.get(&d.name), Some(Target::Mig(u)) if *u == d.uuid));
+        }
     }
 }

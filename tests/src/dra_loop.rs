@@ -51,7 +51,7 @@ pub fn run_seed(workload: &Workload, seed: u64, tune: f64) -> Result<LoopOutcome
     let mut nodes = Vec::with_capacity(workload.nodes.len());
     for (i, spec) in workload.nodes.iter().enumerate() {
         let ledger = DeviceLedger::new(&spec.name, &inventory(i, spec)?, config.clone())?;
-        let (devices, targets) = baleen_agent::dra::node_devices(&ledger, None);
+        let (devices, targets) = baleen_agent::dra::node_devices(&ledger);
         let owner = Owner { node_name: spec.name.clone(), node_uid: format!("uid-{i}") };
         let built = slices::build(DRIVER, &owner, 1, &devices)?;
         // As the API server holds them: through JSON.

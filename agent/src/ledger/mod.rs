@@ -347,6 +347,8 @@ pub struct DeviceLedger {
     unreadable: Arc<BTreeMap<String, String>>,
     /// Whether any GPU could not be read (with a UUID or without).
     any_unreadable: bool,
+    /// The NVIDIA driver's version, as discovery read it (the DRA slices' attribute).
+    driver_version: Option<Arc<str>>,
     /// Allocations kept as they are because they name a GPU this start could not read (see
     /// [`Self::restore_from`]).
     parked: Arc<Vec<AllocationRecord>>,
@@ -506,6 +508,7 @@ impl DeviceLedger {
                     .collect(),
             ),
             any_unreadable: !inventory.unreadable.is_empty(),
+            driver_version: inventory.driver_version.as_deref().map(Arc::from),
             parked: Arc::default(),
             parked_groups: Arc::default(),
         };
@@ -641,6 +644,11 @@ impl DeviceLedger {
     /// The view serving `resource`, if any.
     pub fn view_for(&self, resource: &str) -> Option<View> {
         self.views().into_iter().find(|v| v.resource_name(&self.config.domain) == resource)
+    }
+
+    /// The NVIDIA driver's version, where discovery read one.
+    pub fn driver_version(&self) -> Option<&str> {
+        self.driver_version.as_deref()
     }
 
     /// The GPUs of the node.

@@ -47,7 +47,7 @@ pub fn start(
     client: kube::Client,
     shutdown: &CancellationToken,
 ) -> Result<super::PluginWatch, AgentError> {
-    let (_, targets) = node_devices(&resources.published().state, None);
+    let (_, targets) = node_devices(&resources.published().state);
     let bookings = Arc::new(LedgerBookings::new(
         resources.clone(),
         targets,
@@ -153,7 +153,7 @@ pub fn start(
 /// reason (an XID, unreadable, ...), or its MPS daemon not answering.
 fn device_health(resources: &NodeResources) -> Vec<service::DeviceHealth> {
     let published = resources.published();
-    let (devices, _) = node_devices(&published.state, None);
+    let (devices, _) = node_devices(&published.state);
     let enforced: BTreeMap<String, bool> =
         published.state.gpu_states().into_iter().map(|g| (g.uuid, g.shares_enforced)).collect();
     devices
@@ -272,7 +272,7 @@ impl Publisher {
                     () = tokio::time::sleep(RESYNC) => false,
                 };
                 // A change of the allocations alone leaves the devices as they were: no call.
-                let devices = node_devices(&self.resources.published().state, None).0;
+                let devices = node_devices(&self.resources.published().state).0;
                 if !ledger_changed || written.as_ref().is_none_or(|w| w.devices != devices) {
                     break;
                 }
@@ -297,7 +297,7 @@ impl Publisher {
         generation: &mut i64,
         memory: &mut Option<Written>,
     ) -> Result<bool, String> {
-        let (devices, _) = node_devices(&self.resources.published().state, None);
+        let (devices, _) = node_devices(&self.resources.published().state);
         let listed = self
             .api
             .list(&ListParams::default().fields(&self.selector()))
