@@ -106,7 +106,7 @@ pub fn node_devices(ledger: &DeviceLedger) -> (Vec<NodeDevice>, BTreeMap<String,
             index: gpu.index,
             product_name: gpu.name.clone(),
             memory_bytes,
-            cuda_compute_capability: None,
+            cuda_compute_capability: gpu.cuda_compute_capability.clone(),
             driver_version: driver_version.map(str::to_owned),
             pci_bus_id: Some(gpu.pci_bus_id.to_string()),
             numa_node: gpu.numa_node,
@@ -369,6 +369,7 @@ mod tests {
             "{devices:?}"
         );
         assert!(devices.iter().all(|d| d.driver_version.as_deref() == Some("570.124.06")));
+        assert!(devices.iter().all(|d| d.cuda_compute_capability.as_deref() == Some("9.0")));
         // The slices build from them, and say the version as a semantic version.
         let owner = baleen_dra::slices::Owner { node_name: "node-a".into(), node_uid: "u".into() };
         let slices =
@@ -377,6 +378,7 @@ mod tests {
         let attributes = d.attributes.as_ref().expect("attributes");
         assert_eq!(attributes["driverVersion"].version.as_deref(), Some("570.124.6"));
         assert_eq!(attributes["nvlinkClique"].string.as_deref(), Some("nvlink-0"));
+        assert_eq!(attributes["cudaComputeCapability"].version.as_deref(), Some("9.0.0"));
     }
 
     #[test]

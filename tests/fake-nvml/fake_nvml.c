@@ -20,6 +20,8 @@
  *   driver <version>
  *   gpu <index> <uuid> <memory bytes> <pci bus id> <name, rest of the line>
  *   mig_mode <gpu index> <0|1>
+ *   cuda_cc <gpu index> <major> <minor>        (nvmlDeviceGetCudaComputeCapability; without
+ *       it the call answers NVML_ERROR_NOT_SUPPORTED)
  *   mig <gpu index> <uuid> <memory bytes> <gpu instance id> <compute instance id>
  *       <gpu-instance slices> <compute-instance slices> <memory MiB>      (one line)
  *   nvlink <gpu index> <gpu index>
@@ -162,6 +164,7 @@ struct fake_gpu {
     char bus_id[BUS_ID_LEN];
     unsigned long long memory;
     unsigned int mig_mode;
+    int cc_major, cc_minor; /* -1: not supported */
     int mig_count;
     struct fake_mig mig[MAX_MIG];
     int nvlink[MAX_GPUS];
@@ -256,7 +259,17 @@ static int load_topology(void) {
                 snprintf(gpu->bus_id, sizeof gpu->bus_id, "%s", bus);
                 snprintf(gpu->name, sizeof gpu->name, "%s", rest + name_at);
                 gpu->memory = memory;
+                gpu->cc_major = gpu->cc_minor = -1; /* until a cuda_cc line says */
                 if (index + 1 > gpu_count) gpu_count = (int)index + 1;
+            }
+        } else if (strcmp(word, "cuda_cc") == 0) {
+            long index;
+            int major, minor;
+            ok = sscanf(rest, " %ld %d %d", &index, &major, &minor) == 3 && valid_gpu_index(index) &&
+                 major >= 0 && minor >= 0;
+            if (ok) {
+                gpus[index].cc_major = major;
+                gpus[index].cc_minor = minor;
             }
         } else if (strcmp(word, "mig_mode") == 0) {
             long index;
@@ -555,6 +568,15 @@ nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2,
     }
     int linked = device1 != device2 && gpus[device1->gpu].nvlink[device2->gpu];
     *p2pStatus = linked ? NVML_P2P_STATUS_OK : NVML_P2P_STATUS_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
+    CHECK_DEVICE("nvmlDeviceGetCudaComputeCapability", device, 0);
+    if (major == NULL || minor == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    if (gpus[device->gpu].cc_major < 0) return NVML_ERROR_NOT_SUPPORTED;
+    *major = gpus[device->gpu].cc_major;
+    *minor = gpus[device->gpu].cc_minor;
     return NVML_SUCCESS;
 }
 

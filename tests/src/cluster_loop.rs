@@ -115,6 +115,7 @@ pub(crate) fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
                 memory_bytes: UNITS_PER_GPU * UNIT_BYTES,
                 pci_bus_id: format!("00000000:{i:02X}:00.0"),
                 numa_node: None,
+                cuda_compute_capability: None,
                 nvlink_peers: vec![],
                 mig: MigState::Disabled,
             })

@@ -65,6 +65,11 @@ pub fn topology_text(inventory: &Inventory) -> anyhow::Result<String> {
             gpu.index, gpu.uuid, gpu.memory_bytes, gpu.pci_bus_id, gpu.name
         )?;
         writeln!(text, "mig_mode {} {}", gpu.index, u8::from(gpu.mig.is_enabled()))?;
+        if let Some(cc) = &gpu.cuda_compute_capability {
+            let (major, minor) =
+                cc.split_once('.').context("a compute capability is major.minor")?;
+            writeln!(text, "cuda_cc {} {major} {minor}", gpu.index)?;
+        }
         if let MigState::Enabled { instances } = &gpu.mig {
             for inst in instances {
                 let profile: MigProfile = inst.profile.parse()?;

@@ -330,6 +330,7 @@ mod tests {
                 memory_bytes: 81920 * MIB,
                 pci_bus_id: "00000000:07:00.0".into(),
                 numa_node: Some(0),
+                cuda_compute_capability: Some("8.0".into()),
                 nvlink_peers: vec![GpuUuid::new("GPU-b").expect("valid")],
                 mig: MigState::Enabled {
                     instances: vec![MigInstance {

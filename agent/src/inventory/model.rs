@@ -140,6 +140,9 @@ pub struct Gpu {
     pub pci_bus_id: String,
     /// The NUMA node of the GPU's PCI device, `None` when the platform has no NUMA information.
     pub numa_node: Option<u32>,
+    /// The CUDA compute capability, `major.minor` (`9.0` on an H200), where it was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_compute_capability: Option<String>,
     /// The GPUs reachable from this one over NVLink (directly or through NVSwitch), sorted.
     pub nvlink_peers: Vec<GpuUuid>,
     /// MIG mode and, when enabled, the MIG instances that exist.

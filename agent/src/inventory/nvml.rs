@@ -240,6 +240,9 @@ impl NvmlInventory {
             .map_err(|err| bad_value("nvmlDeviceGetPciInfo_v3", at, err))?;
         let numa_node = read_numa_node(&self.sysfs_root, &pci_bus_id)?;
         let mig = read_mig(index, device, memory_bytes)?;
+        // Informational (a DRA slice's attribute): a driver or library without it is no failure.
+        let cuda_compute_capability =
+            device.cuda_compute_capability().ok().map(|c| format!("{}.{}", c.major, c.minor));
         Ok(Gpu {
             index,
             uuid,
@@ -247,6 +250,7 @@ impl NvmlInventory {
             memory_bytes,
             pci_bus_id,
             numa_node,
+            cuda_compute_capability,
             nvlink_peers: Vec::new(),
             mig,
         })

@@ -121,12 +121,17 @@ fn not_supported_means_none() -> Result<()> {
     let mut expected = simulated("a100-4x-mig.yaml")?;
     let fake = FakeNvml::with_directives(
         &expected,
-        &["fail nvmlDeviceGetP2PStatus * 3", "fail nvmlDeviceGetMigMode * 3"],
+        &[
+            "fail nvmlDeviceGetP2PStatus * 3",
+            "fail nvmlDeviceGetMigMode * 3",
+            "fail nvmlDeviceGetCudaComputeCapability * 3",
+        ],
     )?;
     let nvml = NvmlInventory::new(fake.nvml_config())?;
     for gpu in &mut expected.gpus {
         gpu.nvlink_peers.clear();
         gpu.mig = MigState::Disabled;
+        gpu.cuda_compute_capability = None;
     }
     assert_eq!(nvml.discover()?, expected);
     Ok(())

@@ -17,6 +17,7 @@
 //!     memory: 81920MiB          # bytes as an integer, or a quantity: 80GB, 80GiB, 81920MiB
 //!     pci_bus_id: "0000:07:00.0"
 //!     numa_node: 0              # optional
+//!     cuda_compute_capability: "9.0"   # optional, major.minor
 //!     uuid: GPU-...             # optional
 //!     nvlink_peers: [1]         # optional, must be symmetric
 //!     mig:                      # optional
@@ -197,6 +198,27 @@ mod tests {
             .unwrap_or_else(|err| panic!("{} should load: {err}", path.display()))
             .discover()
             .expect("simulated discovery cannot fail")
+    }
+
+    #[test]
+    fn a_compute_capability_is_read_and_a_malformed_one_refused() {
+        let topology = |cc: &str| {
+            format!(
+                "node: n\ngpus:\n  - index: 0\n    model: NVIDIA H200\n    memory: 141GiB\n    \
+                 pci_bus_id: \"00000000:18:00.0\"\n    cuda_compute_capability: \"{cc}\"\n"
+            )
+        };
+        let good = SimulatedInventory::from_yaml_str(&topology("9.0"), "t.yaml")
+            .expect("valid")
+            .discover()
+            .expect("discover");
+        assert_eq!(good.gpus[0].cuda_compute_capability.as_deref(), Some("9.0"));
+        for bad in ["9", "nine.0", "9.0.1", ".0"] {
+            let err = SimulatedInventory::from_yaml_str(&topology(bad), "t.yaml")
+                .and_then(|s| s.discover())
+                .expect_err("malformed");
+            assert!(err.to_string().contains("is not a compute capability"), "{bad}: {err}");
+        }
     }
 
     #[test]

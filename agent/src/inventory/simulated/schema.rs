@@ -40,6 +40,8 @@ pub(super) struct GpuSpec {
     #[serde(default)]
     pub(super) numa_node: Option<u32>,
     #[serde(default)]
+    pub(super) cuda_compute_capability: Option<String>,
+    #[serde(default)]
     pub(super) uuid: Option<String>,
     #[serde(default)]
     pub(super) nvlink_peers: Vec<u32>,

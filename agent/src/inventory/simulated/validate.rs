@@ -175,6 +175,18 @@ fn build(file: &TopologyFile, node: &str, problems: &mut Problems) -> Inventory 
         };
 
         let mig = build_mig(spec, position, node, &mut seen_mig_uuids, problems);
+        let cc = spec.cuda_compute_capability.clone();
+        let is_cc = |c: &str| {
+            c.split_once('.').is_some_and(|(a, b)| {
+                [a, b].iter().all(|p| !p.is_empty() && p.bytes().all(|x| x.is_ascii_digit()))
+            })
+        };
+        if let Some(c) = cc.as_deref().filter(|c| !is_cc(c)) {
+            problems.add(
+                &gpu_field(position, "cuda_compute_capability"),
+                format!("{c:?} is not a compute capability (major.minor, e.g. \"9.0\")"),
+            );
+        }
         gpus.push(Gpu {
             index: spec.index,
             uuid,
@@ -182,6 +194,7 @@ fn build(file: &TopologyFile, node: &str, problems: &mut Problems) -> Inventory 
             memory_bytes: spec.memory.0,
             pci_bus_id,
             numa_node: spec.numa_node,
+            cuda_compute_capability: cc,
             nvlink_peers: Vec::new(),
             mig,
         });
