@@ -102,6 +102,31 @@ struct LoopNode {
     holders: HashMap<String, (String, usize)>,
 }
 
+/// The views of every loop node: gpu-memory units of 16 MiB (1,000 a GPU) and whole GPUs.
+pub(crate) fn view_config() -> ViewConfig {
+    ViewConfig {
+        domain: DOMAIN.into(),
+        memory_unit_bytes: UNIT_BYTES,
+        whole_gpus: true,
+        gpu_memory: true,
+        mig: false,
+        nvlink_group_sizes: vec![],
+    }
+}
+
+/// kube-scheduler's NodeResourcesFit LeastAllocated score of placing `request` on node `spec`
+/// with `cpu_used` and `memory_used` taken: the share of CPU and memory left free, averaged.
+pub(crate) fn least_allocated(
+    spec: &NodeSpec,
+    cpu_used: u64,
+    memory_used: u64,
+    request: &baleen_scheduler_core::model::Request,
+) -> f64 {
+    let free = |used: u64, cap: u64, ask: u64| (cap - used - ask) as f64 / cap.max(1) as f64;
+    (free(cpu_used, spec.cpu.0, request.cpu.0) + free(memory_used, spec.memory.0, request.memory.0))
+        / 2.0
+}
+
 pub(crate) fn inventory(index: usize, spec: &NodeSpec) -> Result<Inventory> {
     let gpus = spec
         .gpus
@@ -240,14 +265,7 @@ pub async fn run_seed(
     let ranks = node_ranks(&workload.nodes, &mut order_rng);
 
     let api = FakeApiServer::start(&[]).await?;
-    let config = ViewConfig {
-        domain: DOMAIN.into(),
-        memory_unit_bytes: UNIT_BYTES,
-        whole_gpus: true,
-        gpu_memory: true,
-        mig: false,
-        nvlink_group_sizes: vec![],
-    };
+    let config = view_config();
     let mut nodes = Vec::with_capacity(workload.nodes.len());
     for (i, spec) in workload.nodes.iter().enumerate() {
         let ledger = DeviceLedger::new(&spec.name, &inventory(i, spec)?, config.clone())?;
@@ -380,14 +398,8 @@ pub async fn run_seed(
             // NodeResourcesFit, LeastAllocated: the most free CPU and memory, in proportion.
             fits.iter()
                 .map(|&i| {
-                    let s = &nodes[i].spec;
-                    let free = |used: u64, cap: u64, ask: u64| {
-                        (cap - used - ask) as f64 / cap.max(1) as f64
-                    };
-                    let score = (free(nodes[i].cpu_used, s.cpu.0, request.cpu.0)
-                        + free(nodes[i].memory_used, s.memory.0, request.memory.0))
-                        / 2.0;
-                    (score, i)
+                    let n = &nodes[i];
+                    (least_allocated(&n.spec, n.cpu_used, n.memory_used, request), i)
                 })
                 .max_by(|a, b| {
                     let (x, y) = if options.cpu_most_allocated { (b.0, a.0) } else { (a.0, b.0) };

@@ -14,14 +14,16 @@
 //! asking no capacity. The headline is the replay's: unallocated GPU % at arrived = 100 %.
 
 use anyhow::{Context as _, Result};
-use baleen_agent::ledger::{ClaimBooking, ClaimDevice, ClaimHolder, DeviceLedger, ViewConfig};
+use baleen_agent::ledger::{ClaimBooking, ClaimDevice, ClaimHolder, DeviceLedger};
 use baleen_dra::slices::{self, Owner};
 use baleen_scheduler_core::model::GpuDemand;
 use baleen_scheduler_sim::replay::{Workload, node_ranks, submission_order};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use rand::SeedableRng;
 
-use crate::cluster_loop::{LoopOutcome, UNIT_BYTES, at_100, inventory};
+use crate::cluster_loop::{
+    LoopOutcome, UNIT_BYTES, at_100, inventory, least_allocated, view_config,
+};
 use crate::dra_allocator::{Allocator, Ask};
 
 const DRIVER: &str = "gpu.awesome-ai-company.com";
@@ -40,14 +42,7 @@ pub fn run_seed(workload: &Workload, seed: u64, tune: f64) -> Result<LoopOutcome
     let mut order_rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let order = submission_order(&workload.tasks, capacity, tune, &mut order_rng);
     let ranks = node_ranks(&workload.nodes, &mut order_rng);
-    let config = ViewConfig {
-        domain: "awesome-ai-company.com".into(),
-        memory_unit_bytes: UNIT_BYTES,
-        whole_gpus: true,
-        gpu_memory: true,
-        mig: false,
-        nvlink_group_sizes: vec![],
-    };
+    let config = view_config();
     let mut nodes = Vec::with_capacity(workload.nodes.len());
     for (i, spec) in workload.nodes.iter().enumerate() {
         let ledger = DeviceLedger::new(&spec.name, &inventory(i, spec)?, config.clone())?;
@@ -81,13 +76,8 @@ pub fn run_seed(workload: &Workload, seed: u64, tune: f64) -> Result<LoopOutcome
                     && ask.is_none_or(|a| allocator.fits(&nodes[i].slices, pool(i), a))
             })
             .map(|i| {
-                let s = &workload.nodes[i];
-                let free =
-                    |used: u64, cap: u64, want: u64| (cap - used - want) as f64 / cap.max(1) as f64;
-                let score = (free(nodes[i].cpu_used, s.cpu.0, request.cpu.0)
-                    + free(nodes[i].memory_used, s.memory.0, request.memory.0))
-                    / 2.0;
-                (score, i)
+                let n = &nodes[i];
+                (least_allocated(&workload.nodes[i], n.cpu_used, n.memory_used, request), i)
             })
             .max_by(|a, b| a.0.total_cmp(&b.0).then(ranks[b.1].cmp(&ranks[a.1])))
             .map(|(_, i)| i);
