@@ -27,28 +27,8 @@ const MEM: &str = "awesome-ai-company.com/gpu-memory";
 const ROUNDS: usize = 6;
 const ROUND: usize = 50;
 
-fn ms(samples: &mut [Duration], q: f64) -> f64 {
-    samples.sort_unstable();
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        reason = "a rounded index between 0 and the sample count"
-    )]
-    let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
-    samples[i].as_secs_f64() * 1e3
-}
-
 fn line(label: &str, samples: &mut [Duration]) -> f64 {
-    let p99 = ms(samples, 0.99);
-    println!(
-        "{label:>40}: n={} p50={:.2}ms p90={:.2}ms p99={:.2}ms max={:.2}ms",
-        samples.len(),
-        ms(samples, 0.5),
-        ms(samples, 0.9),
-        p99,
-        ms(samples, 1.0)
-    );
-    p99
+    baleen_tests::bench::latency_line(label, 40, samples)
 }
 
 async fn scrape(address: std::net::SocketAddr) -> anyhow::Result<()> {

@@ -28,26 +28,8 @@ use serde_json::json;
 
 const DRIVER: &str = "gpu.awesome-ai-company.com";
 
-fn ms(samples: &mut [Duration], q: f64) -> f64 {
-    samples.sort_unstable();
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        reason = "a rounded index between 0 and the sample count"
-    )]
-    let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
-    samples[i].as_secs_f64() * 1e3
-}
-
 fn line(label: &str, samples: &mut [Duration]) {
-    println!(
-        "{label:>44}: n={} p50={:.2}ms p90={:.2}ms p99={:.2}ms max={:.2}ms",
-        samples.len(),
-        ms(samples, 0.5),
-        ms(samples, 0.9),
-        ms(samples, 0.99),
-        ms(samples, 1.0)
-    );
+    baleen_tests::bench::latency_line(label, 44, samples);
 }
 
 /// A claim `n` of one 1 GiB share on `gpu-<n mod 8>`, as the scheduler allocates it.

@@ -112,3 +112,31 @@ pub fn report_memory(pid: u32, what: &str) {
         status_kib(pid, "VmHWM:") as f64 / 1024.0
     );
 }
+
+/// The `q` quantile (0 to 1, nearest rank) of `samples`, in milliseconds; sorts them.
+pub fn quantile_ms(samples: &mut [std::time::Duration], q: f64) -> f64 {
+    samples.sort_unstable();
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a rounded index between 0 and the sample count"
+    )]
+    let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
+    samples[i].as_secs_f64() * 1e3
+}
+
+/// Prints `samples`' count, p50, p90, p99 and max labelled `label` (right-aligned to `width`);
+/// returns the p99 in milliseconds.
+pub fn latency_line(label: &str, width: usize, samples: &mut [std::time::Duration]) -> f64 {
+    let q = |samples: &mut [std::time::Duration], x| quantile_ms(samples, x);
+    let p99 = q(samples, 0.99);
+    println!(
+        "{label:>width$}: n={} p50={:.2}ms p90={:.2}ms p99={:.2}ms max={:.2}ms",
+        samples.len(),
+        q(samples, 0.5),
+        q(samples, 0.9),
+        p99,
+        q(samples, 1.0)
+    );
+    p99
+}
