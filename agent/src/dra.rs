@@ -99,20 +99,21 @@ pub fn node_devices(ledger: &DeviceLedger) -> (Vec<NodeDevice>, BTreeMap<String,
     for gpu in ledger.gpus() {
         let uuid = gpu.uuid.to_string();
         let Some(state) = states.get(&uuid) else { continue };
-        let base = |name: String, kind: DeviceKind, uuid: &str, memory_bytes: u64| NodeDevice {
-            name,
-            kind,
-            uuid: uuid.to_owned(),
-            index: gpu.index,
-            product_name: gpu.name.clone(),
-            memory_bytes,
-            cuda_compute_capability: gpu.cuda_compute_capability.clone(),
-            driver_version: driver_version.map(str::to_owned),
-            pci_bus_id: Some(gpu.pci_bus_id.to_string()),
-            numa_node: gpu.numa_node,
-            nvlink_clique: cliques.get(&gpu.uuid.to_string()).cloned(),
-            healthy: state.healthy,
-        };
+        let base =
+            |name: String, kind: DeviceKind, device_uuid: &str, memory_bytes: u64| NodeDevice {
+                name,
+                kind,
+                uuid: device_uuid.to_owned(),
+                index: gpu.index,
+                product_name: gpu.name.clone(),
+                memory_bytes,
+                cuda_compute_capability: gpu.cuda_compute_capability.clone(),
+                driver_version: driver_version.map(str::to_owned),
+                pci_bus_id: Some(gpu.pci_bus_id.to_string()),
+                numa_node: gpu.numa_node,
+                nvlink_clique: cliques.get(&uuid).cloned(),
+                healthy: state.healthy,
+            };
         if gpu.mig.is_enabled() {
             if !config.mig {
                 continue;
@@ -227,11 +228,9 @@ fn edits_of(answer: ContainerAllocation) -> (Edits, Vec<String>) {
             .map(|m| cdi::Mount {
                 host_path: m.host_path,
                 container_path: m.container_path,
-                options: if m.read_only {
-                    vec!["rbind".into(), "ro".into(), "nosuid".into(), "nodev".into()]
-                } else {
-                    vec!["rbind".into(), "rw".into(), "nosuid".into(), "nodev".into()]
-                },
+                options: ["rbind", if m.read_only { "ro" } else { "rw" }, "nosuid", "nodev"]
+                    .map(String::from)
+                    .to_vec(),
             })
             .collect(),
     };

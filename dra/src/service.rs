@@ -240,28 +240,31 @@ impl<D: Driver> Service<D> {
         Self { driver }
     }
 
-    /// Asks the driver, and gives every claim asked an entry (one the driver left out is an
-    /// internal error, never a missing entry the kubelet would wait on).
+    /// Asks the driver, and gives every claim asked an entry (see [`every_claim`]).
     async fn prepare(
         &self,
         claims: Vec<ClaimRef>,
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-        let mut answers = self.driver.prepare(claims).await;
-        for uid in uids {
-            answers.entry(uid).or_insert_with(|| Err("internal: the driver gave no answer".into()));
-        }
-        answers
+        every_claim(uids, self.driver.prepare(claims).await)
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-        let mut answers = self.driver.unprepare(claims).await;
-        for uid in uids {
-            answers.entry(uid).or_insert_with(|| Err("internal: the driver gave no answer".into()));
-        }
-        answers
+        every_claim(uids, self.driver.unprepare(claims).await)
     }
+}
+
+/// `answers` with an entry for every one of `uids`: one the driver left out is an internal
+/// error, never a missing entry the kubelet would wait on.
+fn every_claim<T>(
+    uids: Vec<String>,
+    mut answers: BTreeMap<String, Result<T, String>>,
+) -> BTreeMap<String, Result<T, String>> {
+    for uid in uids {
+        answers.entry(uid).or_insert_with(|| Err("internal: the driver gave no answer".into()));
+    }
+    answers
 }
 
 macro_rules! claim_refs {
