@@ -1,35 +1,14 @@
-//! How the agent writes an error on one line: its message, then each cause after `: `. Errors
-//! carry their cause as `#[source]` and never repeat it in their own message, so logs and gRPC
-//! messages use this to show the whole story once.
+//! How the agent writes an error on one line: its message, then each cause after `: `
+//! (`baleen_k8s::error_chain`, shared with the DRA driver's crate), tested here over the
+//! agent's own errors.
 
-use std::error::Error;
-use std::fmt;
-
-/// Displays an error and its causes, separated by `: `.
-pub struct Chain<'a>(pub &'a (dyn Error + 'static));
-
-impl fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Some libraries' errors (tonic's transport error, hyper's) repeat their cause in their
-        // own message: a cause already said is not said again.
-        let mut said = self.0.to_string();
-        f.write_str(&said)?;
-        let mut source = self.0.source();
-        while let Some(cause) = source {
-            let text = cause.to_string();
-            if !said.ends_with(&text) {
-                write!(f, ": {text}")?;
-                said.push_str(": ");
-                said.push_str(&text);
-            }
-            source = cause.source();
-        }
-        Ok(())
-    }
-}
+pub use baleen_k8s::error_chain::Chain;
 
 #[cfg(test)]
 mod tests {
+    use std::error::Error;
+    use std::fmt;
+
     use super::*;
 
     #[test]

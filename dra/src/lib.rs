@@ -17,15 +17,3 @@ pub mod h2_unary;
 pub mod registration;
 pub mod service;
 pub mod slices;
-
-/// An error and its causes on one line (`a: b: c`), for answers to the kubelet and logs.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
-}

@@ -31,6 +31,8 @@ use baleen_proto::dra::{health, v1, v1beta1};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use tokio_util::sync::CancellationToken;
 
+use baleen_k8s::error_chain::Chain;
+
 use crate::cdi::{Edits, SpecDir};
 use crate::claims::{self, ClaimAllocation, ClaimRef, Consumer};
 
@@ -128,7 +130,7 @@ impl<S: ClaimSource, B: Bookings> Preparer<S, B> {
     fn answer(&self, uid: &str, booked: &[Booked]) -> Result<Vec<PreparedDevice>, String> {
         let edits: Vec<(String, Edits)> =
             booked.iter().map(|b| (b.device.clone(), b.edits.clone())).collect();
-        let ours = self.specs.write(uid, &edits).map_err(|e| crate::error_chain(&e))?;
+        let ours = self.specs.write(uid, &edits).map_err(|e| Chain(&e).to_string())?;
         Ok(booked
             .iter()
             .zip(ours)
@@ -180,9 +182,7 @@ impl<S: ClaimSource, B: Bookings> Preparer<S, B> {
     }
 
     async fn unprepare_one(&self, claim: &ClaimRef) -> Result<(), String> {
-        self.specs
-            .remove(&claim.uid)
-            .map_err(|e| format!("claim {claim}: {}", crate::error_chain(&e)))?;
+        self.specs.remove(&claim.uid).map_err(|e| format!("claim {claim}: {}", Chain(&e)))?;
         let bookings = self.bookings.clone();
         let uid = claim.uid.clone();
         let held = blocking(move || bookings.release(&uid))
