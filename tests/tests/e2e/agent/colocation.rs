@@ -198,9 +198,19 @@ async fn colocation_classes_reach_the_pods_cgroups_and_mps_priorities_and_surviv
 
     // Co-location switched off: everything put back at start, the saved state gone.
     node.config.colocation.enabled = false;
+    let before = node.kubelet.wait_for("the kubelet's view", WAIT, |_| true).await?;
+    let registrations = before.registrations.get(MEM).copied().unwrap_or(0);
     let (agent, token) = node.start_with(None).await?;
     assert_eq!(f("uid-train", Qos::BestEffort, "cpu.weight"), "100", "the kernel's value back");
     assert!(!state.exists());
+    // Admitted once the new agent's gpu-memory plugin has registered (before, the kubelet
+    // could still dial the stopped agent's socket).
+    node.kubelet
+        .wait_for("gpu-memory registered again", WAIT, |v| {
+            v.registrations.get(MEM).copied().unwrap_or(0) > registrations
+                && v.streaming.contains(MEM)
+        })
+        .await?;
     let plain = node.kubelet.admit_to("ml/plain", "c", MEM, 1).await?;
     assert_eq!(priority(&plain), None, "no priority without co-location");
     stop(agent, token).await
