@@ -265,6 +265,18 @@ impl ClusterView {
         Some(Found { slot, entry: s.entry.as_ref(), stamp: s.stamp })
     }
 
+    /// Slot `slot`'s name and what [`Self::find`] finds by it; `None` past the last slot.
+    pub fn at(&self, slot: usize) -> Option<(&str, Found<'_>)> {
+        let s = self.slots.get(slot)?;
+        Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp }))
+    }
+
+    /// A number that changes whenever any node's stamp does: what every verdict and score is
+    /// computed from is unchanged while it is (the answers made ahead are checked by it).
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
     /// How many slots there are (one past the highest [`Found::slot`]).
     pub fn slots(&self) -> usize {
         self.slots.len()

@@ -29,6 +29,7 @@ pub struct Metrics {
     cache_age: prometheus::Gauge,
     nodes: GaugeVec,
     bindings: IntCounterVec,
+    prioritize_answers: IntCounterVec,
 }
 
 /// Registers `metric` in `registry` and gives it back: the extender's one registration helper.
@@ -103,7 +104,26 @@ impl Metrics {
                 &["result"],
             ),
         )?;
-        Ok(Self { registry, latency, filtered, bad_requests, cache_age, nodes, bindings })
+        let prioritize_answers = register(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "baleen_extender_prioritize_answers_total",
+                    "prioritize calls answered, by how: made_ahead (the scores of the nodes the filter just passed, made while its answer travelled), computed (the names were not the filter's last answer for that pod, or a node or the policy changed in between).",
+                ),
+                &["how"],
+            ),
+        )?;
+        Ok(Self {
+            registry,
+            latency,
+            filtered,
+            bad_requests,
+            cache_age,
+            nodes,
+            bindings,
+            prioritize_answers,
+        })
     }
 }
 
@@ -296,13 +316,14 @@ fn parse<'b, T: serde::Deserialize<'b>>(
     what: &str,
     body: &'b Bytes,
 ) -> Result<T, Box<Response>> {
-    serde_json::from_slice::<T>(body).map_err(|e| {
-        app.metrics.bad_requests.with_label_values(&[verb]).inc();
-        tracing::warn!(verb, error = %e, "not an extender request");
-        Box::new(
-            (StatusCode::BAD_REQUEST, format!("not an {what} JSON body: {e}\n")).into_response(),
-        )
-    })
+    serde_json::from_slice::<T>(body).map_err(|e| Box::new(bad_body(app, verb, what, &e)))
+}
+
+/// The 400 answer to a body that is not the protocol's `what`, counted and logged under `verb`.
+fn bad_body(app: &App, verb: &str, what: &str, e: &serde_json::Error) -> Response {
+    app.metrics.bad_requests.with_label_values(&[verb]).inc();
+    tracing::warn!(verb, error = %e, "not an extender request");
+    (StatusCode::BAD_REQUEST, format!("not an {what} JSON body: {e}\n")).into_response()
 }
 
 /// A verb's refusal: 503 while the caches are not listed yet, else 400 with why (counted under
@@ -316,7 +337,8 @@ fn refusal(app: &App, verb: &str, why: &str) -> Response {
     (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response()
 }
 
-fn json_bytes(body: Vec<u8>) -> Response {
+fn json_bytes(body: impl Into<Bytes>) -> Response {
+    let body: Bytes = body.into();
     (StatusCode::OK, [("content-type", "application/json")], body).into_response()
 }
 
@@ -328,29 +350,53 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let (answer, removed, error) = app.extender.filter_json(&args);
-    for (kind, n) in removed.by_kind() {
+    let answer = app.extender.filter_json(&args);
+    for (kind, n) in answer.removed.by_kind() {
         if n > 0 {
             app.metrics.filtered.with_label_values(&[kind.as_str()]).inc_by(n);
         }
     }
-    if !error.is_empty() {
-        tracing::warn!(error, "filter refused the pod");
+    if !answer.error.is_empty() {
+        tracing::warn!(error = answer.error, "filter refused the pod");
+    }
+    if let Some(ahead) = answer.ahead {
+        // The scores of the nodes that passed, made while this answer travels and
+        // kube-scheduler reads it (the prioritize that follows finds them, or waits for them).
+        let extender = app.extender.clone();
+        tokio::spawn(async move { extender.prepare_ahead(&ahead) });
     }
     app.metrics.latency.with_label_values(&["filter"]).observe(started.elapsed().as_secs_f64());
-    json_bytes(answer)
+    json_bytes(answer.body)
 }
 
 #[tracing::instrument(name = "prioritize", skip_all, fields(bytes = body.len()))]
 async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let args = match parse::<ExtenderArgs<'_>>(&app, "prioritize", "ExtenderArgs", &body) {
+    let raw = match parse::<crate::protocol::RawArgs<'_>>(&app, "prioritize", "ExtenderArgs", &body)
+    {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let answer = match app.extender.prioritize_json(&args) {
-        Ok(scores) => json_bytes(scores),
-        Err(why) => refusal(&app, "prioritize", &why),
+    let ahead = match (&raw.nodes, raw.node_names) {
+        (None, Some(names)) => app.extender.prioritize_ahead(&raw.pod, names.get()),
+        _ => None,
+    };
+    let answered = |how: &str| app.metrics.prioritize_answers.with_label_values(&[how]).inc();
+    let answer = match ahead {
+        Some(scores) => {
+            answered("made_ahead");
+            json_bytes(scores)
+        }
+        None => match raw.into_args() {
+            Ok(args) => match app.extender.prioritize_json(&args) {
+                Ok(scores) => {
+                    answered("computed");
+                    json_bytes(scores)
+                }
+                Err(why) => refusal(&app, "prioritize", &why),
+            },
+            Err(e) => bad_body(&app, "prioritize", "ExtenderArgs", &e),
+        },
     };
     app.metrics.latency.with_label_values(&["prioritize"]).observe(started.elapsed().as_secs_f64());
     answer

@@ -85,6 +85,35 @@ impl ExtenderArgs<'static> {
     }
 }
 
+/// The body of `prioritize` with the node names left as the text they came in: kube-scheduler
+/// sends `prioritize` the list `filter` answered, byte for byte, so that the answer made ahead
+/// for that list ([`crate::service::Extender::prioritize_ahead`]) is found by comparing bytes,
+/// without parsing and looking up 5,000 names again. [`Self::into_args`] parses them otherwise.
+#[derive(Debug, Deserialize)]
+pub struct RawArgs<'a> {
+    /// The pod being scheduled.
+    #[serde(rename = "Pod")]
+    pub pod: Pod,
+    /// The candidate nodes, in full (`nodeCacheCapable: false`).
+    #[serde(rename = "Nodes", default)]
+    pub nodes: Option<NodeList>,
+    /// The candidate nodes' names (`nodeCacheCapable: true`), as JSON text.
+    #[serde(rename = "NodeNames", default, borrow)]
+    pub node_names: Option<&'a serde_json::value::RawValue>,
+}
+
+impl<'a> RawArgs<'a> {
+    /// The arguments with the names parsed (borrowed from the body where they can be).
+    pub fn into_args(self) -> Result<ExtenderArgs<'a>, serde_json::Error> {
+        let node_names = match self.node_names {
+            // `"NodeNames": null` is no list, as in `ExtenderArgs`.
+            Some(raw) if raw.get() != "null" => Some(serde_json::from_str(raw.get())?),
+            _ => None,
+        };
+        Ok(ExtenderArgs { pod: self.pod, nodes: self.nodes, node_names })
+    }
+}
+
 /// A NodeList: its items kept as they came.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct NodeList {

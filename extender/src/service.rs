@@ -152,9 +152,12 @@ fn push_json_str(out: &mut Vec<u8>, text: &str) {
 /// The answer of `filter` for node names, written from borrowed names and verdicts: the JSON
 /// of [`ExtenderFilterResult`] with `NodeNames`, 5,000 nodes answered without copying a name or
 /// a reason into a value first (held to the typed answer by a test in `tests/http.rs`).
-fn names_answer(judged: &[(&str, &Verdict)]) -> Vec<u8> {
+/// Also returns where its `NodeNames` array lies in it.
+fn names_answer(judged: &[(&str, &Verdict)]) -> (Vec<u8>, std::ops::Range<usize>) {
     let mut out = Vec::with_capacity(judged.iter().map(|(n, _)| n.len() + 3).sum::<usize>() + 96);
-    out.extend_from_slice(b"{\"Nodes\":null,\"NodeNames\":[");
+    out.extend_from_slice(b"{\"Nodes\":null,\"NodeNames\":");
+    let start = out.len();
+    out.push(b'[');
     let mut first = true;
     for (name, _) in judged.iter().filter(|(_, v)| matches!(v, Verdict::Fits)) {
         if !std::mem::take(&mut first) {
@@ -163,6 +166,7 @@ fn names_answer(judged: &[(&str, &Verdict)]) -> Vec<u8> {
         push_json_str(&mut out, name);
     }
     out.push(b']');
+    let names = start..out.len();
     for (key, resolvable) in [("FailedNodes", true), ("FailedAndUnresolvableNodes", false)] {
         out.extend_from_slice(b",\"");
         out.extend_from_slice(key.as_bytes());
@@ -183,7 +187,7 @@ fn names_answer(judged: &[(&str, &Verdict)]) -> Vec<u8> {
         out.push(b'}');
     }
     out.extend_from_slice(b",\"Error\":\"\"}");
-    out
+    (out, names)
 }
 
 /// The answer of `prioritize` (a `HostPriorityList`), written from borrowed names.
@@ -203,6 +207,50 @@ fn scores_answer(names: &[&str], scores: &[i64]) -> Vec<u8> {
     }
     out.push(b']');
     out
+}
+
+/// The most answers made ahead that are kept (one per call served at once).
+const AHEADS: usize = crate::http::MAX_CONCURRENT_CALLS;
+
+/// The answer of `filter`, with what it removed and the call's error (empty when none), and the
+/// `prioritize` answer it prepared the making of ([`Extender::prepare_ahead`]).
+#[derive(Debug)]
+pub struct FilterAnswer {
+    /// The JSON answer.
+    pub body: Vec<u8>,
+    /// How many nodes it removed, by why.
+    pub removed: Removed,
+    /// The call's error (empty when none).
+    pub error: String,
+    /// The `prioritize` answer for the nodes it passed, to be made while this answer travels.
+    pub ahead: Option<Arc<Ahead>>,
+}
+
+/// A `prioritize` answer made ahead: kube-scheduler calls `prioritize` right after `filter`,
+/// for the same pod, with the node names `filter` answered, in the same order, written the same
+/// way (Go's encoder, like ours, writes a DNS name between quotes as it is). So the scores of the
+/// nodes a filter passed are made while its answer travels and kube-scheduler reads it, and a
+/// `prioritize` whose `NodeNames` are those bytes and whose pod asks the same is answered with
+/// them, without parsing and looking up the names again: if nothing the scores depend on
+/// changed in between (the view's [`ClusterView::changes`] and the policy's epoch); else it is
+/// answered as any other call.
+#[derive(Debug)]
+pub struct Ahead {
+    demand: Demand,
+    /// The filter answer's `NodeNames` array, as written.
+    names: Vec<u8>,
+    /// The slots of the nodes it passed, in its order.
+    slots: Vec<usize>,
+    made: std::sync::OnceLock<Made>,
+}
+
+/// An answer made ahead, and what it holds for.
+#[derive(Debug)]
+struct Made {
+    body: bytes::Bytes,
+    /// [`ClusterView::changes`] and the policy epoch when it was made.
+    changes: u64,
+    epoch: u64,
 }
 
 /// The most demands remembered; past it the memo starts afresh.
@@ -234,6 +282,8 @@ pub struct Extender {
     /// most of the next call's work is here.
     verdicts: Mutex<Verdicts>,
     scores: Mutex<Scores>,
+    /// The latest `prioritize` answers made ahead by `filter`, newest last.
+    aheads: Mutex<VecDeque<Arc<Ahead>>>,
     seen: Mutex<Seen>,
     rebuild: tokio::sync::Notify,
     /// Whether the Node and the Pod watchers have each listed once (true when none runs).
@@ -318,6 +368,7 @@ impl Extender {
             epoch: std::sync::atomic::AtomicU64::new(0),
             verdicts: Mutex::new(Verdicts::new()),
             scores: Mutex::new(Scores::new()),
+            aheads: Mutex::new(VecDeque::new()),
             seen: Mutex::new(Seen::default()),
             rebuild: tokio::sync::Notify::new(),
             synced: [
@@ -689,20 +740,22 @@ impl Extender {
     }
 
     /// The filter's verdict on each of `names` for `demand`, handed to `finish` (borrowed from
-    /// the memo, under its lock): one lookup of each name, a verdict computed only where the
-    /// node or its pods changed since it was last judged for this demand.
+    /// the memo, under its lock) with each name's slot (none where the view does not know it,
+    /// and no slots at all for a demand not the extender's to judge): one lookup of each name,
+    /// a verdict computed only where the node or its pods changed since it was last judged for
+    /// this demand.
     fn judged<'n, R>(
         &self,
         demand: &Demand,
         names: &[&'n str],
-        finish: impl FnOnce(&[(&'n str, &Verdict)]) -> R,
+        finish: impl FnOnce(&[(&'n str, &Verdict)], &[Option<usize>]) -> R,
     ) -> R {
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
         if demand.is_empty() {
             // Not ours to judge: every node passes.
             let fits = Verdict::Fits;
             let all: Vec<(&str, &Verdict)> = names.iter().map(|n| (*n, &fits)).collect();
-            return finish(&all);
+            return finish(&all, &[]);
         }
         let view = self.view();
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
@@ -728,39 +781,130 @@ impl Extender {
                 (*name, v)
             })
             .collect();
-        finish(&judged)
+        let slots: Vec<Option<usize>> =
+            found.iter().map(|f| f.filter(|f| f.entry.is_some()).map(|f| f.slot)).collect();
+        finish(&judged, &slots)
     }
 
     /// The filter verb as its JSON answer, with how many nodes it removed by why and the
     /// call's error (empty when none). Node names are answered from the memo without a copy.
-    pub fn filter_json(&self, args: &ExtenderArgs<'_>) -> (Vec<u8>, Removed, String) {
+    /// Where at least two nodes pass (kube-scheduler calls `prioritize` only then), the answer
+    /// of the `prioritize` that follows is prepared: kept among the latest [`Ahead`]s and
+    /// given back, for the caller to make ([`Self::prepare_ahead`]) while the answer travels.
+    pub fn filter_json(&self, args: &ExtenderArgs<'_>) -> FilterAnswer {
+        let whole = |result: ExtenderFilterResult, removed| FilterAnswer {
+            body: serde_json::to_vec(&result).unwrap_or_default(),
+            removed,
+            error: result.error,
+            ahead: None,
+        };
         if args.nodes.is_some() || !self.synced() {
             let (result, kinds) = self.filter(args);
             let mut removed = Removed::default();
             for kind in kinds {
                 removed.add(kind);
             }
-            return (serde_json::to_vec(&result).unwrap_or_default(), removed, result.error);
+            return whole(result, removed);
         }
         let demand = match self.demand_of(&args.pod) {
             Ok(d) => d,
-            Err(e) => {
-                let result = ExtenderFilterResult { error: e.clone(), ..Default::default() };
-                return (serde_json::to_vec(&result).unwrap_or_default(), Removed::default(), e);
+            Err(error) => {
+                return whole(
+                    ExtenderFilterResult { error, ..Default::default() },
+                    Removed::default(),
+                );
             }
         };
         if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
             self.learn(&args.pod.metadata.uid, &demand);
         }
         let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-        self.judged(&demand, &names, |judged| {
+        let answer = self.judged(&demand, &names, |judged, slots| {
             let mut removed = Removed::default();
             for (_, v) in judged {
                 removed.count(v);
             }
-            let body = names_answer(judged);
-            (body, removed, String::new())
+            let (body, names) = names_answer(judged);
+            // A node passes only where the view knows it, so each has its slot.
+            let passed: Vec<usize> = judged
+                .iter()
+                .zip(slots)
+                .filter(|((_, v), _)| matches!(v, Verdict::Fits))
+                .filter_map(|(_, slot)| *slot)
+                .collect();
+            let ahead = (passed.len() >= 2).then(|| {
+                Arc::new(Ahead {
+                    demand: demand.clone(),
+                    names: body[names].to_vec(),
+                    slots: passed,
+                    made: std::sync::OnceLock::new(),
+                })
+            });
+            FilterAnswer { body, removed, error: String::new(), ahead }
+        });
+        if let Some(ahead) = &answer.ahead {
+            let mut aheads = self.aheads.lock().unwrap_or_else(PoisonError::into_inner);
+            if aheads.len() >= AHEADS {
+                aheads.pop_front();
+            }
+            aheads.push_back(ahead.clone());
+        }
+        answer
+    }
+
+    /// Makes `ahead`'s answer now if it is not made yet (or waits while another thread makes
+    /// it): from the scores memo, under the view and the policy of this moment, which it then
+    /// holds for.
+    pub fn prepare_ahead(&self, ahead: &Ahead) {
+        self.made(ahead);
+    }
+
+    fn made<'a>(&self, ahead: &'a Ahead) -> &'a Made {
+        ahead.made.get_or_init(|| {
+            let (policy, epoch) = self.policy_and_epoch();
+            let view = self.view();
+            let nodes: Vec<(&str, Option<crate::cluster::Found<'_>>)> = ahead
+                .slots
+                .iter()
+                .filter_map(|&slot| view.at(slot))
+                .map(|(name, found)| (name, Some(found)))
+                .collect();
+            let scores = self.scores_in(&view, &policy, epoch, &ahead.demand, &nodes);
+            let names: Vec<&str> = nodes.iter().map(|(name, _)| *name).collect();
+            Made {
+                body: bytes::Bytes::from(scores_answer(&names, &scores)),
+                changes: view.changes(),
+                epoch,
+            }
         })
+    }
+
+    /// The answer made ahead for a `prioritize` of `pod` with the node names `names` (the
+    /// call's `NodeNames` as JSON text): there when a recent filter passed exactly those
+    /// names, written the same way, for a pod asking the same, and nothing they are scored
+    /// from changed since it was made; `None` otherwise (the call is then answered as any
+    /// other, [`Self::prioritize_json`]).
+    pub fn prioritize_ahead(
+        &self,
+        pod: &crate::protocol::Pod,
+        names: &str,
+    ) -> Option<bytes::Bytes> {
+        if !self.synced() {
+            return None;
+        }
+        let demand = self.demand_of(pod).ok()?;
+        let ahead = {
+            let aheads = self.aheads.lock().unwrap_or_else(PoisonError::into_inner);
+            aheads
+                .iter()
+                .rev()
+                .find(|a| a.demand == demand && a.names == names.as_bytes())
+                .cloned()?
+        };
+        let made = self.made(&ahead);
+        let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst);
+        let changes = self.view().changes();
+        (made.changes == changes && made.epoch == epoch).then(|| made.body.clone())
     }
 
     /// The filter verb; also returns, per filtered-out node, why (for the metrics).
@@ -820,7 +964,7 @@ impl Extender {
             });
         } else {
             let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-            let passed = self.judged(&demand, &names, |judged| {
+            let passed = self.judged(&demand, &names, |judged, _| {
                 judged
                     .iter()
                     .filter(|(name, v)| record(name, v))
@@ -832,21 +976,39 @@ impl Extender {
         (result, kinds)
     }
 
+    /// The policy now and its epoch (what a memoised score holds for).
+    fn policy_and_epoch(&self) -> (Arc<Policy>, u64) {
+        let policy = self.policy.read().unwrap_or_else(PoisonError::into_inner);
+        (policy.clone(), self.epoch.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
     /// Each of `names`' score for `demand` (0 to [`crate::protocol::MAX_SCORE`]), from the memo
     /// where the node, its pods and the policy are as they were.
     fn scores_of(&self, demand: &Demand, names: &[&str]) -> Vec<i64> {
-        let (policy, epoch) = {
-            let policy = self.policy.read().unwrap_or_else(PoisonError::into_inner);
-            (policy.clone(), self.epoch.load(std::sync::atomic::Ordering::SeqCst))
-        };
+        let (policy, epoch) = self.policy_and_epoch();
         let view = self.view();
+        let nodes: Vec<(&str, Option<crate::cluster::Found<'_>>)> =
+            names.iter().map(|name| (*name, view.find(name))).collect();
+        self.scores_in(&view, &policy, epoch, demand, &nodes)
+    }
+
+    /// [`Self::scores_of`] for nodes already found in `view` (by name or by slot), under
+    /// `policy` of `epoch`.
+    fn scores_in(
+        &self,
+        view: &ClusterView,
+        policy: &Policy,
+        epoch: u64,
+        demand: &Demand,
+        nodes: &[(&str, Option<crate::cluster::Found<'_>>)],
+    ) -> Vec<i64> {
         let raw: Vec<Option<i64>> = {
             let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
             let cache = demand_memo(&mut memo_map, demand, view.slots());
-            names
+            nodes
                 .iter()
-                .map(|name| {
-                    let f = view.find(name)?;
+                .map(|(name, f)| {
+                    let f = (*f)?;
                     let entry = f.entry?;
                     let key = (f.stamp, epoch);
                     if let Some((k, v)) = &cache[f.slot]
@@ -854,7 +1016,7 @@ impl Extender {
                     {
                         return *v;
                     }
-                    let score = self.score_on(&view, name, entry, demand, &policy);
+                    let score = self.score_on(view, name, entry, demand, policy);
                     cache[f.slot] = Some((key, score));
                     score
                 })

@@ -747,11 +747,12 @@ async fn the_fast_answers_are_the_typed_answers() {
             json!({"Pod": pod(units), "NodeNames": ["a", "b", "c", "gone", "d\"\\\u{1}ü", "g\n"]}),
         )
         .expect("args");
-        let (fast, removed, error) = extender.filter_json(&args);
+        let answer = extender.filter_json(&args);
         let (typed, kinds) = extender.filter(&args);
-        let fast: Value = serde_json::from_slice(&fast).expect("json");
+        let removed = answer.removed;
+        let fast: Value = serde_json::from_slice(&answer.body).expect("json");
         assert_eq!(fast, serde_json::to_value(&typed).expect("json"), "{units} units");
-        assert_eq!(error, typed.error);
+        assert_eq!(answer.error, typed.error);
         assert_eq!(removed.full + removed.never + removed.no_state, kinds.len() as u64);
         let fast: Value = serde_json::from_slice(&extender.prioritize_json(&args).expect("scores"))
             .expect("json");
@@ -771,8 +772,8 @@ async fn the_fast_answers_are_the_typed_answers() {
         json!({"Pod": pod(40), "NodeNames": ["a", "b", "c"]}),
     )
     .expect("args");
-    let (answer, _, _) = extender.filter_json(&args);
-    let answer: Value = serde_json::from_slice(&answer).expect("json");
+    let answer = extender.filter_json(&args);
+    let answer: Value = serde_json::from_slice(&answer.body).expect("json");
     assert_eq!(answer["NodeNames"], json!([]), "b is full now: {answer}");
 }
 
@@ -955,4 +956,167 @@ fn cpu_only_pods_are_scored_only_when_asked() {
     let on = scores(true);
     assert_eq!(on[1], 10, "b keeps CPU for its GPUs' pods: {on:?}");
     assert!(on[0] < 10, "a would be left with 2.5 cores for two GPUs: {on:?}");
+}
+
+/// Issue 25, item 1: `prioritize` right after `filter` with the names the filter answered, as
+/// kube-scheduler calls it, is answered with the scores made ahead; they are the scores a fresh
+/// call computes, and a change of a node or of the policy in between, another pod's demand, or
+/// other names are never answered from them.
+#[tokio::test]
+async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
+    use baleen_extender::protocol::RawArgs;
+    let extender = Extender::new(Settings::default());
+    {
+        let mut view = extender.cluster.write().expect("lock");
+        for (i, free) in [[20, 140], [60, 60], [0, 100], [140, 140], [8, 0]].iter().enumerate() {
+            let name = format!("n{i}");
+            let n: Node = serde_json::from_value(node(&name, free)).expect("node");
+            view.set_node(&name, NodeEntry::of(&n, KEY));
+        }
+    }
+    for i in 0..20 {
+        let p: Pod = serde_json::from_value(pod([8, 40, 70][i % 3])).expect("pod");
+        let d = Demand::of(&p, "awesome-ai-company.com").expect("demand");
+        extender.learn(&format!("seen-{i}"), &d);
+    }
+    extender.rebuild_policy();
+    let names = json!(["n0", "n1", "n2", "n3", "n4", "gone"]);
+    // What kube-scheduler sends to prioritize: the pod and the names filter answered, as Go
+    // writes them; the answer made ahead (if any) and the one a fresh call computes.
+    let answers = |units: u32, names: &Value| {
+        let args = baleen_extender::protocol::ExtenderArgs::from_json(
+            json!({"Pod": pod(units), "NodeNames": names}),
+        )
+        .expect("args");
+        let filtered = extender.filter_json(&args);
+        let passed: Value = serde_json::from_slice(&filtered.body).expect("json");
+        let body = serde_json::to_string(&json!({"Pod": pod(units), "Nodes": null,
+                                                 "NodeNames": passed["NodeNames"]}))
+        .expect("json");
+        (filtered.ahead, body)
+    };
+    let both = |body: &str| {
+        let raw: RawArgs<'_> = serde_json::from_str(body).expect("raw");
+        let ahead = extender
+            .prioritize_ahead(&raw.pod, raw.node_names.expect("names").get())
+            .map(|b| serde_json::from_slice::<Value>(&b).expect("json"));
+        let args = raw.into_args().expect("args");
+        let fresh: Value =
+            serde_json::from_slice(&extender.prioritize_json(&args).expect("scores"))
+                .expect("json");
+        (ahead, fresh)
+    };
+    for units in [8, 40, 70] {
+        let (ahead, body) = answers(units, &names);
+        let ahead = ahead.expect("several nodes pass: an answer is prepared");
+        extender.prepare_ahead(&ahead);
+        let (made, fresh) = both(&body);
+        assert_eq!(made.as_ref(), Some(&fresh), "{units} units");
+        assert!(fresh.as_array().expect("scores").len() >= 2, "{fresh}");
+    }
+    // Not made yet when prioritize comes: made then, the same.
+    let (_, body) = answers(40, &names);
+    let (made, fresh) = both(&body);
+    assert_eq!(made.as_ref(), Some(&fresh));
+
+    // A node changes between filter and prioritize: the made answer is not given.
+    let (ahead, body) = answers(40, &names);
+    extender.prepare_ahead(&ahead.expect("prepared"));
+    let n: Node = serde_json::from_value(node("n3", &[0, 40])).expect("node");
+    extender.cluster.write().expect("lock").set_node("n3", NodeEntry::of(&n, KEY));
+    let (made, fresh) = both(&body);
+    assert_eq!(made, None, "n3 changed after the filter");
+    let before = fresh;
+    // ... and a pod bound to a node (not yet in its document) likewise.
+    let (ahead, body) = answers(40, &names);
+    extender.prepare_ahead(&ahead.expect("prepared"));
+    let mut bound = pod(100);
+    bound["metadata"]["uid"] = json!("bound-1");
+    bound["spec"]["nodeName"] = json!("n0");
+    let bound: Pod = serde_json::from_value(bound).expect("pod");
+    extender.cluster.write().expect("lock").set_pod(
+        "bound-1",
+        baleen_extender::cluster::PodEntry::of(&bound, "awesome-ai-company.com"),
+    );
+    let (made, fresh) = both(&body);
+    assert_eq!(made, None, "a pod was bound to n0 after the filter");
+    assert_ne!(fresh, before, "n0's score moved with the pod bound there");
+    // The policy is rebuilt in between.
+    let (ahead, body) = answers(40, &names);
+    extender.prepare_ahead(&ahead.expect("prepared"));
+    extender.rebuild_policy();
+    assert_eq!(both(&body).0, None, "the policy changed after the filter");
+    // Another pod's demand with the same names, and other names for the same pod.
+    let (_, body) = answers(40, &names);
+    let other = body.replace(
+        "\"awesome-ai-company.com/gpu-memory\":40",
+        "\"awesome-ai-company.com/gpu-memory\":8",
+    );
+    assert_ne!(other, body);
+    assert_eq!(both(&other).0, None, "another demand");
+    let (_, body) = answers(40, &names);
+    let raw: RawArgs<'_> = serde_json::from_str(&body).expect("raw");
+    let mut reordered: Vec<String> =
+        serde_json::from_str(raw.node_names.expect("names").get()).expect("names");
+    reordered.reverse();
+    let body =
+        serde_json::to_string(&json!({"Pod": pod(40), "NodeNames": reordered})).expect("json");
+    let (made, fresh) = both(&body);
+    assert_eq!(made, None, "other names (the same, reordered)");
+    assert_eq!(fresh.as_array().expect("scores").len(), reordered.len());
+    // One node passing: kube-scheduler does not prioritize; nothing is prepared.
+    assert!(answers(40, &json!(["n3"])).0.is_none());
+}
+
+/// The same over HTTP: filter then prioritize with its names, as kube-scheduler calls them, is
+/// answered from the scores made ahead (counted in the metrics), with the scores a fresh call
+/// gives; a prioritize of names the filter did not answer is computed.
+#[tokio::test]
+async fn prioritize_after_filter_is_answered_ahead_over_http() {
+    let extender = Extender::new(Settings::default());
+    {
+        let mut view = extender.cluster.write().expect("lock");
+        for i in 0..40u32 {
+            let name = format!("node-{i}");
+            let free = [[140, 140], [20, 100], [60, 0], [0, 0]][i as usize % 4];
+            let n: Node = serde_json::from_value(node(&name, &free)).expect("node");
+            view.set_node(&name, NodeEntry::of(&n, KEY));
+        }
+    }
+    let (address, token) = serve(extender.clone()).await;
+    let names: Vec<String> = (0..40).map(|i| format!("node-{i}")).collect();
+    for units in [8, 40, 100] {
+        let args = json!({"Pod": pod(units), "Nodes": null, "NodeNames": names});
+        let (status, text) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
+        assert_eq!(status, 200, "{text}");
+        let answer: Value = serde_json::from_str(&text).expect("json");
+        let args = json!({"Pod": pod(units), "Nodes": null, "NodeNames": answer["NodeNames"]});
+        let (status, text) = call(address, "POST", "/baleen/prioritize", &args.to_string()).await;
+        assert_eq!(status, 200, "{text}");
+        let scored: Value = serde_json::from_str(&text).expect("json");
+        let args = baleen_extender::protocol::ExtenderArgs::from_json(args).expect("args");
+        let fresh: Value =
+            serde_json::from_slice(&extender.prioritize_json(&args).expect("scores"))
+                .expect("json");
+        assert_eq!(scored, fresh, "{units} units");
+    }
+    // Names not answered by a filter: computed.
+    let args = json!({"Pod": pod(8), "NodeNames": ["node-0", "node-1"]});
+    let (status, text) = call(address, "POST", "/baleen/prioritize", &args.to_string()).await;
+    assert_eq!(status, 200, "{text}");
+    // Names that are not a list of names: refused as before.
+    let (status, text) =
+        call(address, "POST", "/baleen/prioritize", r#"{"Pod": {}, "NodeNames": [1]}"#).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("not an ExtenderArgs JSON body"), "{text}");
+    let (_, metrics) = call(address, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains("baleen_extender_prioritize_answers_total{how=\"made_ahead\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("baleen_extender_prioritize_answers_total{how=\"computed\"} 1"),
+        "{metrics}"
+    );
+    token.cancel();
 }
