@@ -144,6 +144,9 @@ pub struct Found<'a> {
     pub entry: Option<&'a NodeEntry>,
     /// [`ClusterView::stamp`].
     pub stamp: u64,
+    /// Whether its name is written in JSON as it is, between quotes (no character to escape,
+    /// as in every DNS name): known once, when the view first hears of the name.
+    pub plain: bool,
 }
 
 /// Node names to slots: one hash of the name per node per call (foldhash: node names are not
@@ -158,6 +161,8 @@ struct NameIndex {
     names: String,
     /// Slot `i`'s name is `names[ends[i - 1]..ends[i]]`.
     ends: Vec<usize>,
+    /// Per slot, whether its name needs no JSON escape ([`crate::protocol::json_plain`]).
+    plain: Vec<bool>,
     table: hashbrown::HashTable<usize>,
 }
 
@@ -185,8 +190,9 @@ impl NameIndex {
         let slot = self.ends.len();
         self.names.push_str(name);
         self.ends.push(self.names.len());
+        self.plain.push(crate::protocol::json_plain(name));
         let hash = self.hash(name);
-        let Self { hasher, names, ends, table } = self;
+        let Self { hasher, names, ends, table, .. } = self;
         table.insert_unique(hash, slot, |&i| {
             std::hash::BuildHasher::hash_one(&*hasher, name_at(names, ends, i))
         });
@@ -262,13 +268,14 @@ impl ClusterView {
     pub fn find(&self, name: &str) -> Option<Found<'_>> {
         let slot = self.ids.get(name)?;
         let s = &self.slots[slot];
-        Some(Found { slot, entry: s.entry.as_ref(), stamp: s.stamp })
+        Some(Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, plain: self.ids.plain[slot] })
     }
 
     /// Slot `slot`'s name and what [`Self::find`] finds by it; `None` past the last slot.
     pub fn at(&self, slot: usize) -> Option<(&str, Found<'_>)> {
         let s = self.slots.get(slot)?;
-        Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp }))
+        let plain = self.ids.plain[slot];
+        Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, plain }))
     }
 
     /// A number that changes whenever any node's stamp does: what every verdict and score is

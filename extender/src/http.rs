@@ -17,7 +17,7 @@ use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, 
 use tokio_util::sync::CancellationToken;
 
 use crate::protocol::ExtenderArgs;
-use crate::service::Extender;
+use crate::service::{CallError, Extender, Prioritized};
 
 /// The extender's metric families.
 #[derive(Clone)]
@@ -346,9 +346,9 @@ fn json_bytes(body: impl Into<Bytes>) -> Response {
 #[tracing::instrument(name = "filter", skip_all, fields(bytes = body.len()))]
 async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let args = match parse::<ExtenderArgs<'_>>(&app, "filter", "ExtenderArgs", &body) {
+    let args = match ExtenderArgs::parse(&body) {
         Ok(a) => a,
-        Err(r) => return *r,
+        Err(e) => return bad_body(&app, "filter", "ExtenderArgs", &e),
     };
     let answer = app.extender.filter_json(&args);
     for (kind, n) in answer.removed.by_kind() {
@@ -372,31 +372,18 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
 #[tracing::instrument(name = "prioritize", skip_all, fields(bytes = body.len()))]
 async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let raw = match parse::<crate::protocol::RawArgs<'_>>(&app, "prioritize", "ExtenderArgs", &body)
-    {
-        Ok(a) => a,
-        Err(r) => return *r,
-    };
-    let ahead = match (&raw.nodes, raw.node_names) {
-        (None, Some(names)) => app.extender.prioritize_ahead(&raw.pod, names.get()),
-        _ => None,
-    };
     let answered = |how: &str| app.metrics.prioritize_answers.with_label_values(&[how]).inc();
-    let answer = match ahead {
-        Some(scores) => {
+    let answer = match app.extender.prioritize_call(&body) {
+        Ok(Prioritized::Ahead(scores)) => {
             answered("made_ahead");
             json_bytes(scores)
         }
-        None => match raw.into_args() {
-            Ok(args) => match app.extender.prioritize_json(&args) {
-                Ok(scores) => {
-                    answered("computed");
-                    json_bytes(scores)
-                }
-                Err(why) => refusal(&app, "prioritize", &why),
-            },
-            Err(e) => bad_body(&app, "prioritize", "ExtenderArgs", &e),
-        },
+        Ok(Prioritized::Computed(scores)) => {
+            answered("computed");
+            json_bytes(scores)
+        }
+        Err(CallError::Body(e)) => bad_body(&app, "prioritize", "ExtenderArgs", &e),
+        Err(CallError::Refused(why)) => refusal(&app, "prioritize", &why),
     };
     app.metrics.latency.with_label_values(&["prioritize"]).observe(started.elapsed().as_secs_f64());
     answer

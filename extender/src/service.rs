@@ -81,6 +81,9 @@ impl FailKind {
 pub const NOT_SYNCED: &str =
     "baleen-extender has not listed the cluster's nodes and pods yet; try again shortly";
 
+/// Nodes a rebuild scores per hold of the view's read lock.
+const WARM_SLOTS_PER_HOLD: usize = 256;
+
 /// How many of the most common recent demands are scored on every node after a rebuild.
 const WARM_DEMANDS: usize = 8;
 
@@ -139,7 +142,12 @@ impl Removed {
 /// DNS name, every name borrowed from a call's body), through serde_json otherwise. The same
 /// bytes serde_json writes (it escapes only `"`, `\\` and control characters).
 fn push_json_str(out: &mut Vec<u8>, text: &str) {
-    if text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+    push_json_name(out, text, crate::protocol::json_plain(text));
+}
+
+/// [`push_json_str`] where whether `text` is plain ([`crate::protocol::json_plain`]) is known.
+fn push_json_name(out: &mut Vec<u8>, text: &str, plain: bool) {
+    if plain {
         out.push(b'"');
         out.extend_from_slice(text.as_bytes());
         out.push(b'"');
@@ -149,21 +157,32 @@ fn push_json_str(out: &mut Vec<u8>, text: &str) {
     }
 }
 
+/// One node name of a call as the filter judged it.
+struct Judged<'n, 'v> {
+    name: &'n str,
+    verdict: &'v Verdict,
+    /// Its slot in the view (none where the view does not know it, or the demand was not the
+    /// extender's to judge).
+    slot: Option<usize>,
+    /// Whether the name is written in JSON as it is ([`crate::protocol::json_plain`]).
+    plain: bool,
+}
+
 /// The answer of `filter` for node names, written from borrowed names and verdicts: the JSON
 /// of [`ExtenderFilterResult`] with `NodeNames`, 5,000 nodes answered without copying a name or
 /// a reason into a value first (held to the typed answer by a test in `tests/http.rs`).
 /// Also returns where its `NodeNames` array lies in it.
-fn names_answer(judged: &[(&str, &Verdict)]) -> (Vec<u8>, std::ops::Range<usize>) {
-    let mut out = Vec::with_capacity(judged.iter().map(|(n, _)| n.len() + 3).sum::<usize>() + 96);
+fn names_answer(judged: &[Judged<'_, '_>]) -> (Vec<u8>, std::ops::Range<usize>) {
+    let mut out = Vec::with_capacity(judged.iter().map(|j| j.name.len() + 3).sum::<usize>() + 96);
     out.extend_from_slice(b"{\"Nodes\":null,\"NodeNames\":");
     let start = out.len();
     out.push(b'[');
     let mut first = true;
-    for (name, _) in judged.iter().filter(|(_, v)| matches!(v, Verdict::Fits)) {
+    for j in judged.iter().filter(|j| matches!(j.verdict, Verdict::Fits)) {
         if !std::mem::take(&mut first) {
             out.push(b',');
         }
-        push_json_str(&mut out, name);
+        push_json_name(&mut out, j.name, j.plain);
     }
     out.push(b']');
     let names = start..out.len();
@@ -172,15 +191,15 @@ fn names_answer(judged: &[(&str, &Verdict)]) -> (Vec<u8>, std::ops::Range<usize>
         out.extend_from_slice(key.as_bytes());
         out.extend_from_slice(b"\":{");
         let mut first = true;
-        for (name, why) in judged.iter().filter_map(|(n, v)| match v {
-            Verdict::Full(why) if resolvable => Some((n, why)),
-            Verdict::Never(why) | Verdict::NoState(why) if !resolvable => Some((n, why)),
+        for (j, why) in judged.iter().filter_map(|j| match j.verdict {
+            Verdict::Full(why) if resolvable => Some((j, why)),
+            Verdict::Never(why) | Verdict::NoState(why) if !resolvable => Some((j, why)),
             _ => None,
         }) {
             if !std::mem::take(&mut first) {
                 out.push(b',');
             }
-            push_json_str(&mut out, name);
+            push_json_name(&mut out, j.name, j.plain);
             out.push(b':');
             push_json_str(&mut out, why);
         }
@@ -190,17 +209,18 @@ fn names_answer(judged: &[(&str, &Verdict)]) -> (Vec<u8>, std::ops::Range<usize>
     (out, names)
 }
 
-/// The answer of `prioritize` (a `HostPriorityList`), written from borrowed names.
-fn scores_answer(names: &[&str], scores: &[i64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(names.iter().map(|n| n.len() + 24).sum::<usize>() + 2);
+/// The answer of `prioritize` (a `HostPriorityList`), written from borrowed names, each with
+/// whether it is plain ([`crate::protocol::json_plain`]).
+fn scores_answer(names: &[(&str, bool)], scores: &[i64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(names.iter().map(|(n, _)| n.len() + 24).sum::<usize>() + 2);
     out.push(b'[');
     let mut number = itoa::Buffer::new();
-    for (i, (host, &score)) in names.iter().zip(scores).enumerate() {
+    for (i, (&(host, plain), &score)) in names.iter().zip(scores).enumerate() {
         if i > 0 {
             out.push(b',');
         }
         out.extend_from_slice(b"{\"Host\":");
-        push_json_str(&mut out, host);
+        push_json_name(&mut out, host, plain);
         out.extend_from_slice(b",\"Score\":");
         out.extend_from_slice(number.format(score).as_bytes());
         out.push(b'}');
@@ -224,6 +244,24 @@ pub struct FilterAnswer {
     pub error: String,
     /// The `prioritize` answer for the nodes it passed, to be made while this answer travels.
     pub ahead: Option<Arc<Ahead>>,
+}
+
+/// A `prioritize` answer, and how it was made.
+#[derive(Debug)]
+pub enum Prioritized {
+    /// From the scores made ahead by the filter before.
+    Ahead(bytes::Bytes),
+    /// Computed for this call.
+    Computed(Vec<u8>),
+}
+
+/// Why a call was not answered.
+#[derive(Debug)]
+pub enum CallError {
+    /// The body is not the protocol's JSON.
+    Body(serde_json::Error),
+    /// The call is refused: why.
+    Refused(String),
 }
 
 /// A `prioritize` answer made ahead: kube-scheduler calls `prioritize` right after `filter`,
@@ -596,6 +634,7 @@ impl Extender {
         };
         let policy =
             Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default());
+
         // The cluster's CPU scarcity is read from the target only once it holds enough pods:
         // the first pod's CPU per GPU alone says little (it cost 1.2 points on a tenth of the
         // trace's nodes, docs/benchmarks.md).
@@ -615,25 +654,38 @@ impl Extender {
         let mut common: Vec<(&Demand, usize)> = counts.into_iter().collect();
         common.sort_by_key(|c| std::cmp::Reverse(c.1));
         common.truncate(WARM_DEMANDS);
-        let view = self.view();
         let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst) + 1;
         let mut warm = Scores::new();
-        for (name, entry) in view.nodes() {
-            let Ok(state) = &entry.state else { continue };
-            let Some(found) = view.find(name) else { continue };
-            let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable)) else {
-                continue;
-            };
-            for other in &view.assumed(name, state, &self.settings.domain) {
-                model.assume(other, &policy);
+        // A few hundred nodes per hold of the view's read lock: scoring every node takes tens of
+        // milliseconds at 5,000 nodes, and a watcher or `bind` waiting for the write lock would
+        // hold up every call behind it (the lock lets no reader past a waiting writer). A node
+        // that changes after its turn has a new stamp, so its warm score is never used.
+        let mut next = 0;
+        loop {
+            let view = self.view();
+            let end = (next + WARM_SLOTS_PER_HOLD).min(view.slots());
+            for slot in next..end {
+                let Some((name, found)) = view.at(slot) else { continue };
+                let Some(entry) = found.entry else { continue };
+                let Ok(state) = &entry.state else { continue };
+                let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable))
+                else {
+                    continue;
+                };
+                for other in &view.assumed(name, state, &self.settings.domain) {
+                    model.assume(other, &policy);
+                }
+                for (demand, _) in &common {
+                    let score = model.score(demand, &policy);
+                    let per_node = demand_memo(&mut warm, demand, view.slots());
+                    per_node[slot] = Some(((found.stamp, epoch), score));
+                }
             }
-            for (demand, _) in &common {
-                let score = model.score(demand, &policy);
-                let per_node = demand_memo(&mut warm, demand, view.slots());
-                per_node[found.slot] = Some(((found.stamp, epoch), score));
+            next = end;
+            if next >= view.slots() {
+                break;
             }
         }
-        drop(view);
         // The old scores are all stale now: swapped out whole, dropped outside the lock.
         let old = {
             let mut scores = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
@@ -683,15 +735,55 @@ impl Extender {
             .collect()
     }
 
-    /// Runs the rebuilder until `shutdown`: after every `rebuild_every` new pods.
+    /// Runs the rebuilder until `shutdown`: after every `rebuild_every` new pods, a rebuild on
+    /// a thread of its own at the kernel's idle scheduling class (`SCHED_IDLE`). A rebuild
+    /// scores every node for the common demands, tens of milliseconds of a core at 5,000 nodes;
+    /// at the normal class it took a core from the calls it is meant to speed up (on two
+    /// cores, the tail of the calls while it ran). A thread of the normal class that wakes (a
+    /// call, a watch event) preempts it at once; the kernel still gives it a small share of a
+    /// busy core, so under a flood of calls the policy is rebuilt later, never not at all.
+    /// Where the kernel refuses the class, rebuilds run at the normal class, and that is said.
     pub async fn run_rebuilder(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let (jobs, queue) = std::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>();
+        let me = self.clone();
+        let thread = std::thread::Builder::new().name("baleen-rebuild".to_owned()).spawn(move || {
+            use thread_priority::{
+                NormalThreadSchedulePolicy, ThreadPriority, ThreadSchedulePolicy,
+                set_thread_priority_and_policy, thread_native_id,
+            };
+            if let Err(e) = set_thread_priority_and_policy(
+                thread_native_id(),
+                ThreadPriority::Min,
+                ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle),
+            ) {
+                tracing::warn!(
+                    error = ?e,
+                    "the kernel refused SCHED_IDLE for the policy rebuild thread: rebuilds run at \
+                     the normal class and compete with the calls for the CPU"
+                );
+            }
+            // Ends when the rebuilder does (the channel closes).
+            for done in queue {
+                me.rebuild_policy();
+                let _ = done.send(());
+            }
+        });
+        if let Err(e) = thread {
+            tracing::error!(error = %e, "cannot start the policy rebuild thread: rebuilds run on the blocking pool at the normal class");
+        }
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = self.rebuild.notified() => {}
             }
+            let (done, finished) = tokio::sync::oneshot::channel();
+            if jobs.send(done).is_ok() {
+                // Err: the thread is gone (it panicked); the next rebuild goes to the pool.
+                if finished.await.is_ok() {
+                    continue;
+                }
+            }
             let me = self.clone();
-            // The LP may take milliseconds: off the async workers.
             let _ = tokio::task::spawn_blocking(move || me.rebuild_policy()).await;
         }
     }
@@ -748,14 +840,22 @@ impl Extender {
         &self,
         demand: &Demand,
         names: &[&'n str],
-        finish: impl FnOnce(&[(&'n str, &Verdict)], &[Option<usize>]) -> R,
+        finish: impl FnOnce(&[Judged<'n, '_>]) -> R,
     ) -> R {
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
         if demand.is_empty() {
             // Not ours to judge: every node passes.
             let fits = Verdict::Fits;
-            let all: Vec<(&str, &Verdict)> = names.iter().map(|n| (*n, &fits)).collect();
-            return finish(&all, &[]);
+            let all: Vec<Judged<'n, '_>> = names
+                .iter()
+                .map(|n| Judged {
+                    name: n,
+                    verdict: &fits,
+                    slot: None,
+                    plain: crate::protocol::json_plain(n),
+                })
+                .collect();
+            return finish(&all);
         }
         let view = self.view();
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
@@ -770,20 +870,22 @@ impl Extender {
             }
             cache[f.slot] = Some((f.stamp, self.verdict_on(&view, name, entry, demand)));
         }
-        let judged: Vec<(&str, &Verdict)> = names
+        let judged: Vec<Judged<'n, '_>> = names
             .iter()
             .zip(&found)
             .map(|(name, f)| {
-                let v = f
-                    .filter(|f| f.entry.is_some())
-                    .and_then(|f| cache[f.slot].as_ref())
-                    .map_or(&unknown, |(_, v)| v);
-                (*name, v)
+                let known = f.filter(|f| f.entry.is_some());
+                let verdict =
+                    known.and_then(|f| cache[f.slot].as_ref()).map_or(&unknown, |(_, v)| v);
+                Judged {
+                    name,
+                    verdict,
+                    slot: known.map(|f| f.slot),
+                    plain: f.map_or_else(|| crate::protocol::json_plain(name), |f| f.plain),
+                }
             })
             .collect();
-        let slots: Vec<Option<usize>> =
-            found.iter().map(|f| f.filter(|f| f.entry.is_some()).map(|f| f.slot)).collect();
-        finish(&judged, &slots)
+        finish(&judged)
     }
 
     /// The filter verb as its JSON answer, with how many nodes it removed by why and the
@@ -819,18 +921,17 @@ impl Extender {
             self.learn(&args.pod.metadata.uid, &demand);
         }
         let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-        let answer = self.judged(&demand, &names, |judged, slots| {
+        let answer = self.judged(&demand, &names, |judged| {
             let mut removed = Removed::default();
-            for (_, v) in judged {
-                removed.count(v);
+            for j in judged {
+                removed.count(j.verdict);
             }
             let (body, names) = names_answer(judged);
             // A node passes only where the view knows it, so each has its slot.
             let passed: Vec<usize> = judged
                 .iter()
-                .zip(slots)
-                .filter(|((_, v), _)| matches!(v, Verdict::Fits))
-                .filter_map(|(_, slot)| *slot)
+                .filter(|j| matches!(j.verdict, Verdict::Fits))
+                .filter_map(|j| j.slot)
                 .collect();
             let ahead = (passed.len() >= 2).then(|| {
                 Arc::new(Ahead {
@@ -870,13 +971,36 @@ impl Extender {
                 .map(|(name, found)| (name, Some(found)))
                 .collect();
             let scores = self.scores_in(&view, &policy, epoch, &ahead.demand, &nodes);
-            let names: Vec<&str> = nodes.iter().map(|(name, _)| *name).collect();
+            let names: Vec<(&str, bool)> =
+                nodes.iter().map(|(name, f)| (*name, f.is_some_and(|f| f.plain))).collect();
             Made {
                 body: bytes::Bytes::from(scores_answer(&names, &scores)),
                 changes: view.changes(),
                 epoch,
             }
         })
+    }
+
+    /// A `prioritize` call's body answered: from the scores made ahead where its names are a
+    /// recent filter's answer ([`Self::prioritize_ahead`]; found by comparing bytes, the names
+    /// not even split), else computed ([`Self::prioritize_json`]).
+    pub fn prioritize_call(&self, body: &[u8]) -> Result<Prioritized, CallError> {
+        use crate::protocol::{ScannedNames, scan_call};
+        let aheads: Vec<Arc<Ahead>> =
+            self.aheads.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
+        let known: Vec<&[u8]> = aheads.iter().map(|a| a.names.as_slice()).collect();
+        let args = match scan_call(body, &known) {
+            Some(scanned) => {
+                if let (ScannedNames::Known(_, names), None) = (&scanned.names, &scanned.nodes)
+                    && let Some(answer) = self.prioritize_ahead(&scanned.pod, names)
+                {
+                    return Ok(Prioritized::Ahead(answer));
+                }
+                scanned.into_args()
+            }
+            None => serde_json::from_slice(body).map_err(CallError::Body)?,
+        };
+        self.prioritize_json(&args).map(Prioritized::Computed).map_err(CallError::Refused)
     }
 
     /// The answer made ahead for a `prioritize` of `pod` with the node names `names` (the
@@ -964,11 +1088,11 @@ impl Extender {
             });
         } else {
             let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-            let passed = self.judged(&demand, &names, |judged, _| {
+            let passed = self.judged(&demand, &names, |judged| {
                 judged
                     .iter()
-                    .filter(|(name, v)| record(name, v))
-                    .map(|(name, _)| (*name).to_owned())
+                    .filter(|j| record(j.name, j.verdict))
+                    .map(|j| j.name.to_owned())
                     .collect()
             });
             result.node_names = Some(passed);
@@ -1103,6 +1227,8 @@ impl Extender {
         } else {
             self.scores_of(&demand, &names)
         };
+        let names: Vec<(&str, bool)> =
+            names.iter().map(|n| (*n, crate::protocol::json_plain(n))).collect();
         Ok(scores_answer(&names, &scores))
     }
 

@@ -964,7 +964,7 @@ fn cpu_only_pods_are_scored_only_when_asked() {
 /// other names are never answered from them.
 #[tokio::test]
 async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
-    use baleen_extender::protocol::RawArgs;
+    use baleen_extender::service::Prioritized;
     let extender = Extender::new(Settings::default());
     {
         let mut view = extender.cluster.write().expect("lock");
@@ -996,11 +996,11 @@ async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
         (filtered.ahead, body)
     };
     let both = |body: &str| {
-        let raw: RawArgs<'_> = serde_json::from_str(body).expect("raw");
-        let ahead = extender
-            .prioritize_ahead(&raw.pod, raw.node_names.expect("names").get())
-            .map(|b| serde_json::from_slice::<Value>(&b).expect("json"));
-        let args = raw.into_args().expect("args");
+        let ahead = match extender.prioritize_call(body.as_bytes()).expect("answered") {
+            Prioritized::Ahead(b) => Some(serde_json::from_slice::<Value>(&b).expect("json")),
+            Prioritized::Computed(_) => None,
+        };
+        let args = baleen_extender::protocol::ExtenderArgs::parse(body.as_bytes()).expect("args");
         let fresh: Value =
             serde_json::from_slice(&extender.prioritize_json(&args).expect("scores"))
                 .expect("json");
@@ -1055,9 +1055,9 @@ async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
     assert_ne!(other, body);
     assert_eq!(both(&other).0, None, "another demand");
     let (_, body) = answers(40, &names);
-    let raw: RawArgs<'_> = serde_json::from_str(&body).expect("raw");
+    let sent: Value = serde_json::from_str(&body).expect("json");
     let mut reordered: Vec<String> =
-        serde_json::from_str(raw.node_names.expect("names").get()).expect("names");
+        serde_json::from_value(sent["NodeNames"].clone()).expect("names");
     reordered.reverse();
     let body =
         serde_json::to_string(&json!({"Pod": pod(40), "NodeNames": reordered})).expect("json");
