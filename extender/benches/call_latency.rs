@@ -185,20 +185,26 @@ fn main() {
         let shapes = [4u32, 8, 16, 20, 40, 70, 140];
         let token = CancellationToken::new();
         let metrics = Metrics::new(prometheus::Registry::new()).expect("metrics");
-        let echo = std::env::var_os("ECHO").is_some();
-        let r = if echo {
-            // Canned answers of the real sizes.
-            let names: Vec<String> = (0..NODES).map(|i| format!("node-{i:05}")).collect();
-            let f = serde_json::to_vec(&json!({"Nodes": null, "NodeNames": names, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""})).unwrap();
-            let pr = serde_json::to_vec(&names.iter().map(|n| json!({"Host": n, "Score": 7})).collect::<Vec<_>>()).unwrap();
-            let f = axum::body::Bytes::from(f);
-            let pr = axum::body::Bytes::from(pr);
-            axum::Router::new()
-                .route("/filter", axum::routing::post(move |_b: axum::body::Bytes| { let f = f.clone(); async move { f } }))
-                .route("/prioritize", axum::routing::post(move |_b: axum::body::Bytes| { let pr = pr.clone(); async move { pr } }))
-        } else { router(extender.clone(), metrics, "") };
+        // CALL_LATENCY_CANNED=1: the two verbs answer canned bodies of the same sizes (all 5,000
+        // names, a score for each) without reading the call: what HTTP and the client cost
+        // alone, the floor under the extender's own work.
+        let verbs = if std::env::var_os("CALL_LATENCY_CANNED").is_some() {
+            let filter = axum::body::Bytes::from(
+                serde_json::to_vec(&json!({"Nodes": null, "NodeNames": names, "FailedNodes": {},
+                                           "FailedAndUnresolvableNodes": {}, "Error": ""}))
+                .expect("json"),
+            );
+            let scores: Vec<Value> = names.iter().map(|n| json!({"Host": n, "Score": 7})).collect();
+            let scores = axum::body::Bytes::from(serde_json::to_vec(&scores).expect("json"));
+            let canned = |answer: axum::body::Bytes| {
+                axum::routing::post(move |_call: axum::body::Bytes| async move { answer })
+            };
+            axum::Router::new().route("/filter", canned(filter)).route("/prioritize", canned(scores))
+        } else {
+            router(extender.clone(), metrics, "")
+        };
         let (address, server) =
-            bind("127.0.0.1:0".parse().expect("addr"), r, token.clone())
+            bind("127.0.0.1:0".parse().expect("addr"), verbs, token.clone())
                 .await
                 .expect("bind");
         tokio::spawn(server);
