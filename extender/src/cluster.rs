@@ -144,9 +144,17 @@ pub struct Found<'a> {
     pub entry: Option<&'a NodeEntry>,
     /// [`ClusterView::stamp`].
     pub stamp: u64,
-    /// Whether its name is written in JSON as it is, between quotes (no character to escape,
-    /// as in every DNS name): known once, when the view first hears of the name.
-    pub plain: bool,
+    /// Its entry's start in a `prioritize` answer, `{"Host":<the name as JSON>,"Score":`,
+    /// written once, when the view first hears of the name.
+    pub item: &'a str,
+}
+
+impl<'a> Found<'a> {
+    /// Its name as a JSON string (what serde_json writes for it).
+    pub fn quoted(&self) -> &'a str {
+        let start = crate::protocol::HOST_ITEM_START.len();
+        &self.item[start..self.item.len() - crate::protocol::HOST_ITEM_SCORE.len()]
+    }
 }
 
 /// Node names to slots: one hash of the name per node per call (foldhash: node names are not
@@ -161,8 +169,11 @@ struct NameIndex {
     names: String,
     /// Slot `i`'s name is `names[ends[i - 1]..ends[i]]`.
     ends: Vec<usize>,
-    /// Per slot, whether its name needs no JSON escape ([`crate::protocol::json_plain`]).
-    plain: Vec<bool>,
+    /// Per slot, the start of its entry in a `prioritize` answer ([`Found::item`]), side by
+    /// side, so that 5,000 entries are written with one copy each: slot `i`'s is
+    /// `items[item_ends[i - 1]..item_ends[i]]`.
+    items: String,
+    item_ends: Vec<usize>,
     table: hashbrown::HashTable<usize>,
 }
 
@@ -175,6 +186,10 @@ fn name_at<'a>(names: &'a str, ends: &[usize], slot: usize) -> &'a str {
 impl NameIndex {
     fn name(&self, slot: usize) -> &str {
         name_at(&self.names, &self.ends, slot)
+    }
+
+    fn item(&self, slot: usize) -> &str {
+        name_at(&self.items, &self.item_ends, slot)
     }
 
     fn hash(&self, name: &str) -> u64 {
@@ -190,7 +205,8 @@ impl NameIndex {
         let slot = self.ends.len();
         self.names.push_str(name);
         self.ends.push(self.names.len());
-        self.plain.push(crate::protocol::json_plain(name));
+        crate::protocol::push_host_item(&mut self.items, name);
+        self.item_ends.push(self.items.len());
         let hash = self.hash(name);
         let Self { hasher, names, ends, table, .. } = self;
         table.insert_unique(hash, slot, |&i| {
@@ -268,14 +284,14 @@ impl ClusterView {
     pub fn find(&self, name: &str) -> Option<Found<'_>> {
         let slot = self.ids.get(name)?;
         let s = &self.slots[slot];
-        Some(Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, plain: self.ids.plain[slot] })
+        Some(Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, item: self.ids.item(slot) })
     }
 
     /// Slot `slot`'s name and what [`Self::find`] finds by it; `None` past the last slot.
     pub fn at(&self, slot: usize) -> Option<(&str, Found<'_>)> {
         let s = self.slots.get(slot)?;
-        let plain = self.ids.plain[slot];
-        Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, plain }))
+        let item = self.ids.item(slot);
+        Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, item }))
     }
 
     /// A number that changes whenever any node's stamp does: what every verdict and score is

@@ -274,8 +274,7 @@ pub fn cpu_only(demand: &Demand) -> Request {
 /// Scores of one decision as kube-scheduler's 0..=10: the best node(s) 10, the others spread
 /// over 0..=9 by their raw score, nodes without a score 0.
 pub fn extender_scores(raw: &[Option<i64>]) -> Vec<i64> {
-    let scored: Vec<i64> = raw.iter().flatten().copied().collect();
-    let (Some(&min), Some(&max)) = (scored.iter().min(), scored.iter().max()) else {
+    let (Some(&min), Some(&max)) = (raw.iter().flatten().min(), raw.iter().flatten().max()) else {
         return vec![0; raw.len()];
     };
     // In i64 where the span allows it (always, for the policy's scores): 5,000 i128 divisions

@@ -123,6 +123,26 @@ pub fn json_plain(text: &str) -> bool {
     !text.bytes().fold(false, |bad, b| bad | (b < 0x20) | (b == b'"') | (b == b'\\'))
 }
 
+/// How an entry of a `prioritize` answer (a `HostPriority`) starts, before the host's name.
+pub const HOST_ITEM_START: &str = "{\"Host\":";
+/// What follows the host's name in it, before the score.
+pub const HOST_ITEM_SCORE: &str = ",\"Score\":";
+
+/// Appends the start of `host`'s entry in a `prioritize` answer: [`HOST_ITEM_START`], the name
+/// as a JSON string (as serde_json writes it), [`HOST_ITEM_SCORE`].
+pub fn push_host_item(out: &mut String, host: &str) {
+    out.push_str(HOST_ITEM_START);
+    if json_plain(host) {
+        out.push('"');
+        out.push_str(host);
+        out.push('"');
+    } else {
+        // A String of JSON text cannot fail to be written to.
+        out.push_str(&serde_json::to_string(host).unwrap_or_default());
+    }
+    out.push_str(HOST_ITEM_SCORE);
+}
+
 /// A call's body as [`scan_call`] reads it.
 #[derive(Debug)]
 pub struct Scanned<'a> {

@@ -139,15 +139,10 @@ impl Removed {
 }
 
 /// Appends `text` as a JSON string: as it is between quotes when it needs no escape (every
-/// DNS name, every name borrowed from a call's body), through serde_json otherwise. The same
-/// bytes serde_json writes (it escapes only `"`, `\\` and control characters).
+/// DNS name), through serde_json otherwise. The same bytes serde_json writes (it escapes only
+/// `"`, `\\` and control characters).
 fn push_json_str(out: &mut Vec<u8>, text: &str) {
-    push_json_name(out, text, crate::protocol::json_plain(text));
-}
-
-/// [`push_json_str`] where whether `text` is plain ([`crate::protocol::json_plain`]) is known.
-fn push_json_name(out: &mut Vec<u8>, text: &str, plain: bool) {
-    if plain {
+    if crate::protocol::json_plain(text) {
         out.push(b'"');
         out.extend_from_slice(text.as_bytes());
         out.push(b'"');
@@ -161,11 +156,18 @@ fn push_json_name(out: &mut Vec<u8>, text: &str, plain: bool) {
 struct Judged<'n, 'v> {
     name: &'n str,
     verdict: &'v Verdict,
-    /// Its slot in the view (none where the view does not know it, or the demand was not the
-    /// extender's to judge).
-    slot: Option<usize>,
-    /// Whether the name is written in JSON as it is ([`crate::protocol::json_plain`]).
-    plain: bool,
+    /// Where the view knows the node: its slot and its name's JSON text ([`crate::cluster::Found::quoted`]).
+    known: Option<(usize, &'v str)>,
+}
+
+impl Judged<'_, '_> {
+    /// Appends the name as a JSON string.
+    fn push_name(&self, out: &mut Vec<u8>) {
+        match self.known {
+            Some((_, quoted)) => out.extend_from_slice(quoted.as_bytes()),
+            None => push_json_str(out, self.name),
+        }
+    }
 }
 
 /// The answer of `filter` for node names, written from borrowed names and verdicts: the JSON
@@ -182,7 +184,7 @@ fn names_answer(judged: &[Judged<'_, '_>]) -> (Vec<u8>, std::ops::Range<usize>) 
         if !std::mem::take(&mut first) {
             out.push(b',');
         }
-        push_json_name(&mut out, j.name, j.plain);
+        j.push_name(&mut out);
     }
     out.push(b']');
     let names = start..out.len();
@@ -199,7 +201,7 @@ fn names_answer(judged: &[Judged<'_, '_>]) -> (Vec<u8>, std::ops::Range<usize>) 
             if !std::mem::take(&mut first) {
                 out.push(b',');
             }
-            push_json_name(&mut out, j.name, j.plain);
+            j.push_name(&mut out);
             out.push(b':');
             push_json_str(&mut out, why);
         }
@@ -209,20 +211,30 @@ fn names_answer(judged: &[Judged<'_, '_>]) -> (Vec<u8>, std::ops::Range<usize>) 
     (out, names)
 }
 
-/// The answer of `prioritize` (a `HostPriorityList`), written from borrowed names, each with
-/// whether it is plain ([`crate::protocol::json_plain`]).
-fn scores_answer(names: &[(&str, bool)], scores: &[i64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(names.iter().map(|(n, _)| n.len() + 24).sum::<usize>() + 2);
+/// The answer of `prioritize` (a `HostPriorityList`): per host, its name and, where the view
+/// knows it, its entry's start ([`crate::cluster::Found::item`]), and its score.
+fn scores_answer(hosts: &[(&str, Option<&str>)], scores: &[i64]) -> Vec<u8> {
+    use crate::protocol::{HOST_ITEM_SCORE, HOST_ITEM_START};
+    let mut out = Vec::with_capacity(hosts.iter().map(|(n, _)| n.len() + 24).sum::<usize>() + 2);
     out.push(b'[');
     let mut number = itoa::Buffer::new();
-    for (i, (&(host, plain), &score)) in names.iter().zip(scores).enumerate() {
+    for (i, (&(host, item), &score)) in hosts.iter().zip(scores).enumerate() {
         if i > 0 {
             out.push(b',');
         }
-        out.extend_from_slice(b"{\"Host\":");
-        push_json_name(&mut out, host, plain);
-        out.extend_from_slice(b",\"Score\":");
-        out.extend_from_slice(number.format(score).as_bytes());
+        match item {
+            Some(item) => out.extend_from_slice(item.as_bytes()),
+            None => {
+                out.extend_from_slice(HOST_ITEM_START.as_bytes());
+                push_json_str(&mut out, host);
+                out.extend_from_slice(HOST_ITEM_SCORE.as_bytes());
+            }
+        }
+        match u8::try_from(score) {
+            // 0 to 9, most scores: one digit.
+            Ok(digit @ 0..=9) => out.push(b'0' + digit),
+            _ => out.extend_from_slice(number.format(score).as_bytes()),
+        }
         out.push(b'}');
     }
     out.push(b']');
@@ -848,12 +860,7 @@ impl Extender {
             let fits = Verdict::Fits;
             let all: Vec<Judged<'n, '_>> = names
                 .iter()
-                .map(|n| Judged {
-                    name: n,
-                    verdict: &fits,
-                    slot: None,
-                    plain: crate::protocol::json_plain(n),
-                })
+                .map(|n| Judged { name: n, verdict: &fits, known: None })
                 .collect();
             return finish(&all);
         }
@@ -877,12 +884,7 @@ impl Extender {
                 let known = f.filter(|f| f.entry.is_some());
                 let verdict =
                     known.and_then(|f| cache[f.slot].as_ref()).map_or(&unknown, |(_, v)| v);
-                Judged {
-                    name,
-                    verdict,
-                    slot: known.map(|f| f.slot),
-                    plain: f.map_or_else(|| crate::protocol::json_plain(name), |f| f.plain),
-                }
+                Judged { name, verdict, known: known.map(|f| (f.slot, f.quoted())) }
             })
             .collect();
         finish(&judged)
@@ -931,7 +933,7 @@ impl Extender {
             let passed: Vec<usize> = judged
                 .iter()
                 .filter(|j| matches!(j.verdict, Verdict::Fits))
-                .filter_map(|j| j.slot)
+                .filter_map(|j| j.known.map(|(slot, _)| slot))
                 .collect();
             let ahead = (passed.len() >= 2).then(|| {
                 Arc::new(Ahead {
@@ -964,17 +966,14 @@ impl Extender {
         ahead.made.get_or_init(|| {
             let (policy, epoch) = self.policy_and_epoch();
             let view = self.view();
-            let nodes: Vec<(&str, Option<crate::cluster::Found<'_>>)> = ahead
-                .slots
-                .iter()
-                .filter_map(|&slot| view.at(slot))
-                .map(|(name, found)| (name, Some(found)))
-                .collect();
-            let scores = self.scores_in(&view, &policy, epoch, &ahead.demand, &nodes);
-            let names: Vec<(&str, bool)> =
-                nodes.iter().map(|(name, f)| (*name, f.is_some_and(|f| f.plain))).collect();
+            // Slots are never taken back: each is there.
+            let nodes = || ahead.slots.iter().filter_map(|&slot| view.at(slot));
+            let found = nodes().map(|(name, found)| (name, Some(found)));
+            let scores = self.scores_in(&view, &policy, epoch, &ahead.demand, found);
+            let hosts: Vec<(&str, Option<&str>)> =
+                nodes().map(|(name, found)| (name, Some(found.item))).collect();
             Made {
-                body: bytes::Bytes::from(scores_answer(&names, &scores)),
+                body: bytes::Bytes::from(scores_answer(&hosts, &scores)),
                 changes: view.changes(),
                 epoch,
             }
@@ -1111,28 +1110,26 @@ impl Extender {
     fn scores_of(&self, demand: &Demand, names: &[&str]) -> Vec<i64> {
         let (policy, epoch) = self.policy_and_epoch();
         let view = self.view();
-        let nodes: Vec<(&str, Option<crate::cluster::Found<'_>>)> =
-            names.iter().map(|name| (*name, view.find(name))).collect();
-        self.scores_in(&view, &policy, epoch, demand, &nodes)
+        let nodes = names.iter().map(|name| (*name, view.find(name)));
+        self.scores_in(&view, &policy, epoch, demand, nodes)
     }
 
     /// [`Self::scores_of`] for nodes already found in `view` (by name or by slot), under
     /// `policy` of `epoch`.
-    fn scores_in(
+    fn scores_in<'v>(
         &self,
         view: &ClusterView,
         policy: &Policy,
         epoch: u64,
         demand: &Demand,
-        nodes: &[(&str, Option<crate::cluster::Found<'_>>)],
+        nodes: impl Iterator<Item = (&'v str, Option<crate::cluster::Found<'v>>)>,
     ) -> Vec<i64> {
         let raw: Vec<Option<i64>> = {
             let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
             let cache = demand_memo(&mut memo_map, demand, view.slots());
             nodes
-                .iter()
                 .map(|(name, f)| {
-                    let f = (*f)?;
+                    let f = f?;
                     let entry = f.entry?;
                     let key = (f.stamp, epoch);
                     if let Some((k, v)) = &cache[f.slot]
@@ -1227,9 +1224,8 @@ impl Extender {
         } else {
             self.scores_of(&demand, &names)
         };
-        let names: Vec<(&str, bool)> =
-            names.iter().map(|n| (*n, crate::protocol::json_plain(n))).collect();
-        Ok(scores_answer(&names, &scores))
+        let hosts: Vec<(&str, Option<&str>)> = names.iter().map(|n| (*n, None)).collect();
+        Ok(scores_answer(&hosts, &scores))
     }
 
     /// The prioritize verb.
