@@ -72,11 +72,21 @@ pub fn gpu_state(data: &[u8]) {
     }
 }
 
-/// A kube-scheduler extender request: parsed, and its pod's demand read.
+/// A kube-scheduler extender request: parsed the fast way (`ExtenderArgs::parse`, names split
+/// by hand) and by serde_json, which must agree, and its pod's demand read.
 pub fn extender_request(data: &[u8]) {
-    let Ok(args) = serde_json::from_slice::<baleen_extender::protocol::ExtenderArgs>(data) else {
-        return;
+    use baleen_extender::protocol::ExtenderArgs;
+    let seen = |args: &Result<ExtenderArgs<'_>, serde_json::Error>| {
+        args.as_ref().ok().map(|a| {
+            let names: Option<Vec<&str>> =
+                a.node_names.as_ref().map(|n| n.iter().map(AsRef::as_ref).collect());
+            format!("{:?} {:?} {:?}", a.pod, a.nodes, names)
+        })
     };
+    let fast = ExtenderArgs::parse(data);
+    let serde = serde_json::from_slice::<ExtenderArgs<'_>>(data);
+    assert_eq!(seen(&fast), seen(&serde), "the fast read and serde_json's differ");
+    let Ok(args) = fast else { return };
     let _ = baleen_extender::demand::Demand::of(&args.pod, "awesome-ai-company.com");
 }
 
