@@ -858,10 +858,8 @@ impl Extender {
         if demand.is_empty() {
             // Not ours to judge: every node passes.
             let fits = Verdict::Fits;
-            let all: Vec<Judged<'n, '_>> = names
-                .iter()
-                .map(|n| Judged { name: n, verdict: &fits, known: None })
-                .collect();
+            let all: Vec<Judged<'n, '_>> =
+                names.iter().map(|n| Judged { name: n, verdict: &fits, known: None }).collect();
             return finish(&all);
         }
         let view = self.view();

@@ -122,7 +122,9 @@ fn kube_schedulers_bodies_are_read_the_fast_way() {
     }))
     .expect("json");
     let scanned = scan_call(body.as_bytes(), &[]).expect("the fast way");
-    let ScannedNames::Split(split) = &scanned.names else { panic!("names split: {:?}", scanned.names) };
+    let ScannedNames::Split(split) = &scanned.names else {
+        panic!("names split: {:?}", scanned.names)
+    };
     assert_eq!(split.len(), 5000);
     assert_eq!(split[4999], "node-04999.example.internal");
     let known = serde_json::to_string(&names).expect("json");
