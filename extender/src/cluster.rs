@@ -152,9 +152,14 @@ pub struct Found<'a> {
 impl<'a> Found<'a> {
     /// Its name as a JSON string (what serde_json writes for it).
     pub fn quoted(&self) -> &'a str {
-        let start = crate::protocol::HOST_ITEM_START.len();
-        &self.item[start..self.item.len() - crate::protocol::HOST_ITEM_SCORE.len()]
+        quoted_in(self.item)
     }
+}
+
+/// The name's JSON string inside a prioritize entry's start ([`Found::item`]).
+fn quoted_in(item: &str) -> &str {
+    &item[crate::protocol::HOST_ITEM_START.len()
+        ..item.len() - crate::protocol::HOST_ITEM_SCORE.len()]
 }
 
 /// Node names to slots: one hash of the name per node per call (foldhash: node names are not
@@ -197,7 +202,15 @@ impl NameIndex {
     }
 
     fn get(&self, name: &str) -> Option<usize> {
-        self.table.find(self.hash(name), |&i| self.name(i) == name).copied()
+        // Compared as bytes: the same test, without a char-boundary check per candidate.
+        let (names, ends) = (self.names.as_bytes(), &self.ends);
+        let wanted = name.as_bytes();
+        self.table
+            .find(self.hash(name), |&i| {
+                let start = i.checked_sub(1).map_or(0, |p| ends[p]);
+                names.get(start..ends[i]) == Some(wanted)
+            })
+            .copied()
     }
 
     /// Gives `name` the next slot (the caller knows it has none) and returns it.
@@ -292,6 +305,11 @@ impl ClusterView {
         let s = self.slots.get(slot)?;
         let item = self.ids.item(slot);
         Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, item }))
+    }
+
+    /// Slot `slot`'s name as a JSON string ([`Found::quoted`]).
+    pub fn quoted(&self, slot: usize) -> &str {
+        quoted_in(self.ids.item(slot))
     }
 
     /// A number that changes whenever any node's stamp does: what every verdict and score is

@@ -865,24 +865,27 @@ impl Extender {
         let view = self.view();
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, demand, view.slots());
-        let found: Vec<Option<crate::cluster::Found<'_>>> =
-            names.iter().map(|n| view.find(n)).collect();
-        for (name, f) in names.iter().zip(&found) {
-            let Some(f) = f else { continue };
-            let Some(entry) = f.entry else { continue };
-            if cache[f.slot].as_ref().is_some_and(|(stamp, _)| *stamp == f.stamp) {
-                continue;
-            }
-            cache[f.slot] = Some((f.stamp, self.verdict_on(&view, name, entry, demand)));
-        }
+        // One pass of lookups (a verdict computed where the memo's is stale), keeping only each
+        // name's slot; the verdicts are read from the memo once it is complete.
+        const UNKNOWN: u32 = u32::MAX;
+        let slots: Vec<u32> = names
+            .iter()
+            .map(|name| {
+                let Some(f) = view.find(name) else { return UNKNOWN };
+                let Some(entry) = f.entry else { return UNKNOWN };
+                if cache[f.slot].as_ref().is_none_or(|(stamp, _)| *stamp != f.stamp) {
+                    cache[f.slot] = Some((f.stamp, self.verdict_on(&view, name, entry, demand)));
+                }
+                u32::try_from(f.slot).unwrap_or(UNKNOWN)
+            })
+            .collect();
         let judged: Vec<Judged<'n, '_>> = names
             .iter()
-            .zip(&found)
-            .map(|(name, f)| {
-                let known = f.filter(|f| f.entry.is_some());
-                let verdict =
-                    known.and_then(|f| cache[f.slot].as_ref()).map_or(&unknown, |(_, v)| v);
-                Judged { name, verdict, known: known.map(|f| (f.slot, f.quoted())) }
+            .zip(&slots)
+            .map(|(name, &slot)| {
+                let known = (slot != UNKNOWN).then_some(slot as usize);
+                let verdict = known.and_then(|s| cache[s].as_ref()).map_or(&unknown, |(_, v)| v);
+                Judged { name, verdict, known: known.map(|s| (s, view.quoted(s))) }
             })
             .collect();
         finish(&judged)
