@@ -92,8 +92,9 @@ pub struct Prepared {
 #[derive(Debug, Default)]
 struct State {
     plugins: BTreeMap<String, Plugin>,
-    /// Registration sockets seen, by path, with their inode (a new inode: registered again).
-    seen: BTreeMap<PathBuf, u64>,
+    /// Registration sockets seen, by path, with their inode and change time (another file:
+    /// registered again).
+    seen: BTreeMap<PathBuf, (u64, i64, i64)>,
     /// Sockets whose registration failed, with why.
     refused: BTreeMap<PathBuf, String>,
     /// The claims prepared (the kubelet's own checkpoint), by UID, with the pods using them.
@@ -143,21 +144,32 @@ impl FakeDraKubelet {
         Ok(())
     }
 
-    /// The plugin watcher: every 100 ms, a socket not seen (or seen with another inode) is
-    /// registered.
+    /// The plugin watcher: every 100 ms, a socket not seen (or seen as another file) is
+    /// registered. A file is its inode and its change time: a plugin that restarts between
+    /// two looks may get its old socket's inode back (the kernel reuses a freed one at once),
+    /// where the kubelet's watcher, told of every create, registers it again all the same.
     fn watch(&self) {
         let (registry, state, stop) =
             (self.registry.clone(), self.state.clone(), self.stop.clone());
         tokio::spawn(async move {
             loop {
-                let found: Vec<(PathBuf, u64)> = std::fs::read_dir(&registry)
+                let found: Vec<(PathBuf, (u64, i64, i64))> = std::fs::read_dir(&registry)
                     .into_iter()
                     .flatten()
                     .filter_map(Result::ok)
                     .map(|e| e.path())
                     .filter(|p| p.extension().is_some_and(|x| x == "sock"))
-                    .filter_map(|p| Some((p.clone(), std::fs::metadata(&p).ok()?.ino())))
+                    .filter_map(|p| {
+                        let m = std::fs::metadata(&p).ok()?;
+                        Some((p.clone(), (m.ino(), m.ctime(), m.ctime_nsec())))
+                    })
                     .collect();
+                // A socket gone is forgotten: when it comes back it is new.
+                state
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .seen
+                    .retain(|path, _| found.iter().any(|(p, _)| p == path));
                 for (socket, inode) in found {
                     let new =
                         state.lock().unwrap_or_else(PoisonError::into_inner).seen.get(&socket)
