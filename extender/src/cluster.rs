@@ -149,19 +149,6 @@ pub struct Found<'a> {
     pub item: &'a str,
 }
 
-impl<'a> Found<'a> {
-    /// Its name as a JSON string (what serde_json writes for it).
-    pub fn quoted(&self) -> &'a str {
-        quoted_in(self.item)
-    }
-}
-
-/// The name's JSON string inside a prioritize entry's start ([`Found::item`]).
-fn quoted_in(item: &str) -> &str {
-    &item[crate::protocol::HOST_ITEM_START.len()
-        ..item.len() - crate::protocol::HOST_ITEM_SCORE.len()]
-}
-
 /// Node names to slots: one hash of the name per node per call (foldhash: node names are not
 /// chosen by whoever calls the verbs, and the extender holds at most the cluster's). The names
 /// lie side by side in one string, so that the 5,000 comparisons of a call read a few hundred
@@ -307,9 +294,12 @@ impl ClusterView {
         Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, item }))
     }
 
-    /// Slot `slot`'s name as a JSON string ([`Found::quoted`]).
+    /// Slot `slot`'s name as a JSON string (as serde_json writes it): the middle of its
+    /// [`Found::item`].
     pub fn quoted(&self, slot: usize) -> &str {
-        quoted_in(self.ids.item(slot))
+        let item = self.ids.item(slot);
+        &item[crate::protocol::HOST_ITEM_START.len()
+            ..item.len() - crate::protocol::HOST_ITEM_SCORE.len()]
     }
 
     /// A number that changes whenever any node's stamp does: what every verdict and score is

@@ -264,13 +264,10 @@ fn plain_string(text: &str, at: usize) -> Option<(&str, usize)> {
     }
     let start = at + 1;
     let end = start + memchr::memchr(b'"', &b[start..])?;
-    let inner = &b[start..end];
-    // Branch-free per byte, so that many are checked at once.
-    if inner.iter().fold(false, |bad, &c| bad | (c < 0x20) | (c == b'\\')) {
-        return None;
-    }
-    // Both ends are ASCII quotes: char boundaries of `text`.
-    Some((&text[start..end], end + 1))
+    // Both ends are ASCII quotes: char boundaries of `text`. Up to the first quote, the
+    // string is plain exactly where it has no escape and no control character.
+    let inner = &text[start..end];
+    json_plain(inner).then_some((inner, end + 1))
 }
 
 /// The array of plain strings starting at `at`, and the index after it.

@@ -156,7 +156,8 @@ fn push_json_str(out: &mut Vec<u8>, text: &str) {
 struct Judged<'n, 'v> {
     name: &'n str,
     verdict: &'v Verdict,
-    /// Where the view knows the node: its slot and its name's JSON text ([`crate::cluster::Found::quoted`]).
+    /// Where the view knows the node: its slot and its name's JSON text
+    /// ([`ClusterView::quoted`]).
     known: Option<(usize, &'v str)>,
 }
 
@@ -249,7 +250,7 @@ const AHEADS: usize = crate::http::MAX_CONCURRENT_CALLS;
 #[derive(Debug)]
 pub struct FilterAnswer {
     /// The JSON answer.
-    pub body: Vec<u8>,
+    pub body: bytes::Bytes,
     /// How many nodes it removed, by why.
     pub removed: Removed,
     /// The call's error (empty when none).
@@ -287,8 +288,8 @@ pub enum CallError {
 #[derive(Debug)]
 pub struct Ahead {
     demand: Demand,
-    /// The filter answer's `NodeNames` array, as written.
-    names: Vec<u8>,
+    /// The filter answer's `NodeNames` array, as written (shared with the answer, not copied).
+    names: bytes::Bytes,
     /// The slots of the nodes it passed, in its order.
     slots: Vec<usize>,
     made: std::sync::OnceLock<Made>,
@@ -866,24 +867,22 @@ impl Extender {
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, demand, view.slots());
         // One pass of lookups (a verdict computed where the memo's is stale), keeping only each
-        // name's slot; the verdicts are read from the memo once it is complete.
-        const UNKNOWN: u32 = u32::MAX;
-        let slots: Vec<u32> = names
+        // known node's slot; the verdicts are read from the memo once it is complete.
+        let slots: Vec<Option<usize>> = names
             .iter()
             .map(|name| {
-                let Some(f) = view.find(name) else { return UNKNOWN };
-                let Some(entry) = f.entry else { return UNKNOWN };
+                let f = view.find(name)?;
+                let entry = f.entry?;
                 if cache[f.slot].as_ref().is_none_or(|(stamp, _)| *stamp != f.stamp) {
                     cache[f.slot] = Some((f.stamp, self.verdict_on(&view, name, entry, demand)));
                 }
-                u32::try_from(f.slot).unwrap_or(UNKNOWN)
+                Some(f.slot)
             })
             .collect();
         let judged: Vec<Judged<'n, '_>> = names
             .iter()
-            .zip(&slots)
-            .map(|(name, &slot)| {
-                let known = (slot != UNKNOWN).then_some(slot as usize);
+            .zip(slots)
+            .map(|(name, known)| {
                 let verdict = known.and_then(|s| cache[s].as_ref()).map_or(&unknown, |(_, v)| v);
                 Judged { name, verdict, known: known.map(|s| (s, view.quoted(s))) }
             })
@@ -898,7 +897,7 @@ impl Extender {
     /// given back, for the caller to make ([`Self::prepare_ahead`]) while the answer travels.
     pub fn filter_json(&self, args: &ExtenderArgs<'_>) -> FilterAnswer {
         let whole = |result: ExtenderFilterResult, removed| FilterAnswer {
-            body: serde_json::to_vec(&result).unwrap_or_default(),
+            body: serde_json::to_vec(&result).unwrap_or_default().into(),
             removed,
             error: result.error,
             ahead: None,
@@ -930,6 +929,7 @@ impl Extender {
                 removed.count(j.verdict);
             }
             let (body, names) = names_answer(judged);
+            let body = bytes::Bytes::from(body);
             // A node passes only where the view knows it, so each has its slot.
             let passed: Vec<usize> = judged
                 .iter()
@@ -939,7 +939,7 @@ impl Extender {
             let ahead = (passed.len() >= 2).then(|| {
                 Arc::new(Ahead {
                     demand: demand.clone(),
-                    names: body[names].to_vec(),
+                    names: body.slice(names),
                     slots: passed,
                     made: std::sync::OnceLock::new(),
                 })
@@ -988,7 +988,7 @@ impl Extender {
         use crate::protocol::{ScannedNames, scan_call};
         let aheads: Vec<Arc<Ahead>> =
             self.aheads.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
-        let known: Vec<&[u8]> = aheads.iter().map(|a| a.names.as_slice()).collect();
+        let known: Vec<&[u8]> = aheads.iter().map(|a| a.names.as_ref()).collect();
         let args = match scan_call(body, &known) {
             Some(scanned) => {
                 if let (ScannedNames::Known(_, names), None) = (&scanned.names, &scanned.nodes)
@@ -1008,11 +1008,7 @@ impl Extender {
     /// names, written the same way, for a pod asking the same, and nothing they are scored
     /// from changed since it was made; `None` otherwise (the call is then answered as any
     /// other, [`Self::prioritize_json`]).
-    pub fn prioritize_ahead(
-        &self,
-        pod: &crate::protocol::Pod,
-        names: &str,
-    ) -> Option<bytes::Bytes> {
+    fn prioritize_ahead(&self, pod: &crate::protocol::Pod, names: &str) -> Option<bytes::Bytes> {
         if !self.synced() {
             return None;
         }

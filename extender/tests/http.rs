@@ -1120,3 +1120,55 @@ async fn prioritize_after_filter_is_answered_ahead_over_http() {
     );
     token.cancel();
 }
+
+/// Issue 25, item 1: two pods in flight at once (two profiles, or a retry) each get their own
+/// scores made ahead, whichever order their calls interleave in, and an answer being made on
+/// another thread while its `prioritize` arrives is waited for, not made twice or half.
+#[tokio::test]
+async fn interleaved_pods_each_get_their_own_scores_made_ahead() {
+    use baleen_extender::service::Prioritized;
+    let extender = Extender::new(Settings::default());
+    {
+        let mut view = extender.cluster.write().expect("lock");
+        for i in 0..30u32 {
+            let name = format!("n{i}");
+            let free = [[140, 140], [20, 100], [60, 8], [100, 0], [70, 70]][i as usize % 5];
+            let n: Node = serde_json::from_value(node(&name, &free)).expect("node");
+            view.set_node(&name, NodeEntry::of(&n, KEY));
+        }
+    }
+    let names: Vec<String> = (0..30).map(|i| format!("n{i}")).collect();
+    let filter = |units: u32| {
+        let args = baleen_extender::protocol::ExtenderArgs::from_json(
+            json!({"Pod": pod(units), "NodeNames": names}),
+        )
+        .expect("args");
+        let answer = extender.filter_json(&args);
+        let passed: Value = serde_json::from_slice(&answer.body).expect("json");
+        let body = json!({"Pod": pod(units), "Nodes": null, "NodeNames": passed["NodeNames"]});
+        (answer.ahead.expect("several pass"), body.to_string())
+    };
+    let fresh = |body: &str| -> Value {
+        let args = baleen_extender::protocol::ExtenderArgs::parse(body.as_bytes()).expect("args");
+        serde_json::from_slice(&extender.prioritize_json(&args).expect("scores")).expect("json")
+    };
+    let ahead = |body: &str| match extender.prioritize_call(body.as_bytes()).expect("answered") {
+        Prioritized::Ahead(b) => serde_json::from_slice::<Value>(&b).expect("json"),
+        Prioritized::Computed(_) => panic!("computed, not answered ahead: {body}"),
+    };
+    // Filter A, filter B, then B's prioritize before A's.
+    let (_, a) = filter(8);
+    let (_, b) = filter(100);
+    assert_ne!(fresh(&a), fresh(&b), "the two pods score the nodes differently");
+    assert_eq!(ahead(&b), fresh(&b));
+    assert_eq!(ahead(&a), fresh(&a));
+    // A's answer made on another thread while its prioritize comes: the same answer.
+    let (made, body) = filter(40);
+    let maker = {
+        let extender = extender.clone();
+        std::thread::spawn(move || extender.prepare_ahead(&made))
+    };
+    let answered = ahead(&body);
+    maker.join().expect("made");
+    assert_eq!(answered, fresh(&body));
+}
