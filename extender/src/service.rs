@@ -982,7 +982,7 @@ impl Extender {
     }
 
     /// A `prioritize` call's body answered: from the scores made ahead where its names are a
-    /// recent filter's answer ([`Self::prioritize_ahead`]; found by comparing bytes, the names
+    /// recent filter's answer (`prioritize_ahead`; found by comparing bytes, the names
     /// not even split), else computed ([`Self::prioritize_json`]).
     pub fn prioritize_call(&self, body: &[u8]) -> Result<Prioritized, CallError> {
         use crate::protocol::{ScannedNames, scan_call};
