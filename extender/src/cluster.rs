@@ -294,6 +294,17 @@ impl ClusterView {
         Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, item }))
     }
 
+    /// Slot `slot`'s name and its [`Found::item`]; `None` past the last slot.
+    pub fn name_and_item(&self, slot: usize) -> Option<(&str, &str)> {
+        (slot < self.slots.len()).then(|| (self.ids.name(slot), self.ids.item(slot)))
+    }
+
+    /// Slot `slot`'s entry (`None` while its node is gone) and stamp, as [`Self::find`] finds
+    /// them by its name. A slot past the last is no node's.
+    pub fn entry_at(&self, slot: usize) -> (Option<&NodeEntry>, u64) {
+        self.slots.get(slot).map_or((None, 0), |s| (s.entry.as_ref(), s.stamp))
+    }
+
     /// Slot `slot`'s name as a JSON string (as serde_json writes it): the middle of its
     /// [`Found::item`].
     pub fn quoted(&self, slot: usize) -> &str {

@@ -16,7 +16,6 @@ use axum::routing::{get, post};
 use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use tokio_util::sync::CancellationToken;
 
-use crate::protocol::ExtenderArgs;
 use crate::service::{CallError, Extender, Prioritized};
 
 /// The extender's metric families.
@@ -30,6 +29,7 @@ pub struct Metrics {
     nodes: GaugeVec,
     bindings: IntCounterVec,
     prioritize_answers: IntCounterVec,
+    filter_names: IntCounterVec,
 }
 
 /// Registers `metric` in `registry` and gives it back: the extender's one registration helper.
@@ -114,8 +114,19 @@ impl Metrics {
                 &["how"],
             ),
         )?;
+        let filter_names = register(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    "baleen_extender_filter_names_total",
+                    "filter calls by how their node names were read: reused (byte for byte a recent call's, judged from the slots found then; kube-scheduler sends the same names pod after pod with percentageOfNodesToScore: 100), read (split and looked up).",
+                ),
+                &["how"],
+            ),
+        )?;
         Ok(Self {
             registry,
+            filter_names,
             latency,
             filtered,
             bad_requests,
@@ -346,11 +357,12 @@ fn json_bytes(body: impl Into<Bytes>) -> Response {
 #[tracing::instrument(name = "filter", skip_all, fields(bytes = body.len()))]
 async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let args = match ExtenderArgs::parse(&body) {
+    let answer = match app.extender.filter_call(&body) {
         Ok(a) => a,
         Err(e) => return bad_body(&app, "filter", "ExtenderArgs", &e),
     };
-    let answer = app.extender.filter_json(&args);
+    let how = if answer.names_reused { "reused" } else { "read" };
+    app.metrics.filter_names.with_label_values(&[how]).inc();
     for (kind, n) in answer.removed.by_kind() {
         if n > 0 {
             app.metrics.filtered.with_label_values(&[kind.as_str()]).inc_by(n);

@@ -80,7 +80,7 @@ impl<'a> Scanned<'a> {
         };
         let node_names = match self.names {
             ScannedNames::Absent => None,
-            ScannedNames::Split(names) => Some(borrowed(names)),
+            ScannedNames::Split { names, .. } => Some(borrowed(names)),
             // A known array is one the extender wrote: its names plain, or escaped as
             // serde_json escapes them; either way a JSON array of strings.
             ScannedNames::Known(_, text) => Some(match names_array(text, 0) {
@@ -162,8 +162,13 @@ pub enum ScannedNames<'a> {
     /// Exactly the `.0`-th of the arrays the caller knew, byte for byte, not split: `.1` is
     /// that array's text in the body.
     Known(usize, &'a str),
-    /// These names, borrowed from the body.
-    Split(Vec<&'a str>),
+    /// These names, borrowed from the body, and their array's text in it.
+    Split {
+        /// The names.
+        names: Vec<&'a str>,
+        /// The array (`[` to `]`) as it lies in the body.
+        text: &'a str,
+    },
 }
 
 /// Reads a call's body (`ExtenderArgs`: `Pod`, `Nodes`, `NodeNames`) the fast way, as
@@ -218,7 +223,7 @@ pub fn scan_call<'a>(body: &'a [u8], known: &[&[u8]]) -> Option<Scanned<'a>> {
                         at += 4;
                     } else {
                         let (list, next) = names_array(text, at)?;
-                        names = Some(ScannedNames::Split(list));
+                        names = Some(ScannedNames::Split { names: list, text: &text[at..next] });
                         at = next;
                     }
                 }

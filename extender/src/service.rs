@@ -257,6 +257,22 @@ pub struct FilterAnswer {
     pub error: String,
     /// The `prioritize` answer for the nodes it passed, to be made while this answer travels.
     pub ahead: Option<Arc<Ahead>>,
+    /// Whether the call's names were a recent call's, judged from the slots found for them
+    /// then ([`Extender::filter_call`]).
+    pub names_reused: bool,
+}
+
+impl FilterAnswer {
+    /// A typed answer written out (nothing prepared ahead).
+    fn whole(result: ExtenderFilterResult, removed: Removed) -> Self {
+        FilterAnswer {
+            body: serde_json::to_vec(&result).unwrap_or_default().into(),
+            removed,
+            error: result.error,
+            ahead: None,
+            names_reused: false,
+        }
+    }
 }
 
 /// A `prioritize` answer, and how it was made.
@@ -304,6 +320,22 @@ struct Made {
     epoch: u64,
 }
 
+/// The most filter calls' names kept resolved ([`Resolved`]).
+const RESOLVED: usize = AHEADS;
+
+/// A filter call's `NodeNames` as the view resolved them, kept so that a later call sending
+/// the same array (compared as bytes) skips splitting and hashing 5,000 names. A name's slot
+/// is its for the view's life; a name the view did not know then is looked up again.
+#[derive(Debug)]
+struct Resolved {
+    /// The `NodeNames` array as it was sent (JSON text, `[` to `]`).
+    text: Box<str>,
+    /// Each name's place in `text`.
+    spans: Vec<std::ops::Range<usize>>,
+    /// Each name's slot (`None`: unknown then).
+    slots: Vec<Option<usize>>,
+}
+
 /// The most demands remembered; past it the memo starts afresh.
 const MEMO_DEMANDS: usize = 64;
 
@@ -335,6 +367,8 @@ pub struct Extender {
     scores: Mutex<Scores>,
     /// The latest `prioritize` answers made ahead by `filter`, newest last.
     aheads: Mutex<VecDeque<Arc<Ahead>>>,
+    /// The names of the latest filter calls, resolved, newest last.
+    resolved: Mutex<VecDeque<Arc<Resolved>>>,
     seen: Mutex<Seen>,
     rebuild: tokio::sync::Notify,
     /// Whether the Node and the Pod watchers have each listed once (true when none runs).
@@ -420,6 +454,7 @@ impl Extender {
             verdicts: Mutex::new(Verdicts::new()),
             scores: Mutex::new(Scores::new()),
             aheads: Mutex::new(VecDeque::new()),
+            resolved: Mutex::new(VecDeque::new()),
             seen: Mutex::new(Seen::default()),
             rebuild: tokio::sync::Notify::new(),
             synced: [
@@ -846,13 +881,15 @@ impl Extender {
 
     /// The filter's verdict on each of `names` for `demand`, handed to `finish` (borrowed from
     /// the memo, under its lock) with each name's slot (none where the view does not know it,
-    /// and no slots at all for a demand not the extender's to judge): one lookup of each name,
-    /// a verdict computed only where the node or its pods changed since it was last judged for
-    /// this demand.
+    /// and no slots at all for a demand not the extender's to judge): each name's slot from
+    /// `slots` where given (a recent call's names, [`Resolved`]), else looked up; a verdict
+    /// computed only where the node or its pods changed since it was last judged for this
+    /// demand.
     fn judged<'n, R>(
         &self,
         demand: &Demand,
         names: &[&'n str],
+        slots: Option<&[Option<usize>]>,
         finish: impl FnOnce(&[Judged<'n, '_>]) -> R,
     ) -> R {
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
@@ -866,17 +903,23 @@ impl Extender {
         let view = self.view();
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, demand, view.slots());
-        // One pass of lookups (a verdict computed where the memo's is stale), keeping only each
-        // known node's slot; the verdicts are read from the memo once it is complete.
+        // One pass (a verdict computed where the memo's is stale), keeping only each known
+        // node's slot; the verdicts are read from the memo once it is complete.
         let slots: Vec<Option<usize>> = names
             .iter()
-            .map(|name| {
-                let f = view.find(name)?;
-                let entry = f.entry?;
-                if cache[f.slot].as_ref().is_none_or(|(stamp, _)| *stamp != f.stamp) {
-                    cache[f.slot] = Some((f.stamp, self.verdict_on(&view, name, entry, demand)));
+            .enumerate()
+            .map(|(i, name)| {
+                // A name given no slot may have been heard of since: looked up.
+                let slot = match slots.and_then(|s| s.get(i).copied().flatten()) {
+                    Some(slot) => slot,
+                    None => view.find(name)?.slot,
+                };
+                let (entry, stamp) = view.entry_at(slot);
+                let entry = entry?;
+                if cache[slot].as_ref().is_none_or(|(s, _)| *s != stamp) {
+                    cache[slot] = Some((stamp, self.verdict_on(&view, name, entry, demand)));
                 }
-                Some(f.slot)
+                Some(slot)
             })
             .collect();
         let judged: Vec<Judged<'n, '_>> = names
@@ -890,40 +933,202 @@ impl Extender {
         finish(&judged)
     }
 
+    /// Each of `names`' slot in the view (`None` where it never heard of the name).
+    fn resolve(&self, names: &[&str]) -> Vec<Option<usize>> {
+        let view = self.view();
+        names.iter().map(|name| view.find(name).map(|f| f.slot)).collect()
+    }
+
+    /// A `filter` call's body answered. kube-scheduler sends the names its own filters passed,
+    /// the same list pod after pod while the cluster stands still (all the nodes with
+    /// `percentageOfNodesToScore: 100`): a call whose `NodeNames` are byte for byte a recent
+    /// call's ([`Resolved`]) is judged from that call's slots, the names neither split nor
+    /// hashed again. Anything else is read and judged as [`Self::filter_json`] does.
+    pub fn filter_call(&self, body: &[u8]) -> Result<FilterAnswer, serde_json::Error> {
+        use crate::protocol::{ScannedNames, scan_call};
+        let recent: Vec<Arc<Resolved>> =
+            self.resolved.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
+        let known: Vec<&[u8]> = recent.iter().map(|r| r.text.as_bytes()).collect();
+        let Some(scanned) = scan_call(body, &known) else {
+            let args: ExtenderArgs<'_> = serde_json::from_slice(body)?;
+            return Ok(self.filter_json(&args));
+        };
+        if scanned.nodes.is_some() || !self.synced() {
+            return Ok(self.filter_json(&scanned.into_args()));
+        }
+        match &scanned.names {
+            ScannedNames::Known(i, _) => {
+                let mut answer = self.filter_resolved(&scanned.pod, &recent[*i]);
+                answer.names_reused = true;
+                Ok(answer)
+            }
+            ScannedNames::Split { names, text } if !names.is_empty() => {
+                let slots = self.resolve(names);
+                let base = text.as_ptr() as usize;
+                let spans = names
+                    .iter()
+                    .map(|n| n.as_ptr() as usize - base..n.as_ptr() as usize - base + n.len());
+                let r = Arc::new(Resolved { text: (*text).into(), spans: spans.collect(), slots });
+                {
+                    let mut resolved = self.resolved.lock().unwrap_or_else(PoisonError::into_inner);
+                    if resolved.len() >= RESOLVED {
+                        resolved.pop_front();
+                    }
+                    resolved.push_back(r.clone());
+                }
+                Ok(self.filter_resolved(&scanned.pod, &r))
+            }
+            _ => Ok(self.filter_json(&scanned.into_args())),
+        }
+    }
+
+    /// The filter's answer for `pod` over a call's names kept resolved: [`Self::filter_names`]'
+    /// answer, the same bytes, in one pass over the names that touches only what it must (each
+    /// node's stamp and memoised verdict by its slot), each passing name copied from the call's
+    /// own text rather than from the view's far larger index.
+    fn filter_resolved(&self, pod: &crate::protocol::Pod, r: &Resolved) -> FilterAnswer {
+        let demand = match self.demand_of(pod) {
+            Ok(d) if !d.is_empty() => d,
+            // Refused, or not the extender's to judge (every node passes): as any call.
+            _ => {
+                let names: Vec<&str> = r.spans.iter().map(|s| &r.text[s.clone()]).collect();
+                return self.filter_names(pod, &names, Some(&r.slots));
+            }
+        };
+        if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
+            self.learn(&pod.metadata.uid, &demand);
+        }
+        let unknown = Verdict::NoState(UNKNOWN_NODE.into());
+        let text = r.text.as_bytes();
+        // A name with its quotes: every name kept is plain JSON (the scanner splits no other).
+        let quoted = |i: usize| &text[r.spans[i].start - 1..r.spans[i].end + 1];
+        let mut out = Vec::with_capacity(text.len() + 96);
+        out.extend_from_slice(b"{\"Nodes\":null,\"NodeNames\":");
+        let names_start = out.len();
+        out.push(b'[');
+        let mut passed = Vec::with_capacity(r.slots.len());
+        // The names that failed, by index, with their slot where the view knows the node.
+        let mut failed: Vec<(usize, Option<usize>)> = Vec::new();
+        let mut removed = Removed::default();
+        let view = self.view();
+        let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
+        let cache = demand_memo(&mut memo_map, &demand, view.slots());
+        for (i, slot) in r.slots.iter().enumerate() {
+            let name = || &r.text[r.spans[i].clone()];
+            // A name given no slot may have been heard of since: looked up.
+            let slot = slot.or_else(|| view.find(name()).map(|f| f.slot));
+            let known = slot.and_then(|s| {
+                let (entry, stamp) = view.entry_at(s);
+                entry.map(|e| (s, e, stamp))
+            });
+            let Some((slot, entry, stamp)) = known else {
+                removed.count(&unknown);
+                failed.push((i, None));
+                continue;
+            };
+            if cache[slot].as_ref().is_none_or(|(s, _)| *s != stamp) {
+                cache[slot] = Some((stamp, self.verdict_on(&view, name(), entry, &demand)));
+            }
+            let verdict = cache[slot].as_ref().map_or(&unknown, |(_, v)| v);
+            if matches!(verdict, Verdict::Fits) {
+                if !passed.is_empty() {
+                    out.push(b',');
+                }
+                out.extend_from_slice(quoted(i));
+                passed.push(slot);
+            } else {
+                removed.count(verdict);
+                failed.push((i, Some(slot)));
+            }
+        }
+        out.push(b']');
+        let names = names_start..out.len();
+        let verdict_of =
+            |slot: Option<usize>| slot.and_then(|s| cache[s].as_ref()).map_or(&unknown, |(_, v)| v);
+        for (key, resolvable) in [("FailedNodes", true), ("FailedAndUnresolvableNodes", false)] {
+            out.extend_from_slice(b",\"");
+            out.extend_from_slice(key.as_bytes());
+            out.extend_from_slice(b"\":{");
+            let mut first = true;
+            for &(i, slot) in &failed {
+                let why = match verdict_of(slot) {
+                    Verdict::Full(why) if resolvable => why,
+                    Verdict::Never(why) | Verdict::NoState(why) if !resolvable => why,
+                    _ => continue,
+                };
+                if !std::mem::take(&mut first) {
+                    out.push(b',');
+                }
+                out.extend_from_slice(quoted(i));
+                out.push(b':');
+                push_json_str(&mut out, why);
+            }
+            out.push(b'}');
+        }
+        out.extend_from_slice(b",\"Error\":\"\"}");
+        drop(memo_map);
+        drop(view);
+        let body = bytes::Bytes::from(out);
+        let ahead = (passed.len() >= 2).then(|| {
+            Arc::new(Ahead {
+                demand,
+                names: body.slice(names),
+                slots: passed,
+                made: std::sync::OnceLock::new(),
+            })
+        });
+        self.keep_ahead(ahead.as_ref());
+        FilterAnswer { body, removed, error: String::new(), ahead, names_reused: false }
+    }
+
+    /// Keeps `ahead` among the latest answers made ahead.
+    fn keep_ahead(&self, ahead: Option<&Arc<Ahead>>) {
+        if let Some(ahead) = ahead {
+            let mut aheads = self.aheads.lock().unwrap_or_else(PoisonError::into_inner);
+            if aheads.len() >= AHEADS {
+                aheads.pop_front();
+            }
+            aheads.push_back(ahead.clone());
+        }
+    }
+
     /// The filter verb as its JSON answer, with how many nodes it removed by why and the
     /// call's error (empty when none). Node names are answered from the memo without a copy.
     /// Where at least two nodes pass (kube-scheduler calls `prioritize` only then), the answer
     /// of the `prioritize` that follows is prepared: kept among the latest [`Ahead`]s and
     /// given back, for the caller to make ([`Self::prepare_ahead`]) while the answer travels.
     pub fn filter_json(&self, args: &ExtenderArgs<'_>) -> FilterAnswer {
-        let whole = |result: ExtenderFilterResult, removed| FilterAnswer {
-            body: serde_json::to_vec(&result).unwrap_or_default().into(),
-            removed,
-            error: result.error,
-            ahead: None,
-        };
         if args.nodes.is_some() || !self.synced() {
             let (result, kinds) = self.filter(args);
             let mut removed = Removed::default();
             for kind in kinds {
                 removed.add(kind);
             }
-            return whole(result, removed);
+            return FilterAnswer::whole(result, removed);
         }
-        let demand = match self.demand_of(&args.pod) {
+        let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
+        self.filter_names(&args.pod, &names, None)
+    }
+
+    /// The filter's answer for `pod` over `names` (their slots where known, [`Self::judged`]),
+    /// the view synced and no nodes sent in full.
+    fn filter_names(
+        &self,
+        pod: &crate::protocol::Pod,
+        names: &[&str],
+        slots: Option<&[Option<usize>]>,
+    ) -> FilterAnswer {
+        let demand = match self.demand_of(pod) {
             Ok(d) => d,
             Err(error) => {
-                return whole(
-                    ExtenderFilterResult { error, ..Default::default() },
-                    Removed::default(),
-                );
+                let result = ExtenderFilterResult { error, ..Default::default() };
+                return FilterAnswer::whole(result, Removed::default());
             }
         };
         if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
-            self.learn(&args.pod.metadata.uid, &demand);
+            self.learn(&pod.metadata.uid, &demand);
         }
-        let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-        let answer = self.judged(&demand, &names, |judged| {
+        let answer = self.judged(&demand, names, slots, |judged| {
             let mut removed = Removed::default();
             for j in judged {
                 removed.count(j.verdict);
@@ -944,15 +1149,9 @@ impl Extender {
                     made: std::sync::OnceLock::new(),
                 })
             });
-            FilterAnswer { body, removed, error: String::new(), ahead }
+            FilterAnswer { body, removed, error: String::new(), ahead, names_reused: false }
         });
-        if let Some(ahead) = &answer.ahead {
-            let mut aheads = self.aheads.lock().unwrap_or_else(PoisonError::into_inner);
-            if aheads.len() >= AHEADS {
-                aheads.pop_front();
-            }
-            aheads.push_back(ahead.clone());
-        }
+        self.keep_ahead(answer.ahead.as_ref());
         answer
     }
 
@@ -967,12 +1166,35 @@ impl Extender {
         ahead.made.get_or_init(|| {
             let (policy, epoch) = self.policy_and_epoch();
             let view = self.view();
+            // One pass over the slots for the raw scores, touching a node's name only where its
+            // score must be computed anew; then one pass writing each entry.
+            let raw: Vec<Option<i64>> = {
+                let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
+                let cache = demand_memo(&mut memo_map, &ahead.demand, view.slots());
+                ahead
+                    .slots
+                    .iter()
+                    .map(|&slot| {
+                        let (entry, stamp) = view.entry_at(slot);
+                        let entry = entry?;
+                        let key = (stamp, epoch);
+                        if let Some((k, v)) = &cache[slot]
+                            && *k == key
+                        {
+                            return *v;
+                        }
+                        let (name, _) = view.name_and_item(slot)?;
+                        let score = self.score_on(&view, name, entry, &ahead.demand, &policy);
+                        cache[slot] = Some((key, score));
+                        score
+                    })
+                    .collect()
+            };
+            let scores = extender_scores(&raw);
             // Slots are never taken back: each is there.
-            let nodes = || ahead.slots.iter().filter_map(|&slot| view.at(slot));
-            let found = nodes().map(|(name, found)| (name, Some(found)));
-            let scores = self.scores_in(&view, &policy, epoch, &ahead.demand, found);
+            let hosts = ahead.slots.iter().filter_map(|&slot| view.name_and_item(slot));
             let hosts: Vec<(&str, Option<&str>)> =
-                nodes().map(|(name, found)| (name, Some(found.item))).collect();
+                hosts.map(|(name, item)| (name, Some(item))).collect();
             Made {
                 body: bytes::Bytes::from(scores_answer(&hosts, &scores)),
                 changes: view.changes(),
@@ -1084,7 +1306,7 @@ impl Extender {
             });
         } else {
             let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-            let passed = self.judged(&demand, &names, |judged| {
+            let passed = self.judged(&demand, &names, None, |judged| {
                 judged
                     .iter()
                     .filter(|j| record(j.name, j.verdict))

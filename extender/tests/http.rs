@@ -777,6 +777,77 @@ async fn the_fast_answers_are_the_typed_answers() {
     assert_eq!(answer["NodeNames"], json!([]), "b is full now: {answer}");
 }
 
+/// Issue 25, item 1: a filter call whose names are byte for byte a recent call's is judged from
+/// the slots found for them then, and answered with exactly the bytes the names read afresh
+/// get: through nodes added (a name unknown then), removed, changed, a node without a usable
+/// document, pods that ask nothing or what cannot be read, and names sent with spaces.
+#[tokio::test]
+async fn names_sent_again_are_answered_as_names_read_afresh() {
+    let extender = Extender::new(Settings::default());
+    let set = |name: &str, free: &[u32]| {
+        let n: Node = serde_json::from_value(node(name, free)).expect("node");
+        extender.cluster.write().expect("lock").set_node(name, NodeEntry::of(&n, KEY));
+    };
+    for (name, free) in
+        [("a", vec![20, 20]), ("b", vec![60, 140]), ("c", vec![0, 0]), ("x", vec![140])]
+    {
+        set(name, &free);
+    }
+    let mut bare = node("bad", &[140]);
+    bare["metadata"]["annotations"] = json!({});
+    let bare: Node = serde_json::from_value(bare).expect("node");
+    extender.cluster.write().expect("lock").set_node("bad", NodeEntry::of(&bare, KEY));
+    extender.cluster.write().expect("lock").remove_node("x");
+    // x is gone, e not heard of yet, bad has no document; sent twice, and once with spaces.
+    let array = r#"["a","b","c","x","e","bad","a","b"]"#;
+    let spaced = r#"[ "a" , "b","c",	"x","e" ,"bad","a","b" ]"#;
+    let check = |pod: Value, array: &str, reused: bool| {
+        let body = format!(r#"{{"Pod":{pod},"Nodes":null,"NodeNames":{array}}}"#);
+        let args = baleen_extender::protocol::ExtenderArgs::parse(body.as_bytes()).expect("args");
+        let read = extender.filter_json(&args);
+        let call = extender.filter_call(body.as_bytes()).expect("answered");
+        assert_eq!(
+            String::from_utf8_lossy(&call.body),
+            String::from_utf8_lossy(&read.body),
+            "{body}"
+        );
+        assert_eq!(call.names_reused, reused, "{body}");
+        assert_eq!(
+            (call.removed.full, call.removed.never, call.removed.no_state),
+            (read.removed.full, read.removed.never, read.removed.no_state)
+        );
+        assert_eq!(call.ahead.is_some(), read.ahead.is_some());
+        serde_json::from_slice::<Value>(&call.body).expect("json")
+    };
+    for units in [8, 40, 100, 141] {
+        check(pod(units), array, units != 8);
+    }
+    check(pod(40), spaced, false);
+    check(pod(40), spaced, true);
+    // e comes: its name, unknown when the names were first read, is judged now.
+    set("e", &[140, 140]);
+    let answer = check(pod(40), array, true);
+    assert!(answer["NodeNames"].as_array().expect("names").contains(&json!("e")), "{answer}");
+    // a goes; b fills up: neither passes now, a as unknown, b as full.
+    extender.cluster.write().expect("lock").remove_node("a");
+    set("b", &[0, 0]);
+    let answer = check(pod(40), array, true);
+    assert_eq!(answer["NodeNames"], json!(["e"]), "{answer}");
+    assert!(answer["FailedNodes"]["b"].is_string(), "{answer}");
+    assert!(answer["FailedAndUnresolvableNodes"]["a"].is_string(), "{answer}");
+    // A pod that asks nothing of baleen (every node passes), one whose ask cannot be read.
+    let mut cpu_only = pod(8);
+    cpu_only["spec"]["containers"][0]["resources"] = json!({"requests": {"cpu": "1"}});
+    check(cpu_only, array, true);
+    let mut unreadable = pod(8);
+    unreadable["spec"]["containers"][0]["resources"]["limits"]["awesome-ai-company.com/gpu-memory"] =
+        json!("lots");
+    let answer = check(unreadable, array, true);
+    assert!(!answer["Error"].as_str().expect("error").is_empty(), "{answer}");
+    // A name that needs an escape is read by serde_json, answered the same way.
+    check(pod(40), r#"["a","d\"q","e"]"#, false);
+}
+
 /// Issue 25, item 4: kube-scheduler picks preemption victims by a node's totals; `preempt`
 /// keeps only the victim sets that free one GPU enough for the pod.
 #[tokio::test]

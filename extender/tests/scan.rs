@@ -89,6 +89,15 @@ proptest! {
         let fast = outcome(ExtenderArgs::parse(body.as_bytes()));
         let serde = outcome(serde_json::from_slice::<ExtenderArgs<'_>>(body.as_bytes()));
         prop_assert_eq!(fast, serde, "{}", body);
+        // Names split are handed back with their array's text, exactly that array (the filter
+        // keeps it to know the same names in a later call by their bytes).
+        if let Some(scanned) = scan_call(body.as_bytes(), &[])
+            && let ScannedNames::Split { names, text } = &scanned.names
+        {
+            let again: Vec<String> = serde_json::from_str(text).expect("the text is an array");
+            prop_assert_eq!(&again, names, "{}", body);
+            prop_assert!(text.starts_with('[') && text.ends_with(']'), "{}", text);
+        }
     }
 
     /// A body whose names are byte for byte a known array is found as that array, and its
@@ -122,10 +131,13 @@ fn kube_schedulers_bodies_are_read_the_fast_way() {
     }))
     .expect("json");
     let scanned = scan_call(body.as_bytes(), &[]).expect("the fast way");
-    let ScannedNames::Split(split) = &scanned.names else {
+    let ScannedNames::Split { names: split, text } = &scanned.names else {
         panic!("names split: {:?}", scanned.names)
     };
     assert_eq!(split.len(), 5000);
+    // The array's text is handed back as it lies in the body (what later calls are compared
+    // with).
+    assert_eq!(*text, serde_json::to_string(&names).expect("json"));
     assert_eq!(split[4999], "node-04999.example.internal");
     let known = serde_json::to_string(&names).expect("json");
     let scanned = scan_call(body.as_bytes(), &[known.as_bytes()]).expect("the fast way");
