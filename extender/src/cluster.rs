@@ -216,6 +216,10 @@ impl NameIndex {
     }
 }
 
+/// How many changes [`ClusterView::changed_since`] remembers: many more than happen between
+/// two pods of a demand at kube-scheduler's pace, few enough to cost nothing (8 KiB).
+const CHANGE_LOG: usize = 1024;
+
 /// Nodes and pods.
 #[derive(Debug, Default)]
 pub struct ClusterView {
@@ -229,6 +233,9 @@ pub struct ClusterView {
     /// When a node was last added, changed or removed.
     pub updated: Option<Instant>,
     changes: u64,
+    /// The slots of the latest [`CHANGE_LOG`] changes, oldest first: the last is change
+    /// number `changes`'s ([`Self::changed_since`]).
+    changed: std::collections::VecDeque<usize>,
     /// Pods this extender bound (the `bind` verb) that the Pod watch does not show bound yet,
     /// by UID: the node. An older event of the pod (still pending) does not undo the binding.
     reserved: HashMap<String, String>,
@@ -273,6 +280,19 @@ impl ClusterView {
         self.changes += 1;
         let i = self.slot_of(node);
         self.slots[i].stamp = self.changes;
+        if self.changed.len() >= CHANGE_LOG {
+            self.changed.pop_front();
+        }
+        self.changed.push_back(i);
+    }
+
+    /// The slots of the nodes changed since [`Self::changes`] was `since` (a slot once per
+    /// change of it), so that an answer judged then can be checked node by node; `None` where
+    /// more changes happened since than the view remembers, or `since` is not a past count.
+    pub fn changed_since(&self, since: u64) -> Option<impl Iterator<Item = usize> + '_> {
+        let back = usize::try_from(self.changes.checked_sub(since)?).ok()?;
+        let skip = self.changed.len().checked_sub(back)?;
+        Some(self.changed.iter().skip(skip).copied())
     }
 
     /// A number that changes whenever `node` or a pod bound to it changes.

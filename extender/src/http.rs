@@ -119,7 +119,7 @@ impl Metrics {
             IntCounterVec::new(
                 Opts::new(
                     "baleen_extender_filter_names_total",
-                    "filter calls by how their node names were read: reused (byte for byte a recent call's, judged from the slots found then; kube-scheduler sends the same names pod after pod with percentageOfNodesToScore: 100), read (split and looked up).",
+                    "filter calls by how their node names were judged: read (split and looked up), reused (byte for byte a recent call's, judged from the slots found then; kube-scheduler sends the same names pod after pod with percentageOfNodesToScore: 100), again (a recent call's names and demand, no node among them changed its verdict since: that answer again).",
                 ),
                 &["how"],
             ),
@@ -361,8 +361,7 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
         Ok(a) => a,
         Err(e) => return bad_body(&app, "filter", "ExtenderArgs", &e),
     };
-    let how = if answer.names_reused { "reused" } else { "read" };
-    app.metrics.filter_names.with_label_values(&[how]).inc();
+    app.metrics.filter_names.with_label_values(&[answer.how.as_str()]).inc();
     for (kind, n) in answer.removed.by_kind() {
         if n > 0 {
             app.metrics.filtered.with_label_values(&[kind.as_str()]).inc_by(n);

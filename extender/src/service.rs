@@ -2,7 +2,7 @@
 //! pod, and why not) and `prioritize` (how well, by the `scheduler_core` policy), and the
 //! policy's target workload, learned online from the pods seen and rebuilt off the request path.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use baleen_k8s::gpu_state::NodeGpuState;
@@ -257,9 +257,31 @@ pub struct FilterAnswer {
     pub error: String,
     /// The `prioritize` answer for the nodes it passed, to be made while this answer travels.
     pub ahead: Option<Arc<Ahead>>,
-    /// Whether the call's names were a recent call's, judged from the slots found for them
-    /// then ([`Extender::filter_call`]).
-    pub names_reused: bool,
+    /// How the call's names were judged.
+    pub how: FilterHow,
+}
+
+/// How a filter call's node names were judged ([`Extender::filter_call`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FilterHow {
+    /// Read (split, or parsed by serde_json) and looked up.
+    Read,
+    /// Byte for byte a recent call's names, judged from the slots found for them then.
+    Reused,
+    /// A recent call's names and demand, none of whose nodes changed its verdict since: that
+    /// call's answer again, only the nodes changed since judged anew.
+    Again,
+}
+
+impl FilterHow {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FilterHow::Read => "read",
+            FilterHow::Reused => "reused",
+            FilterHow::Again => "again",
+        }
+    }
 }
 
 impl FilterAnswer {
@@ -270,7 +292,7 @@ impl FilterAnswer {
             removed,
             error: result.error,
             ahead: None,
-            names_reused: false,
+            how: FilterHow::Read,
         }
     }
 }
@@ -307,7 +329,7 @@ pub struct Ahead {
     /// The filter answer's `NodeNames` array, as written (shared with the answer, not copied).
     names: bytes::Bytes,
     /// The slots of the nodes it passed, in its order.
-    slots: Vec<usize>,
+    slots: Arc<[usize]>,
     made: std::sync::OnceLock<Made>,
 }
 
@@ -334,6 +356,62 @@ struct Resolved {
     spans: Vec<std::ops::Range<usize>>,
     /// Each name's slot (`None`: unknown then).
     slots: Vec<Option<usize>>,
+    /// Where every name had a slot: each (slot, index of a name with it), sorted, to find the
+    /// names of a node that changed ([`Judgement`]).
+    places: Option<Vec<(usize, usize)>>,
+    /// The latest answer for these names, per demand (at most [`JUDGEMENTS`]).
+    judgements: Mutex<HashMap<Demand, Arc<Judgement>>>,
+}
+
+impl Resolved {
+    fn new(text: &str, names: &[&str], slots: Vec<Option<usize>>) -> Self {
+        let base = text.as_ptr() as usize;
+        let spans = names
+            .iter()
+            .map(|n| {
+                let start = n.as_ptr() as usize - base;
+                start..start + n.len()
+            })
+            .collect();
+        let places = slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| slot.map(|s| (s, i)))
+            .collect::<Option<Vec<_>>>()
+            .map(|mut places| {
+                places.sort_unstable();
+                places
+            });
+        Resolved { text: text.into(), spans, slots, places, judgements: Mutex::default() }
+    }
+
+    /// The indices of the names with slot `slot`.
+    fn places_of(&self, slot: usize) -> impl Iterator<Item = usize> + '_ {
+        let places = self.places.as_deref().unwrap_or_default();
+        let from = places.partition_point(|&(s, _)| s < slot);
+        places[from..].iter().take_while(move |&&(s, _)| s == slot).map(|&(_, i)| i)
+    }
+}
+
+/// The most demands whose latest answer is kept per names ([`Resolved::judgements`]): 16
+/// answers of 5,000 names are about 1.7 MiB.
+const JUDGEMENTS: usize = 16;
+
+/// A filter answer for one call's names and one demand, and the view it holds for: while no
+/// node among the names changed its verdict since (the view's change log, [`ClusterView::changed_since`]),
+/// it is the answer again, byte for byte; only the nodes changed are judged anew.
+#[derive(Debug)]
+struct Judgement {
+    /// [`ClusterView::changes`] when it was last known to hold.
+    changes: std::sync::atomic::AtomicU64,
+    body: bytes::Bytes,
+    /// Where its `NodeNames` array lies in `body`.
+    names: std::ops::Range<usize>,
+    removed: Removed,
+    /// The slots of the nodes that passed, in order.
+    passed: Arc<[usize]>,
+    /// The names that did not pass, by index (ascending), and their verdicts.
+    failed: Vec<(usize, Verdict)>,
 }
 
 /// The most demands remembered; past it the memo starts afresh.
@@ -959,16 +1037,13 @@ impl Extender {
         match &scanned.names {
             ScannedNames::Known(i, _) => {
                 let mut answer = self.filter_resolved(&scanned.pod, &recent[*i]);
-                answer.names_reused = true;
+                if answer.how == FilterHow::Read {
+                    answer.how = FilterHow::Reused;
+                }
                 Ok(answer)
             }
             ScannedNames::Split { names, text } if !names.is_empty() => {
-                let slots = self.resolve(names);
-                let base = text.as_ptr() as usize;
-                let spans = names
-                    .iter()
-                    .map(|n| n.as_ptr() as usize - base..n.as_ptr() as usize - base + n.len());
-                let r = Arc::new(Resolved { text: (*text).into(), spans: spans.collect(), slots });
+                let r = Arc::new(Resolved::new(text, names, self.resolve(names)));
                 {
                     let mut resolved = self.resolved.lock().unwrap_or_else(PoisonError::into_inner);
                     if resolved.len() >= RESOLVED {
@@ -997,6 +1072,9 @@ impl Extender {
         };
         if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
             self.learn(&pod.metadata.uid, &demand);
+        }
+        if let Some(answer) = self.judged_again(&demand, r) {
+            return answer;
         }
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
         let text = r.text.as_bytes();
@@ -1066,19 +1144,88 @@ impl Extender {
             out.push(b'}');
         }
         out.extend_from_slice(b",\"Error\":\"\"}");
+        let failed: Vec<(usize, Verdict)> =
+            failed.into_iter().map(|(i, slot)| (i, verdict_of(slot).clone())).collect();
+        let changes = view.changes();
         drop(memo_map);
         drop(view);
-        let body = bytes::Bytes::from(out);
-        let ahead = (passed.len() >= 2).then(|| {
+        let judgement = Arc::new(Judgement {
+            changes: changes.into(),
+            body: bytes::Bytes::from(out),
+            names,
+            removed,
+            passed: passed.into(),
+            failed,
+        });
+        if r.places.is_some() {
+            let mut kept = r.judgements.lock().unwrap_or_else(PoisonError::into_inner);
+            if !kept.contains_key(&demand) && kept.len() >= JUDGEMENTS {
+                kept.clear();
+            }
+            kept.insert(demand.clone(), judgement.clone());
+        }
+        self.answer_judged(demand, &judgement)
+    }
+
+    /// The answer of `judgement`, the `prioritize` after it prepared.
+    fn answer_judged(&self, demand: Demand, judgement: &Judgement) -> FilterAnswer {
+        let body = judgement.body.clone();
+        let ahead = (judgement.passed.len() >= 2).then(|| {
             Arc::new(Ahead {
                 demand,
-                names: body.slice(names),
-                slots: passed,
+                names: body.slice(judgement.names.clone()),
+                slots: judgement.passed.clone(),
                 made: std::sync::OnceLock::new(),
             })
         });
         self.keep_ahead(ahead.as_ref());
-        FilterAnswer { body, removed, error: String::new(), ahead, names_reused: false }
+        FilterAnswer {
+            body,
+            removed: judgement.removed,
+            error: String::new(),
+            ahead,
+            how: FilterHow::Read,
+        }
+    }
+
+    /// The latest answer for `r`'s names and `demand` again, where it still holds: every node
+    /// among the names changed since it was judged is judged anew (the view's change log), and
+    /// none's verdict differs. `None` where one does, where more changed than the log keeps, or
+    /// where some name had no slot (then the whole answer is judged again).
+    fn judged_again(&self, demand: &Demand, r: &Resolved) -> Option<FilterAnswer> {
+        let last = r.judgements.lock().unwrap_or_else(PoisonError::into_inner).get(demand).cloned()?;
+        let unknown = Verdict::NoState(UNKNOWN_NODE.into());
+        let view = self.view();
+        let since = last.changes.load(std::sync::atomic::Ordering::SeqCst);
+        let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
+        let cache = demand_memo(&mut memo_map, demand, view.slots());
+        for slot in view.changed_since(since)? {
+            for i in r.places_of(slot) {
+                let now = match view.entry_at(slot) {
+                    (Some(entry), stamp) => {
+                        if cache[slot].as_ref().is_none_or(|(s, _)| *s != stamp) {
+                            let name = &r.text[r.spans[i].clone()];
+                            cache[slot] = Some((stamp, self.verdict_on(&view, name, entry, demand)));
+                        }
+                        cache[slot].as_ref().map_or(&unknown, |(_, v)| v)
+                    }
+                    (None, _) => &unknown,
+                };
+                let then = last
+                    .failed
+                    .binary_search_by_key(&i, |(at, _)| *at)
+                    .map_or(&Verdict::Fits, |k| &last.failed[k].1);
+                if now != then {
+                    return None;
+                }
+            }
+        }
+        last.changes.store(view.changes(), std::sync::atomic::Ordering::SeqCst);
+        drop(memo_map);
+        drop(view);
+        let mut answer = self.answer_judged(demand.clone(), &last);
+        answer.how = FilterHow::Again;
+        Some(answer)
     }
 
     /// Keeps `ahead` among the latest answers made ahead.
@@ -1145,11 +1292,11 @@ impl Extender {
                 Arc::new(Ahead {
                     demand: demand.clone(),
                     names: body.slice(names),
-                    slots: passed,
+                    slots: passed.into(),
                     made: std::sync::OnceLock::new(),
                 })
             });
-            FilterAnswer { body, removed, error: String::new(), ahead, names_reused: false }
+            FilterAnswer { body, removed, error: String::new(), ahead, how: FilterHow::Read }
         });
         self.keep_ahead(answer.ahead.as_ref());
         answer

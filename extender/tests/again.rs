@@ -1,0 +1,196 @@
+//! A filter answer given again (issue 25, item 1): kube-scheduler sends the same names pod after
+//! pod, so the extender keeps its latest answer per names and demand and gives it again where
+//! no node among the names changed its verdict since, judging only the nodes the view's change
+//! log names. Held here to the answer judged afresh, byte for byte, through any sequence of
+//! node changes, removals, returns, bound and deleted pods and demands.
+
+use baleen_extender::cluster::{NodeEntry, PodEntry};
+use baleen_extender::protocol::{ExtenderArgs, Node, Pod};
+use baleen_extender::service::{Extender, FilterHow, Settings};
+use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+const KEY: &str = "awesome-ai-company.com/gpu-state";
+const DOMAIN: &str = "awesome-ai-company.com";
+const NODES: usize = 12;
+const FREE: [u32; 5] = [0, 20, 60, 100, 140];
+
+fn node(name: &str, free: &[u32]) -> Node {
+    let state = NodeGpuState {
+        version: VERSION,
+        node: name.into(),
+        generation: 1,
+        memory_unit_bytes: 1 << 30,
+        resources: vec![format!("{DOMAIN}/gpu"), format!("{DOMAIN}/gpu-memory")],
+        gpus: free
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| GpuEntry {
+                index: u32::try_from(i).expect("few"),
+                uuid: format!("GPU-{name}-{i}"),
+                model: "NVIDIA H200".into(),
+                memory_bytes: 140 << 30,
+                numa_node: Some(0),
+                nvlink_peers: vec![],
+                mode: if f == 140 { GpuMode::Idle } else { GpuMode::Shared },
+                healthy: true,
+                shares_offered: true,
+                units_total: 140,
+                units_free: f,
+                compute_free_milli: f * 1000 / 140,
+                mig: vec![],
+                pods: vec![],
+            })
+            .collect(),
+        nvlink_groups: vec![],
+        unnamed: vec![],
+        pod_uids: Default::default(),
+    };
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "annotations": {KEY: state.to_json()}},
+        "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},
+                   "capacity": {format!("{DOMAIN}/gpu-memory"): (free.len() * 140).to_string()}}
+    }))
+    .expect("node")
+}
+
+fn pod(uid: &str, units: u32, on: Option<&str>) -> Value {
+    json!({"metadata": {"name": uid, "namespace": "ns", "uid": uid},
+           "spec": {"nodeName": on, "containers": [{"name": "c", "resources": {
+               "limits": {format!("{DOMAIN}/gpu-memory"): units},
+               "requests": {"cpu": "1", "memory": "1Gi"}}}]}})
+}
+
+/// One step of the cluster between two filter calls.
+#[derive(Debug, Clone)]
+enum Step {
+    /// Node `.0`'s document changes to these free units per GPU.
+    Set(usize, [u32; 2]),
+    /// Node `.0` goes away (a name then unknown to the view's entries).
+    Remove(usize),
+    /// A pod asking `.1` units is bound to node `.0` (counted where the document does not
+    /// show it yet).
+    Bind(usize, u32),
+    /// The `.0`-th pod bound so far is deleted.
+    Delete(usize),
+    /// Many changes at once, more than the change log keeps.
+    Flood,
+    /// Nothing changes.
+    Still,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0..NODES, 0..5usize, 0..5usize).prop_map(|(n, a, b)| Step::Set(n, [FREE[a], FREE[b]])),
+        1 => (0..NODES).prop_map(Step::Remove),
+        3 => (0..NODES, prop::sample::select(vec![8u32, 20, 40, 70])).prop_map(|(n, u)| Step::Bind(n, u)),
+        1 => (0..8usize).prop_map(Step::Delete),
+        1 => Just(Step::Flood),
+        4 => Just(Step::Still),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Whatever happens between calls, the answer given is the answer judged afresh.
+    #[test]
+    fn an_answer_given_again_is_the_answer_judged_afresh(
+        steps in proptest::collection::vec((step(), prop::sample::select(vec![8u32, 40, 100, 140])), 1..60),
+    ) {
+        let extender = Extender::new(Settings::default());
+        let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
+        {
+            let mut view = extender.cluster.write().expect("lock");
+            for (i, name) in names.iter().enumerate() {
+                view.set_node(name, NodeEntry::of(&node(name, &[FREE[i % 5], FREE[(i + 2) % 5]]), KEY));
+            }
+        }
+        // The names as kube-scheduler sends them, one repeated.
+        let mut sent = names.clone();
+        sent.push(names[3].clone());
+        let mut bound: Vec<String> = Vec::new();
+        let mut hows = Vec::new();
+        for (k, (step, units)) in steps.iter().enumerate() {
+            {
+                let mut view = extender.cluster.write().expect("lock");
+                match step {
+                    Step::Set(n, free) => view.set_node(&names[*n], NodeEntry::of(&node(&names[*n], free), KEY)),
+                    Step::Remove(n) => view.remove_node(&names[*n]),
+                    Step::Bind(n, u) => {
+                        let uid = format!("b{k}");
+                        let p: Pod = serde_json::from_value(pod(&uid, *u, Some(&names[*n]))).expect("pod");
+                        view.set_pod(&uid, PodEntry::of(&p, DOMAIN));
+                        bound.push(uid);
+                    }
+                    Step::Delete(i) => {
+                        if !bound.is_empty() {
+                            let uid = bound.remove(i % bound.len());
+                            view.remove_pod(&uid);
+                        }
+                    }
+                    Step::Flood => {
+                        for j in 0..1100 {
+                            let n = j % NODES;
+                            view.set_node(&names[n], NodeEntry::of(&node(&names[n], &[FREE[j % 5], 140]), KEY));
+                        }
+                    }
+                    Step::Still => {}
+                }
+            }
+            let body = json!({"Pod": pod(&format!("p{k}"), *units, None), "Nodes": null, "NodeNames": sent})
+                .to_string();
+            let args = ExtenderArgs::parse(body.as_bytes()).expect("args");
+            let afresh = extender.filter_json(&args);
+            let given = extender.filter_call(body.as_bytes()).expect("answered");
+            prop_assert_eq!(
+                String::from_utf8_lossy(&given.body),
+                String::from_utf8_lossy(&afresh.body),
+                "step {} ({:?}), {} units", k, step, units
+            );
+            prop_assert_eq!(given.removed, afresh.removed);
+            if matches!(step, Step::Flood) {
+                prop_assert!(given.how != FilterHow::Again, "past the change log, judged afresh");
+            }
+            hows.push(given.how);
+        }
+        prop_assert_eq!(hows[0], FilterHow::Read);
+    }
+}
+
+/// The answer is given again where nothing among the names changed its verdict, and judged
+/// afresh where a node did: the paths the property above compares are both taken.
+#[test]
+fn both_paths_are_taken() {
+    let extender = Extender::new(Settings::default());
+    let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
+    let set = |n: usize, free: &[u32]| {
+        extender
+            .cluster
+            .write()
+            .expect("lock")
+            .set_node(&names[n], NodeEntry::of(&node(&names[n], free), KEY));
+    };
+    for n in 0..NODES {
+        set(n, &[140, 20]);
+    }
+    let call = |units: u32| {
+        let body = json!({"Pod": pod("p", units, None), "Nodes": null, "NodeNames": names}).to_string();
+        extender.filter_call(body.as_bytes()).expect("answered")
+    };
+    assert_eq!(call(40).how, FilterHow::Read);
+    assert_eq!(call(40).how, FilterHow::Again, "nothing changed");
+    // n1 still fits 40 units: the same answer.
+    set(1, &[100, 20]);
+    assert_eq!(call(40).how, FilterHow::Again, "n1 changed but still fits");
+    // n2 no longer fits: judged again in full, and it is out.
+    set(2, &[20, 20]);
+    let answer = call(40);
+    assert_eq!(answer.how, FilterHow::Reused);
+    let answer: Value = serde_json::from_slice(&answer.body).expect("json");
+    assert!(answer["FailedNodes"]["n2"].is_string(), "{answer}");
+    // Another demand has its own answer.
+    assert_eq!(call(8).how, FilterHow::Reused);
+    assert_eq!(call(8).how, FilterHow::Again);
+}
