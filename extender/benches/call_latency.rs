@@ -5,8 +5,9 @@
 //! prioritize body built in between. Between two pods the
 //! cluster moves as in a live one: the pod is bound to the best node (a pod the annotation does
 //! not show yet) and one node's annotation changes; the policy is rebuilt every 100 pods
-//! beside the calls, as the running extender does. Run:
-//! `cargo bench -p baleen-extender --bench call_latency`.
+//! beside the calls, as the running extender does. The 1,000 pods timed come after a first
+//! batch of 200 (every demand shape judged once, the target workload learned), as after a
+//! while in a cluster. Run: `cargo bench -p baleen-extender --bench call_latency`.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -210,12 +211,27 @@ fn main() {
                 .expect("bind");
         tokio::spawn(server);
         let mut connection = Connection::open(address);
-        // A target workload learned from a first batch of pods, as after a while in a cluster.
+        let mut first_of_demand = Vec::new();
+        // A first batch of pods, as after a while in a cluster: the target workload learned
+        // from them, and each of their demands judged on every node once (the first pod of a
+        // demand never seen judges 5,000 nodes: the bench prints what that first call costs).
+        let warm: Vec<&str> = names.iter().map(String::as_str).collect();
         for i in 0..200 {
             let p = pod(1_000_000 + i, shapes[i % shapes.len()]);
-            let body = serde_json::to_vec(&Call { pod: &p, node_names: &[] }).expect("json");
+            let body = serde_json::to_vec(&Call { pod: &p, node_names: &warm }).expect("json");
+            let started = Instant::now();
             connection.post("/filter", &body);
+            if i < shapes.len() {
+                first_of_demand.push(started.elapsed());
+            }
         }
+        first_of_demand.sort();
+        println!(
+            "the first filter of each of the {} demands, every node judged for it: median {:.2} ms, max {:.2} ms",
+            shapes.len(),
+            first_of_demand[first_of_demand.len() / 2].as_secs_f64() * 1e3,
+            first_of_demand.last().expect("shapes").as_secs_f64() * 1e3
+        );
         let rebuilt = Instant::now();
         extender.rebuild_policy();
         println!(
@@ -261,6 +277,19 @@ fn main() {
                 .unwrap_or((0.0, 0))
         };
         let handlers_before = [handler("filter"), handler("prioritize")];
+        let counted = |family: &str, label: &str| {
+            registry
+                .gather()
+                .iter()
+                .filter(|f| f.name() == family)
+                .flat_map(|f| f.get_metric().iter())
+                .filter(|m| m.get_label().iter().any(|l| l.value() == label))
+                .map(|m| m.get_counter().get_value())
+                .fold(0.0, |a, b| a + b)
+        };
+        // Per pod, how its filter was judged (given again, or judged in full) and whether a
+        // policy rebuild was under way: where the tail comes from.
+        let mut classes: [Vec<Duration>; 4] = Default::default();
         let run_started = Instant::now();
         let mut calls_total = Duration::ZERO;
         // The client's own share of the calls: its parse of both answers and its prioritize body.
@@ -275,6 +304,8 @@ fn main() {
             let units = shapes[rng.random_range(0..shapes.len())];
             let p = pod(i, units);
             let filter_body = serde_json::to_vec(&Call { pod: &p, node_names: &all }).expect("json");
+            let again_before = counted("baleen_extender_filter_names_total", "again");
+            let rebuilding = !extender.learning().1;
             let started = Instant::now();
             let text = connection.post("/filter", &filter_body).to_vec();
             let own = Instant::now();
@@ -306,6 +337,9 @@ fn main() {
                 first = Some((elapsed, passed.len()));
             } else {
                 times.push(elapsed);
+                let again = counted("baleen_extender_filter_names_total", "again") > again_before;
+                let rebuilding = rebuilding || !extender.learning().1;
+                classes[usize::from(again) + 2 * usize::from(rebuilding)].push(elapsed);
             }
             // Bind to the best node (not yet in its annotation), and one other node changes.
             let best = scores.iter().max_by_key(|s| s.score).map(|s| s.host.to_owned());
@@ -411,10 +445,31 @@ fn main() {
             sum * 1e3 / count.max(1) as f64
         };
         println!(
-            "the server's own time in its handlers (mean): filter {:.3} ms, prioritize {:.3} ms",
+            "the server's own time in its handlers (mean): filter {:.3} ms, prioritize {:.3} ms; filter calls by how (all, the first batch's included): read {}, reused {}, again {}; prioritize made ahead {}, computed {}",
             mean_ms(0),
-            mean_ms(1)
+            mean_ms(1),
+            counted("baleen_extender_filter_names_total", "read"),
+            counted("baleen_extender_filter_names_total", "reused"),
+            counted("baleen_extender_filter_names_total", "again"),
+            counted("baleen_extender_prioritize_answers_total", "made_ahead"),
+            counted("baleen_extender_prioritize_answers_total", "computed"),
         );
+        for (c, name) in classes.iter_mut().zip([
+            "judged in full, no rebuild",
+            "given again, no rebuild",
+            "judged in full, during a rebuild",
+            "given again, during a rebuild",
+        ]) {
+            c.sort();
+            if !c.is_empty() {
+                println!(
+                    "  pods whose filter was {name}: n={} p50={:.2} ms p99={:.2} ms",
+                    c.len(),
+                    percentile(c, 500).as_secs_f64() * 1e3,
+                    percentile(c, 990).as_secs_f64() * 1e3
+                );
+            }
+        }
         let part = |d: Duration| d.as_secs_f64() * 1e3 / calls as f64;
         println!(
             "of which: filter answer parse {:.3} ms, prioritize body {:.3} ms, prioritize answer parse {:.3} ms; zero scores {:.1} % of {} hosts answered a pod",

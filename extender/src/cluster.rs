@@ -314,9 +314,14 @@ impl ClusterView {
         Some((self.ids.name(slot), Found { slot, entry: s.entry.as_ref(), stamp: s.stamp, item }))
     }
 
-    /// Slot `slot`'s name and its [`Found::item`]; `None` past the last slot.
-    pub fn name_and_item(&self, slot: usize) -> Option<(&str, &str)> {
-        (slot < self.slots.len()).then(|| (self.ids.name(slot), self.ids.item(slot)))
+    /// Slot `slot`'s name; `None` past the last slot.
+    pub fn name_of(&self, slot: usize) -> Option<&str> {
+        (slot < self.slots.len()).then(|| self.ids.name(slot))
+    }
+
+    /// Slot `slot`'s [`Found::item`]; `None` past the last slot.
+    pub fn item_at(&self, slot: usize) -> Option<&str> {
+        (slot < self.slots.len()).then(|| self.ids.item(slot))
     }
 
     /// Slot `slot`'s entry (`None` while its node is gone) and stamp, as [`Self::find`] finds

@@ -214,12 +214,16 @@ fn names_answer(judged: &[Judged<'_, '_>]) -> (Vec<u8>, std::ops::Range<usize>) 
 
 /// The answer of `prioritize` (a `HostPriorityList`): per host, its name and, where the view
 /// knows it, its entry's start ([`crate::cluster::Found::item`]), and its score.
-fn scores_answer(hosts: &[(&str, Option<&str>)], scores: &[i64]) -> Vec<u8> {
+fn scores_answer<'a>(
+    hosts: impl ExactSizeIterator<Item = (&'a str, Option<&'a str>)>,
+    scores: &[i64],
+) -> Vec<u8> {
     use crate::protocol::{HOST_ITEM_SCORE, HOST_ITEM_START};
-    let mut out = Vec::with_capacity(hosts.iter().map(|(n, _)| n.len() + 24).sum::<usize>() + 2);
+    // About 32 bytes an entry for names of a dozen characters; grown where longer.
+    let mut out = Vec::with_capacity(hosts.len() * 40 + 2);
     out.push(b'[');
     let mut number = itoa::Buffer::new();
-    for (i, (&(host, item), &score)) in hosts.iter().zip(scores).enumerate() {
+    for (i, ((host, item), &score)) in hosts.zip(scores).enumerate() {
         if i > 0 {
             out.push(b',');
         }
@@ -1193,7 +1197,8 @@ impl Extender {
     /// none's verdict differs. `None` where one does, where more changed than the log keeps, or
     /// where some name had no slot (then the whole answer is judged again).
     fn judged_again(&self, demand: &Demand, r: &Resolved) -> Option<FilterAnswer> {
-        let last = r.judgements.lock().unwrap_or_else(PoisonError::into_inner).get(demand).cloned()?;
+        let last =
+            r.judgements.lock().unwrap_or_else(PoisonError::into_inner).get(demand).cloned()?;
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
         let view = self.view();
         let since = last.changes.load(std::sync::atomic::Ordering::SeqCst);
@@ -1205,7 +1210,8 @@ impl Extender {
                     (Some(entry), stamp) => {
                         if cache[slot].as_ref().is_none_or(|(s, _)| *s != stamp) {
                             let name = &r.text[r.spans[i].clone()];
-                            cache[slot] = Some((stamp, self.verdict_on(&view, name, entry, demand)));
+                            cache[slot] =
+                                Some((stamp, self.verdict_on(&view, name, entry, demand)));
                         }
                         cache[slot].as_ref().map_or(&unknown, |(_, v)| v)
                     }
@@ -1330,7 +1336,7 @@ impl Extender {
                         {
                             return *v;
                         }
-                        let (name, _) = view.name_and_item(slot)?;
+                        let name = view.name_of(slot)?;
                         let score = self.score_on(&view, name, entry, &ahead.demand, &policy);
                         cache[slot] = Some((key, score));
                         score
@@ -1338,12 +1344,11 @@ impl Extender {
                     .collect()
             };
             let scores = extender_scores(&raw);
-            // Slots are never taken back: each is there.
-            let hosts = ahead.slots.iter().filter_map(|&slot| view.name_and_item(slot));
-            let hosts: Vec<(&str, Option<&str>)> =
-                hosts.map(|(name, item)| (name, Some(item))).collect();
+            // Each entry's start as the view wrote it once (slots are never taken back: each
+            // is there).
+            let hosts = ahead.slots.iter().map(|&slot| ("", view.item_at(slot)));
             Made {
-                body: bytes::Bytes::from(scores_answer(&hosts, &scores)),
+                body: bytes::Bytes::from(scores_answer(hosts, &scores)),
                 changes: view.changes(),
                 epoch,
             }
@@ -1591,7 +1596,7 @@ impl Extender {
             self.scores_of(&demand, &names)
         };
         let hosts: Vec<(&str, Option<&str>)> = names.iter().map(|n| (*n, None)).collect();
-        Ok(scores_answer(&hosts, &scores))
+        Ok(scores_answer(hosts.iter().copied(), &scores))
     }
 
     /// The prioritize verb.

@@ -176,7 +176,8 @@ fn both_paths_are_taken() {
         set(n, &[140, 20]);
     }
     let call = |units: u32| {
-        let body = json!({"Pod": pod("p", units, None), "Nodes": null, "NodeNames": names}).to_string();
+        let body =
+            json!({"Pod": pod("p", units, None), "Nodes": null, "NodeNames": names}).to_string();
         extender.filter_call(body.as_bytes()).expect("answered")
     };
     assert_eq!(call(40).how, FilterHow::Read);
