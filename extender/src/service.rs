@@ -275,6 +275,9 @@ pub enum FilterHow {
     /// A recent call's names and demand, none of whose nodes changed its verdict since: that
     /// call's answer again, only the nodes changed since judged anew.
     Again,
+    /// A recent call's names and demand, some of whose nodes changed their verdict since: that
+    /// call's answer with those verdicts patched in, only the nodes changed since judged anew.
+    Patched,
 }
 
 impl FilterHow {
@@ -284,6 +287,7 @@ impl FilterHow {
             FilterHow::Read => "read",
             FilterHow::Reused => "reused",
             FilterHow::Again => "again",
+            FilterHow::Patched => "patched",
         }
     }
 }
@@ -363,6 +367,9 @@ struct Resolved {
     /// Where every name had a slot: each (slot, index of a name with it), sorted, to find the
     /// names of a node that changed ([`Judgement`]).
     places: Option<Vec<(usize, usize)>>,
+    /// Whether consecutive names are separated by exactly `","` (as kube-scheduler's encoder
+    /// writes them): runs of passing names are then copied from the text in one piece.
+    compact: bool,
     /// The latest answer for these names, per demand (at most [`JUDGEMENTS`]).
     judgements: Mutex<HashMap<Demand, Arc<Judgement>>>,
 }
@@ -370,7 +377,7 @@ struct Resolved {
 impl Resolved {
     fn new(text: &str, names: &[&str], slots: Vec<Option<usize>>) -> Self {
         let base = text.as_ptr() as usize;
-        let spans = names
+        let spans: Vec<std::ops::Range<usize>> = names
             .iter()
             .map(|n| {
                 let start = n.as_ptr() as usize - base;
@@ -386,7 +393,58 @@ impl Resolved {
                 places.sort_unstable();
                 places
             });
-        Resolved { text: text.into(), spans, slots, places, judgements: Mutex::default() }
+        let compact =
+            spans.windows(2).all(|w| text.as_bytes().get(w[0].end..w[1].start) == Some(b"\",\""));
+        Resolved { text: text.into(), spans, slots, places, compact, judgements: Mutex::default() }
+    }
+
+    /// Name `i` with its quotes, as the call wrote it: every name kept is plain JSON (the
+    /// scanner splits no other), so these are serde_json's bytes for it.
+    fn quoted(&self, i: usize) -> &[u8] {
+        &self.text.as_bytes()[self.spans[i].start - 1..self.spans[i].end + 1]
+    }
+
+    /// Names `from` to `to` (exclusive, at least one) as a comma-separated run of JSON strings,
+    /// copied from the call's text at once ([`Self::compact`] arrays only).
+    fn run(&self, from: usize, to: usize) -> &[u8] {
+        &self.text.as_bytes()[self.spans[from].start - 1..self.spans[to - 1].end + 1]
+    }
+
+    /// Appends the end of a filter answer: the names that did not pass, by kind, with why, and
+    /// the empty error.
+    fn push_failed(&self, out: &mut Vec<u8>, failed: &[(usize, Verdict)]) {
+        for (key, resolvable) in [("FailedNodes", true), ("FailedAndUnresolvableNodes", false)] {
+            out.extend_from_slice(b",\"");
+            out.extend_from_slice(key.as_bytes());
+            out.extend_from_slice(b"\":{");
+            let mut first = true;
+            for (i, verdict) in failed {
+                let why = match verdict {
+                    Verdict::Full(why) if resolvable => why,
+                    Verdict::Never(why) | Verdict::NoState(why) if !resolvable => why,
+                    _ => continue,
+                };
+                if !std::mem::take(&mut first) {
+                    out.push(b',');
+                }
+                out.extend_from_slice(self.quoted(*i));
+                out.push(b':');
+                push_json_str(out, why);
+            }
+            out.push(b'}');
+        }
+        out.extend_from_slice(b",\"Error\":\"\"}");
+    }
+
+    /// Keeps `judgement` as the latest for `demand` (where every name had a slot).
+    fn keep(&self, demand: &Demand, judgement: &Arc<Judgement>) {
+        if self.places.is_some() {
+            let mut kept = self.judgements.lock().unwrap_or_else(PoisonError::into_inner);
+            if !kept.contains_key(demand) && kept.len() >= JUDGEMENTS {
+                kept.clear();
+            }
+            kept.insert(demand.clone(), judgement.clone());
+        }
     }
 
     /// The indices of the names with slot `slot`.
@@ -1081,10 +1139,7 @@ impl Extender {
             return answer;
         }
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
-        let text = r.text.as_bytes();
-        // A name with its quotes: every name kept is plain JSON (the scanner splits no other).
-        let quoted = |i: usize| &text[r.spans[i].start - 1..r.spans[i].end + 1];
-        let mut out = Vec::with_capacity(text.len() + 96);
+        let mut out = Vec::with_capacity(r.text.len() + 96);
         out.extend_from_slice(b"{\"Nodes\":null,\"NodeNames\":");
         let names_start = out.len();
         out.push(b'[');
@@ -1116,7 +1171,7 @@ impl Extender {
                 if !passed.is_empty() {
                     out.push(b',');
                 }
-                out.extend_from_slice(quoted(i));
+                out.extend_from_slice(r.quoted(i));
                 passed.push(slot);
             } else {
                 removed.count(verdict);
@@ -1125,34 +1180,16 @@ impl Extender {
         }
         out.push(b']');
         let names = names_start..out.len();
-        let verdict_of =
-            |slot: Option<usize>| slot.and_then(|s| cache[s].as_ref()).map_or(&unknown, |(_, v)| v);
-        for (key, resolvable) in [("FailedNodes", true), ("FailedAndUnresolvableNodes", false)] {
-            out.extend_from_slice(b",\"");
-            out.extend_from_slice(key.as_bytes());
-            out.extend_from_slice(b"\":{");
-            let mut first = true;
-            for &(i, slot) in &failed {
-                let why = match verdict_of(slot) {
-                    Verdict::Full(why) if resolvable => why,
-                    Verdict::Never(why) | Verdict::NoState(why) if !resolvable => why,
-                    _ => continue,
-                };
-                if !std::mem::take(&mut first) {
-                    out.push(b',');
-                }
-                out.extend_from_slice(quoted(i));
-                out.push(b':');
-                push_json_str(&mut out, why);
-            }
-            out.push(b'}');
-        }
-        out.extend_from_slice(b",\"Error\":\"\"}");
-        let failed: Vec<(usize, Verdict)> =
-            failed.into_iter().map(|(i, slot)| (i, verdict_of(slot).clone())).collect();
+        let failed: Vec<(usize, Verdict)> = failed
+            .into_iter()
+            .map(|(i, slot)| {
+                (i, slot.and_then(|s| cache[s].as_ref()).map_or(&unknown, |(_, v)| v).clone())
+            })
+            .collect();
         let changes = view.changes();
         drop(memo_map);
         drop(view);
+        r.push_failed(&mut out, &failed);
         let judgement = Arc::new(Judgement {
             changes: changes.into(),
             body: bytes::Bytes::from(out),
@@ -1161,13 +1198,7 @@ impl Extender {
             passed: passed.into(),
             failed,
         });
-        if r.places.is_some() {
-            let mut kept = r.judgements.lock().unwrap_or_else(PoisonError::into_inner);
-            if !kept.contains_key(&demand) && kept.len() >= JUDGEMENTS {
-                kept.clear();
-            }
-            kept.insert(demand.clone(), judgement.clone());
-        }
+        r.keep(&demand, &judgement);
         self.answer_judged(demand, &judgement)
     }
 
@@ -1193,9 +1224,13 @@ impl Extender {
     }
 
     /// The latest answer for `r`'s names and `demand` again, where it still holds: every node
-    /// among the names changed since it was judged is judged anew (the view's change log), and
-    /// none's verdict differs. `None` where one does, where more changed than the log keeps, or
-    /// where some name had no slot (then the whole answer is judged again).
+    /// among the names changed since it was judged is judged anew (the view's change log);
+    /// where none's verdict differs, that answer is given again, byte for byte; where some do,
+    /// it is patched (the verdicts of the others are the same: their nodes did not change),
+    /// the runs of passing names between the failed ones copied from the call's text at once.
+    /// `None` where more changed than the log keeps, where some name had no slot, or where a
+    /// verdict differs and the names are not written compactly (then the whole answer is
+    /// judged again).
     fn judged_again(&self, demand: &Demand, r: &Resolved) -> Option<FilterAnswer> {
         let last =
             r.judgements.lock().unwrap_or_else(PoisonError::into_inner).get(demand).cloned()?;
@@ -1204,6 +1239,8 @@ impl Extender {
         let since = last.changes.load(std::sync::atomic::Ordering::SeqCst);
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, demand, view.slots());
+        // The names whose verdict differs from the answer's, with their verdict now.
+        let mut fresh: Vec<(usize, Verdict)> = Vec::new();
         for slot in view.changed_since(since)? {
             for i in r.places_of(slot) {
                 let now = match view.entry_at(slot) {
@@ -1222,15 +1259,61 @@ impl Extender {
                     .binary_search_by_key(&i, |(at, _)| *at)
                     .map_or(&Verdict::Fits, |k| &last.failed[k].1);
                 if now != then {
-                    return None;
+                    if !r.compact {
+                        return None;
+                    }
+                    fresh.push((i, now.clone()));
                 }
             }
         }
-        last.changes.store(view.changes(), std::sync::atomic::Ordering::SeqCst);
+        let changes = view.changes();
         drop(memo_map);
         drop(view);
-        let mut answer = self.answer_judged(demand.clone(), &last);
-        answer.how = FilterHow::Again;
+        if fresh.is_empty() {
+            last.changes.store(changes, std::sync::atomic::Ordering::SeqCst);
+            let mut answer = self.answer_judged(demand.clone(), &last);
+            answer.how = FilterHow::Again;
+            return Some(answer);
+        }
+        // A node changed twice since is judged once, as it is now.
+        fresh.sort_by_key(|(i, _)| *i);
+        fresh.dedup_by_key(|(i, _)| *i);
+        let failed = patched(&last.failed, fresh);
+        let mut out = Vec::with_capacity(last.body.len() + 64);
+        out.extend_from_slice(b"{\"Nodes\":null,\"NodeNames\":");
+        let names_start = out.len();
+        out.push(b'[');
+        let mut passed = Vec::with_capacity(r.slots.len());
+        let mut from = 0;
+        for to in failed.iter().map(|(i, _)| *i).chain([r.slots.len()]) {
+            if from < to {
+                if !passed.is_empty() {
+                    out.push(b',');
+                }
+                out.extend_from_slice(r.run(from, to));
+                // Every name has a slot here (`places`).
+                passed.extend(r.slots[from..to].iter().flatten());
+            }
+            from = to + 1;
+        }
+        out.push(b']');
+        let names = names_start..out.len();
+        r.push_failed(&mut out, &failed);
+        let mut removed = Removed::default();
+        for (_, verdict) in &failed {
+            removed.count(verdict);
+        }
+        let judgement = Arc::new(Judgement {
+            changes: changes.into(),
+            body: bytes::Bytes::from(out),
+            names,
+            removed,
+            passed: passed.into(),
+            failed,
+        });
+        r.keep(demand, &judgement);
+        let mut answer = self.answer_judged(demand.clone(), &judgement);
+        answer.how = FilterHow::Patched;
         Some(answer)
     }
 
@@ -1701,6 +1784,25 @@ fn demand_memo<'a, K, V>(
         per_node.resize_with(slots, || None);
     }
     per_node
+}
+
+/// The failed names of an answer (`failed`, by index) with the verdicts of `fresh` (by index,
+/// each once) in place of theirs: a name now passing leaves the list, one now failing enters
+/// or changes its reason.
+fn patched(failed: &[(usize, Verdict)], fresh: Vec<(usize, Verdict)>) -> Vec<(usize, Verdict)> {
+    let mut out = Vec::with_capacity(failed.len() + fresh.len());
+    let mut old = failed.iter().peekable();
+    for (i, verdict) in fresh {
+        while let Some(kept) = old.next_if(|(at, _)| *at < i) {
+            out.push(kept.clone());
+        }
+        old.next_if(|(at, _)| *at == i);
+        if !matches!(verdict, Verdict::Fits) {
+            out.push((i, verdict));
+        }
+    }
+    out.extend(old.cloned());
+    out
 }
 
 /// The counter's options are constants that are valid: `IntCounter::new` cannot fail on them.

@@ -98,6 +98,7 @@ proptest! {
     #[test]
     fn an_answer_given_again_is_the_answer_judged_afresh(
         steps in proptest::collection::vec((step(), prop::sample::select(vec![8u32, 40, 100, 140])), 1..60),
+        spaced in proptest::bool::weighted(0.25),
     ) {
         let extender = Extender::new(Settings::default());
         let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
@@ -139,8 +140,16 @@ proptest! {
                     Step::Still => {}
                 }
             }
-            let body = json!({"Pod": pod(&format!("p{k}"), *units, None), "Nodes": null, "NodeNames": sent})
-                .to_string();
+            // Compact as kube-scheduler writes it, or with spaces (then never patched).
+            let array = if spaced {
+                serde_json::to_string_pretty(&sent).expect("json")
+            } else {
+                serde_json::to_string(&sent).expect("json")
+            };
+            let body = format!(
+                r#"{{"Pod":{},"Nodes":null,"NodeNames":{array}}}"#,
+                pod(&format!("p{k}"), *units, None)
+            );
             let args = ExtenderArgs::parse(body.as_bytes()).expect("args");
             let afresh = extender.filter_json(&args);
             let given = extender.filter_call(body.as_bytes()).expect("answered");
@@ -150,8 +159,11 @@ proptest! {
                 "step {} ({:?}), {} units", k, step, units
             );
             prop_assert_eq!(given.removed, afresh.removed);
-            if matches!(step, Step::Flood) {
-                prop_assert!(given.how != FilterHow::Again, "past the change log, judged afresh");
+            if matches!(step, Step::Flood) && k > 0 {
+                prop_assert_eq!(given.how, FilterHow::Reused, "past the change log, judged afresh");
+            }
+            if spaced {
+                prop_assert!(given.how != FilterHow::Patched);
             }
             hows.push(given.how);
         }
@@ -159,8 +171,9 @@ proptest! {
     }
 }
 
-/// The answer is given again where nothing among the names changed its verdict, and judged
-/// afresh where a node did: the paths the property above compares are both taken.
+/// The answer is given again where nothing among the names changed its verdict, patched where
+/// a node's did, judged afresh past the change log: the paths the property above compares are
+/// all taken.
 #[test]
 fn both_paths_are_taken() {
     let extender = Extender::new(Settings::default());
@@ -185,13 +198,29 @@ fn both_paths_are_taken() {
     // n1 still fits 40 units: the same answer.
     set(1, &[100, 20]);
     assert_eq!(call(40).how, FilterHow::Again, "n1 changed but still fits");
-    // n2 no longer fits: judged again in full, and it is out.
+    // n2 no longer fits: the answer patched, and it is out.
     set(2, &[20, 20]);
     let answer = call(40);
-    assert_eq!(answer.how, FilterHow::Reused);
+    assert_eq!(answer.how, FilterHow::Patched);
     let answer: Value = serde_json::from_slice(&answer.body).expect("json");
     assert!(answer["FailedNodes"]["n2"].is_string(), "{answer}");
+    assert_eq!(call(40).how, FilterHow::Again, "the patched answer is the latest");
     // Another demand has its own answer.
     assert_eq!(call(8).how, FilterHow::Reused);
     assert_eq!(call(8).how, FilterHow::Again);
+    // n2 back, n5 and n7 out: one patch, three verdicts.
+    set(2, &[140, 20]);
+    set(5, &[20, 20]);
+    set(7, &[0, 0]);
+    let answer = call(40);
+    assert_eq!(answer.how, FilterHow::Patched);
+    let answer: Value = serde_json::from_slice(&answer.body).expect("json");
+    let passed: Vec<&str> =
+        answer["NodeNames"].as_array().expect("names").iter().filter_map(Value::as_str).collect();
+    assert_eq!(passed, ["n0", "n1", "n2", "n3", "n4", "n6", "n8", "n9", "n10", "n11"]);
+    // More changes than the log keeps: judged afresh.
+    for _ in 0..1100 {
+        set(3, &[140, 20]);
+    }
+    assert_eq!(call(40).how, FilterHow::Reused);
 }
