@@ -88,6 +88,81 @@ pub fn extender_request(data: &[u8]) {
     assert_eq!(seen(&fast), seen(&serde), "the fast read and serde_json's differ");
     let Ok(args) = fast else { return };
     let _ = baleen_extender::demand::Demand::of(&args.pod, "awesome-ai-company.com");
+    // Served as the HTTP handler serves it (names a recent call's reused, its answer given
+    // again or patched): the bytes of the answer judged afresh from the parsed call. One
+    // extender across inputs, so that later inputs meet the names and answers of earlier ones.
+    let extender = fuzz_extender();
+    let served = extender.filter_call(data).expect("a body serde_json reads is answered");
+    let afresh = extender.filter_json(&args);
+    assert_eq!(
+        String::from_utf8_lossy(&served.body),
+        String::from_utf8_lossy(&afresh.body),
+        "the filter served and the filter judged afresh differ"
+    );
+}
+
+/// An extender whose cache holds nodes `a` to `e` (`e` with no usable document), for
+/// [`extender_request`].
+fn fuzz_extender() -> &'static baleen_extender::service::Extender {
+    use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
+    static EXTENDER: std::sync::OnceLock<std::sync::Arc<baleen_extender::service::Extender>> =
+        std::sync::OnceLock::new();
+    EXTENDER.get_or_init(|| {
+        let extender =
+            baleen_extender::service::Extender::new(baleen_extender::service::Settings::default());
+        let key = "awesome-ai-company.com/gpu-state";
+        for (name, free) in
+            [("a", [140, 20]), ("b", [60, 0]), ("c", [0, 0]), ("d", [8, 100]), ("e", [140, 140])]
+        {
+            let state = NodeGpuState {
+                version: VERSION,
+                node: name.into(),
+                generation: 1,
+                memory_unit_bytes: 1 << 30,
+                resources: vec!["awesome-ai-company.com/gpu-memory".into()],
+                gpus: free
+                    .iter()
+                    .zip(0u32..)
+                    .map(|(&f, index)| GpuEntry {
+                        index,
+                        uuid: format!("GPU-{name}-{index}"),
+                        model: "NVIDIA H200".into(),
+                        memory_bytes: 140 << 30,
+                        numa_node: Some(0),
+                        nvlink_peers: vec![],
+                        mode: if f == 140 { GpuMode::Idle } else { GpuMode::Shared },
+                        healthy: true,
+                        shares_offered: true,
+                        units_total: 140,
+                        units_free: f,
+                        compute_free_milli: f * 1000 / 140,
+                        mig: vec![],
+                        pods: vec![],
+                    })
+                    .collect(),
+                nvlink_groups: vec![],
+                unnamed: vec![],
+                pod_uids: Default::default(),
+            };
+            let annotations = if name == "e" {
+                serde_json::json!({})
+            } else {
+                serde_json::json!({key: state.to_json()})
+            };
+            let node: baleen_extender::protocol::Node = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "annotations": annotations},
+                "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},
+                           "capacity": {"awesome-ai-company.com/gpu-memory": "280"}}
+            }))
+            .expect("node");
+            extender
+                .cluster
+                .write()
+                .expect("lock")
+                .set_node(name, baleen_extender::cluster::NodeEntry::of(&node, key));
+        }
+        extender
+    })
 }
 
 /// Kubernetes quantities (the scheduler core's, the agent's sizes).
@@ -139,6 +214,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         ],
         "extender_request" => vec![
             b"{\"Pod\":{\"metadata\":{\"name\":\"p\"},\"spec\":{\"containers\":[{\"name\":\"c\",\"resources\":{\"limits\":{\"awesome-ai-company.com/gpu-memory\":\"8\"}}}],\"initContainers\":[{\"name\":\"i\",\"resources\":{\"requests\":{\"cpu\":\"2\"}}}],\"overhead\":{\"cpu\":\"250m\"}}},\"NodeNames\":[\"a\"]}",
+            b"{\"Pod\":{\"metadata\":{\"name\":\"q\"},\"spec\":{\"containers\":[{\"name\":\"c\",\"resources\":{\"limits\":{\"awesome-ai-company.com/gpu-memory\":\"40\"}}}]}},\"Nodes\":null,\"NodeNames\":[\"a\",\"b\",\"c\",\"d\",\"e\",\"x\",\"a\"]}",
         ],
         _ => Vec::new(),
     };
