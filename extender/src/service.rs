@@ -364,9 +364,11 @@ struct Resolved {
     spans: Vec<std::ops::Range<usize>>,
     /// Each name's slot (`None`: unknown then).
     slots: Vec<Option<usize>>,
-    /// Where every name had a slot: each (slot, index of a name with it), sorted, to find the
-    /// names of a node that changed ([`Judgement`]).
-    places: Option<Vec<(usize, usize)>>,
+    /// Whether every name had a slot: only then are answers kept ([`Judgement`]).
+    all_known: bool,
+    /// Each (slot, index of a name with it), sorted, to find the names of a node that changed;
+    /// made when first asked (names never sent again cost no sort).
+    places: std::sync::OnceLock<Vec<(usize, usize)>>,
     /// Whether consecutive names are separated by exactly `","` (as kube-scheduler's encoder
     /// writes them): runs of passing names are then copied from the text in one piece.
     compact: bool,
@@ -384,18 +386,18 @@ impl Resolved {
                 start..start + n.len()
             })
             .collect();
-        let places = slots
-            .iter()
-            .enumerate()
-            .map(|(i, slot)| slot.map(|s| (s, i)))
-            .collect::<Option<Vec<_>>>()
-            .map(|mut places| {
-                places.sort_unstable();
-                places
-            });
+        let all_known = slots.iter().all(Option::is_some);
         let compact =
             spans.windows(2).all(|w| text.as_bytes().get(w[0].end..w[1].start) == Some(b"\",\""));
-        Resolved { text: text.into(), spans, slots, places, compact, judgements: Mutex::default() }
+        Resolved {
+            text: text.into(),
+            spans,
+            slots,
+            all_known,
+            places: std::sync::OnceLock::new(),
+            compact,
+            judgements: Mutex::default(),
+        }
     }
 
     /// Name `i` with its quotes, as the call wrote it: every name kept is plain JSON (the
@@ -438,7 +440,7 @@ impl Resolved {
 
     /// Keeps `judgement` as the latest for `demand` (where every name had a slot).
     fn keep(&self, demand: &Demand, judgement: &Arc<Judgement>) {
-        if self.places.is_some() {
+        if self.all_known {
             let mut kept = self.judgements.lock().unwrap_or_else(PoisonError::into_inner);
             if !kept.contains_key(demand) && kept.len() >= JUDGEMENTS {
                 kept.clear();
@@ -449,7 +451,13 @@ impl Resolved {
 
     /// The indices of the names with slot `slot`.
     fn places_of(&self, slot: usize) -> impl Iterator<Item = usize> + '_ {
-        let places = self.places.as_deref().unwrap_or_default();
+        let places = self.places.get_or_init(|| {
+            let mut places: Vec<(usize, usize)> = (self.slots.iter().enumerate())
+                .filter_map(|(i, slot)| slot.map(|s| (s, i)))
+                .collect();
+            places.sort_unstable();
+            places
+        });
         let from = places.partition_point(|&(s, _)| s < slot);
         places[from..].iter().take_while(move |&&(s, _)| s == slot).map(|&(_, i)| i)
     }
@@ -1291,7 +1299,7 @@ impl Extender {
                     out.push(b',');
                 }
                 out.extend_from_slice(r.run(from, to));
-                // Every name has a slot here (`places`).
+                // Every name has a slot here (`all_known`: only then is an answer kept).
                 passed.extend(r.slots[from..to].iter().flatten());
             }
             from = to + 1;
