@@ -16,7 +16,6 @@ use baleen_extender::cluster::{NodeEntry, PodEntry};
 use baleen_extender::http::{Metrics, bind, router};
 use baleen_extender::protocol::{Node, Pod};
 use baleen_extender::service::{Extender, Settings};
-use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -25,39 +24,7 @@ const NODES: usize = 5000;
 const KEY: &str = "awesome-ai-company.com/gpu-state";
 
 fn node(name: &str, free: &[u32]) -> Value {
-    let state = NodeGpuState {
-        version: VERSION,
-        node: name.into(),
-        generation: 1,
-        memory_unit_bytes: 1 << 30,
-        resources: vec![
-            "awesome-ai-company.com/gpu".into(),
-            "awesome-ai-company.com/gpu-memory".into(),
-        ],
-        gpus: free
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| GpuEntry {
-                index: u32::try_from(i).expect("eight GPUs"),
-                uuid: format!("GPU-{name}-{i}"),
-                model: "NVIDIA H200".into(),
-                memory_bytes: 140 << 30,
-                numa_node: Some(0),
-                nvlink_peers: vec![],
-                mode: if f == 140 { GpuMode::Idle } else { GpuMode::Shared },
-                healthy: true,
-                shares_offered: true,
-                units_total: 140,
-                units_free: f,
-                compute_free_milli: f * 1000 / 140,
-                mig: vec![],
-                pods: vec![],
-            })
-            .collect(),
-        nvlink_groups: vec![],
-        unnamed: vec![],
-        pod_uids: Default::default(),
-    };
+    let state = baleen_k8s::fixtures::h200_state(name, free);
     json!({"metadata": {"name": name, "annotations": {KEY: state.to_json()}},
            "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},
                       "capacity": {"awesome-ai-company.com/gpu-memory": (free.len() * 140).to_string()}}})

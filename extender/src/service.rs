@@ -1198,16 +1198,30 @@ impl Extender {
         drop(memo_map);
         drop(view);
         r.push_failed(&mut out, &failed);
-        let judgement = Arc::new(Judgement {
+        let judgement = Judgement {
             changes: changes.into(),
             body: bytes::Bytes::from(out),
             names,
             removed,
             passed: passed.into(),
             failed,
-        });
-        r.keep(&demand, &judgement);
-        self.answer_judged(demand, &judgement)
+        };
+        self.answer_kept(r, &demand, judgement, FilterHow::Read)
+    }
+
+    /// Keeps `judgement` as the latest for `r`'s names and `demand`, and answers with it.
+    fn answer_kept(
+        &self,
+        r: &Resolved,
+        demand: &Demand,
+        judgement: Judgement,
+        how: FilterHow,
+    ) -> FilterAnswer {
+        let judgement = Arc::new(judgement);
+        r.keep(demand, &judgement);
+        let mut answer = self.answer_judged(demand.clone(), &judgement);
+        answer.how = how;
+        answer
     }
 
     /// The answer of `judgement`, the `prioritize` after it prepared.
@@ -1311,18 +1325,15 @@ impl Extender {
         for (_, verdict) in &failed {
             removed.count(verdict);
         }
-        let judgement = Arc::new(Judgement {
+        let judgement = Judgement {
             changes: changes.into(),
             body: bytes::Bytes::from(out),
             names,
             removed,
             passed: passed.into(),
             failed,
-        });
-        r.keep(demand, &judgement);
-        let mut answer = self.answer_judged(demand.clone(), &judgement);
-        answer.how = FilterHow::Patched;
-        Some(answer)
+        };
+        Some(self.answer_kept(r, demand, judgement, FilterHow::Patched))
     }
 
     /// Keeps `ahead` among the latest answers made ahead.

@@ -7,7 +7,6 @@
 use baleen_extender::cluster::{NodeEntry, PodEntry};
 use baleen_extender::protocol::{ExtenderArgs, Node, Pod};
 use baleen_extender::service::{Extender, FilterHow, Settings};
-use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -17,36 +16,7 @@ const NODES: usize = 12;
 const FREE: [u32; 5] = [0, 20, 60, 100, 140];
 
 fn node(name: &str, free: &[u32]) -> Node {
-    let state = NodeGpuState {
-        version: VERSION,
-        node: name.into(),
-        generation: 1,
-        memory_unit_bytes: 1 << 30,
-        resources: vec![format!("{DOMAIN}/gpu"), format!("{DOMAIN}/gpu-memory")],
-        gpus: free
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| GpuEntry {
-                index: u32::try_from(i).expect("few"),
-                uuid: format!("GPU-{name}-{i}"),
-                model: "NVIDIA H200".into(),
-                memory_bytes: 140 << 30,
-                numa_node: Some(0),
-                nvlink_peers: vec![],
-                mode: if f == 140 { GpuMode::Idle } else { GpuMode::Shared },
-                healthy: true,
-                shares_offered: true,
-                units_total: 140,
-                units_free: f,
-                compute_free_milli: f * 1000 / 140,
-                mig: vec![],
-                pods: vec![],
-            })
-            .collect(),
-        nvlink_groups: vec![],
-        unnamed: vec![],
-        pod_uids: Default::default(),
-    };
+    let state = baleen_k8s::fixtures::h200_state(name, free);
     serde_json::from_value(json!({
         "metadata": {"name": name, "annotations": {KEY: state.to_json()}},
         "status": {"allocatable": {"cpu": "96", "memory": "1000Gi"},

@@ -13,7 +13,7 @@ use baleen_extender::place::{Host, NodeModel, extender_scores};
 use baleen_extender::protocol::Node;
 use baleen_extender::protocol::Pod;
 use baleen_extender::service::{Extender, FilterHow, Settings};
-use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
+use baleen_k8s::gpu_state::NodeGpuState;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -21,45 +21,9 @@ use tokio_util::sync::CancellationToken;
 const WAIT: Duration = Duration::from_secs(10);
 const KEY: &str = "awesome-ai-company.com/gpu-state";
 
-fn gpu(index: u32, units_free: u32) -> GpuEntry {
-    GpuEntry {
-        index,
-        uuid: format!("GPU-{index}"),
-        model: "NVIDIA H200".into(),
-        memory_bytes: 140 << 30,
-        numa_node: Some(0),
-        nvlink_peers: vec![],
-        mode: if units_free == 140 { GpuMode::Idle } else { GpuMode::Shared },
-        healthy: true,
-        shares_offered: true,
-        units_total: 140,
-        units_free,
-        compute_free_milli: units_free * 1000 / 140,
-        mig: vec![],
-        pods: vec![],
-    }
-}
-
 /// A Node as the API server writes it, with its agent's annotation.
 fn node(name: &str, free: &[u32]) -> Value {
-    let state = NodeGpuState {
-        version: VERSION,
-        node: name.into(),
-        generation: 1,
-        memory_unit_bytes: 1 << 30,
-        resources: vec![
-            "awesome-ai-company.com/gpu".into(),
-            "awesome-ai-company.com/gpu-memory".into(),
-        ],
-        gpus: free
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| gpu(u32::try_from(i).expect("few"), f))
-            .collect(),
-        nvlink_groups: vec![],
-        unnamed: vec![],
-        pod_uids: Default::default(),
-    };
+    let state = baleen_k8s::fixtures::h200_state(name, free);
     json!({
         "metadata": {"name": name, "uid": format!("uid-{name}"), "resourceVersion": "12",
                      "labels": {"kubernetes.io/hostname": name},

@@ -3,7 +3,46 @@
 
 use serde_json::{Value, json};
 
+use crate::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
 use crate::requests::PodRequests;
+
+/// The gpu-state document of node `node` with one shared H200 per entry of `free` (140 units
+/// of 1 GiB, that many free; idle when all are), offering whole GPUs and gpu-memory units.
+pub fn h200_state(node: &str, free: &[u32]) -> NodeGpuState {
+    NodeGpuState {
+        version: VERSION,
+        node: node.into(),
+        generation: 1,
+        memory_unit_bytes: 1 << 30,
+        resources: vec![
+            "awesome-ai-company.com/gpu".into(),
+            "awesome-ai-company.com/gpu-memory".into(),
+        ],
+        gpus: free
+            .iter()
+            .zip(0u32..)
+            .map(|(&f, index)| GpuEntry {
+                index,
+                uuid: format!("GPU-{node}-{index}"),
+                model: "NVIDIA H200".into(),
+                memory_bytes: 140 << 30,
+                numa_node: Some(0),
+                nvlink_peers: vec![],
+                mode: if f == 140 { GpuMode::Idle } else { GpuMode::Shared },
+                healthy: true,
+                shares_offered: true,
+                units_total: 140,
+                units_free: f,
+                compute_free_milli: f * 1000 / 140,
+                mig: vec![],
+                pods: vec![],
+            })
+            .collect(),
+        nvlink_groups: vec![],
+        unnamed: vec![],
+        pod_uids: Default::default(),
+    }
+}
 
 /// A pod (`ml/serve`) that takes every branch of the request rule: an init container (4 CPUs)
 /// larger than the app containers summed (1.5 + 1), a container with limits only (its limits

@@ -104,7 +104,6 @@ pub fn extender_request(data: &[u8]) {
 /// An extender whose cache holds nodes `a` to `e` (`e` with no usable document), for
 /// [`extender_request`].
 fn fuzz_extender() -> &'static baleen_extender::service::Extender {
-    use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
     static EXTENDER: std::sync::OnceLock<std::sync::Arc<baleen_extender::service::Extender>> =
         std::sync::OnceLock::new();
     EXTENDER.get_or_init(|| {
@@ -114,36 +113,7 @@ fn fuzz_extender() -> &'static baleen_extender::service::Extender {
         for (name, free) in
             [("a", [140, 20]), ("b", [60, 0]), ("c", [0, 0]), ("d", [8, 100]), ("e", [140, 140])]
         {
-            let state = NodeGpuState {
-                version: VERSION,
-                node: name.into(),
-                generation: 1,
-                memory_unit_bytes: 1 << 30,
-                resources: vec!["awesome-ai-company.com/gpu-memory".into()],
-                gpus: free
-                    .iter()
-                    .zip(0u32..)
-                    .map(|(&f, index)| GpuEntry {
-                        index,
-                        uuid: format!("GPU-{name}-{index}"),
-                        model: "NVIDIA H200".into(),
-                        memory_bytes: 140 << 30,
-                        numa_node: Some(0),
-                        nvlink_peers: vec![],
-                        mode: if f == 140 { GpuMode::Idle } else { GpuMode::Shared },
-                        healthy: true,
-                        shares_offered: true,
-                        units_total: 140,
-                        units_free: f,
-                        compute_free_milli: f * 1000 / 140,
-                        mig: vec![],
-                        pods: vec![],
-                    })
-                    .collect(),
-                nvlink_groups: vec![],
-                unnamed: vec![],
-                pod_uids: Default::default(),
-            };
+            let state = baleen_k8s::fixtures::h200_state(name, &free);
             let annotations = if name == "e" {
                 serde_json::json!({})
             } else {

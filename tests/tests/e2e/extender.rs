@@ -9,7 +9,6 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use baleen_extender::run::{Config, Running, start};
 use baleen_extender::service::Settings;
-use baleen_k8s::gpu_state::{GpuEntry, GpuMode, NodeGpuState, VERSION};
 use baleen_tests::fake_apiserver::FakeApiServer;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -20,37 +19,15 @@ const WAIT: Duration = Duration::from_secs(20);
 const KEY: &str = "awesome-ai-company.com/gpu-state";
 
 fn state(name: &str, free: &[u32], pods: &[&str]) -> String {
-    NodeGpuState {
-        version: VERSION,
-        node: name.into(),
-        generation: 1,
-        memory_unit_bytes: 1 << 30,
-        resources: vec!["awesome-ai-company.com/gpu-memory".into()],
-        gpus: free
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| GpuEntry {
-                index: u32::try_from(i).expect("few"),
-                uuid: format!("GPU-{name}-{i}"),
-                model: "NVIDIA H200".into(),
-                memory_bytes: 140 << 30,
-                numa_node: None,
-                nvlink_peers: vec![],
-                mode: if f == 140 { GpuMode::Idle } else { GpuMode::Shared },
-                healthy: true,
-                shares_offered: true,
-                units_total: 140,
-                units_free: f,
-                compute_free_milli: f * 1000 / 140,
-                mig: vec![],
-                pods: if i == 0 { pods.iter().map(|p| (*p).to_owned()).collect() } else { vec![] },
-            })
-            .collect(),
-        nvlink_groups: vec![],
-        unnamed: vec![],
-        pod_uids: Default::default(),
+    let mut state = baleen_k8s::fixtures::h200_state(name, free);
+    state.resources = vec!["awesome-ai-company.com/gpu-memory".into()];
+    for gpu in &mut state.gpus {
+        gpu.numa_node = None;
     }
-    .to_json()
+    if let Some(first) = state.gpus.first_mut() {
+        first.pods = pods.iter().map(|p| (*p).to_owned()).collect();
+    }
+    state.to_json()
 }
 
 fn node(name: &str, free: &[u32]) -> Value {
