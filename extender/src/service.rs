@@ -1154,7 +1154,6 @@ impl Extender {
         let mut passed = Vec::with_capacity(r.slots.len());
         // The names that failed, by index, with their slot where the view knows the node.
         let mut failed: Vec<(usize, Option<usize>)> = Vec::new();
-        let mut removed = Removed::default();
         let view = self.view();
         let mut memo_map = self.verdicts.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, &demand, view.slots());
@@ -1167,7 +1166,6 @@ impl Extender {
                 entry.map(|e| (s, e, stamp))
             });
             let Some((slot, entry, stamp)) = known else {
-                removed.count(&unknown);
                 failed.push((i, None));
                 continue;
             };
@@ -1182,7 +1180,6 @@ impl Extender {
                 out.extend_from_slice(r.quoted(i));
                 passed.push(slot);
             } else {
-                removed.count(verdict);
                 failed.push((i, Some(slot)));
             }
         }
@@ -1198,14 +1195,7 @@ impl Extender {
         drop(memo_map);
         drop(view);
         r.push_failed(&mut out, &failed);
-        let judgement = Judgement {
-            changes: changes.into(),
-            body: bytes::Bytes::from(out),
-            names,
-            removed,
-            passed: passed.into(),
-            failed,
-        };
+        let judgement = Judgement::new(changes, out, names, passed, failed);
         self.answer_kept(r, &demand, judgement, FilterHow::Read)
     }
 
@@ -1321,18 +1311,7 @@ impl Extender {
         out.push(b']');
         let names = names_start..out.len();
         r.push_failed(&mut out, &failed);
-        let mut removed = Removed::default();
-        for (_, verdict) in &failed {
-            removed.count(verdict);
-        }
-        let judgement = Judgement {
-            changes: changes.into(),
-            body: bytes::Bytes::from(out),
-            names,
-            removed,
-            passed: passed.into(),
-            failed,
-        };
+        let judgement = Judgement::new(changes, out, names, passed, failed);
         Some(self.answer_kept(r, demand, judgement, FilterHow::Patched))
     }
 
@@ -1803,6 +1782,31 @@ fn demand_memo<'a, K, V>(
         per_node.resize_with(slots, || None);
     }
     per_node
+}
+
+impl Judgement {
+    /// The answer `body` (its `NodeNames` at `names`) judged when the view's change count was
+    /// `changes`, with the slots that passed and the names that failed.
+    fn new(
+        changes: u64,
+        body: Vec<u8>,
+        names: std::ops::Range<usize>,
+        passed: Vec<usize>,
+        failed: Vec<(usize, Verdict)>,
+    ) -> Self {
+        let mut removed = Removed::default();
+        for (_, verdict) in &failed {
+            removed.count(verdict);
+        }
+        Judgement {
+            changes: changes.into(),
+            body: body.into(),
+            names,
+            removed,
+            passed: passed.into(),
+            failed,
+        }
+    }
 }
 
 /// The failed names of an answer (`failed`, by index) with the verdicts of `fresh` (by index,
