@@ -1090,7 +1090,7 @@ impl Extender {
     /// A `filter` call's body answered. kube-scheduler sends the names its own filters passed,
     /// the same list pod after pod while the cluster stands still (all the nodes with
     /// `percentageOfNodesToScore: 100`): a call whose `NodeNames` are byte for byte a recent
-    /// call's ([`Resolved`]) is judged from that call's slots, the names neither split nor
+    /// call's (kept resolved) is judged from that call's slots, the names neither split nor
     /// hashed again. Anything else is read and judged as [`Self::filter_json`] does.
     pub fn filter_call(&self, body: &[u8]) -> Result<FilterAnswer, serde_json::Error> {
         use crate::protocol::{ScannedNames, scan_call};
