@@ -189,27 +189,41 @@ fn names_answer(judged: &[Judged<'_, '_>]) -> (Vec<u8>, std::ops::Range<usize>) 
     }
     out.push(b']');
     let names = start..out.len();
+    push_failed(&mut out, judged.iter().enumerate().map(|(i, j)| (i, j.verdict)), |out, i| {
+        judged[i].push_name(out);
+    });
+    (out, names)
+}
+
+/// Appends the end of a filter answer: the names that did not pass (`failed`, each name's
+/// index and verdict; those that fit are skipped), by kind, with why, each name written by
+/// `push_name`, and the empty error.
+fn push_failed<'v>(
+    out: &mut Vec<u8>,
+    failed: impl Iterator<Item = (usize, &'v Verdict)> + Clone,
+    push_name: impl Fn(&mut Vec<u8>, usize),
+) {
     for (key, resolvable) in [("FailedNodes", true), ("FailedAndUnresolvableNodes", false)] {
         out.extend_from_slice(b",\"");
         out.extend_from_slice(key.as_bytes());
         out.extend_from_slice(b"\":{");
         let mut first = true;
-        for (j, why) in judged.iter().filter_map(|j| match j.verdict {
-            Verdict::Full(why) if resolvable => Some((j, why)),
-            Verdict::Never(why) | Verdict::NoState(why) if !resolvable => Some((j, why)),
-            _ => None,
-        }) {
+        for (i, verdict) in failed.clone() {
+            let why = match verdict {
+                Verdict::Full(why) if resolvable => why,
+                Verdict::Never(why) | Verdict::NoState(why) if !resolvable => why,
+                _ => continue,
+            };
             if !std::mem::take(&mut first) {
                 out.push(b',');
             }
-            j.push_name(&mut out);
+            push_name(out, i);
             out.push(b':');
-            push_json_str(&mut out, why);
+            push_json_str(out, why);
         }
         out.push(b'}');
     }
     out.extend_from_slice(b",\"Error\":\"\"}");
-    (out, names)
 }
 
 /// The answer of `prioritize` (a `HostPriorityList`): per host, its name and, where the view
@@ -412,30 +426,11 @@ impl Resolved {
         &self.text.as_bytes()[self.spans[from].start - 1..self.spans[to - 1].end + 1]
     }
 
-    /// Appends the end of a filter answer: the names that did not pass, by kind, with why, and
-    /// the empty error.
+    /// Appends the end of a filter answer whose failed names are `failed` ([`push_failed`]).
     fn push_failed(&self, out: &mut Vec<u8>, failed: &[(usize, Verdict)]) {
-        for (key, resolvable) in [("FailedNodes", true), ("FailedAndUnresolvableNodes", false)] {
-            out.extend_from_slice(b",\"");
-            out.extend_from_slice(key.as_bytes());
-            out.extend_from_slice(b"\":{");
-            let mut first = true;
-            for (i, verdict) in failed {
-                let why = match verdict {
-                    Verdict::Full(why) if resolvable => why,
-                    Verdict::Never(why) | Verdict::NoState(why) if !resolvable => why,
-                    _ => continue,
-                };
-                if !std::mem::take(&mut first) {
-                    out.push(b',');
-                }
-                out.extend_from_slice(self.quoted(*i));
-                out.push(b':');
-                push_json_str(out, why);
-            }
-            out.push(b'}');
-        }
-        out.extend_from_slice(b",\"Error\":\"\"}");
+        push_failed(out, failed.iter().map(|(i, v)| (*i, v)), |out, i| {
+            out.extend_from_slice(self.quoted(i));
+        });
     }
 
     /// Keeps `judgement` as the latest for `demand` (where every name had a slot).
@@ -1009,6 +1004,23 @@ impl Extender {
         }
     }
 
+    /// A node's verdict for `demand` from its place in the demand's memo (`kept`), judged anew
+    /// (its `entry`, named by `name`) where the memo's is older than the node's `stamp`.
+    fn memo_verdict<'c, 'n>(
+        &self,
+        kept: &'c mut Option<(u64, Verdict)>,
+        view: &ClusterView,
+        entry: &NodeEntry,
+        stamp: u64,
+        name: impl FnOnce() -> &'n str,
+        demand: &Demand,
+    ) -> &'c Verdict {
+        if kept.as_ref().is_some_and(|(s, _)| *s != stamp) {
+            *kept = None;
+        }
+        &kept.get_or_insert_with(|| (stamp, self.verdict_on(view, name(), entry, demand))).1
+    }
+
     /// The policy's raw score of node `name` (its `entry`) for `demand`, the pods assumed there
     /// placed first; `None` where the model cannot score it.
     fn score_on(
@@ -1029,15 +1041,13 @@ impl Extender {
 
     /// The filter's verdict on each of `names` for `demand`, handed to `finish` (borrowed from
     /// the memo, under its lock) with each name's slot (none where the view does not know it,
-    /// and no slots at all for a demand not the extender's to judge): each name's slot from
-    /// `slots` where given (a recent call's names, [`Resolved`]), else looked up; a verdict
-    /// computed only where the node or its pods changed since it was last judged for this
-    /// demand.
+    /// and no slots at all for a demand not the extender's to judge): one lookup of each name,
+    /// a verdict computed only where the node or its pods changed since it was last judged for
+    /// this demand.
     fn judged<'n, R>(
         &self,
         demand: &Demand,
         names: &[&'n str],
-        slots: Option<&[Option<usize>]>,
         finish: impl FnOnce(&[Judged<'n, '_>]) -> R,
     ) -> R {
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
@@ -1055,19 +1065,10 @@ impl Extender {
         // node's slot; the verdicts are read from the memo once it is complete.
         let slots: Vec<Option<usize>> = names
             .iter()
-            .enumerate()
-            .map(|(i, name)| {
-                // A name given no slot may have been heard of since: looked up.
-                let slot = match slots.and_then(|s| s.get(i).copied().flatten()) {
-                    Some(slot) => slot,
-                    None => view.find(name)?.slot,
-                };
-                let (entry, stamp) = view.entry_at(slot);
-                let entry = entry?;
-                if cache[slot].as_ref().is_none_or(|(s, _)| *s != stamp) {
-                    cache[slot] = Some((stamp, self.verdict_on(&view, name, entry, demand)));
-                }
-                Some(slot)
+            .map(|name| {
+                let f = view.find(name)?;
+                self.memo_verdict(&mut cache[f.slot], &view, f.entry?, f.stamp, || name, demand);
+                Some(f.slot)
             })
             .collect();
         let judged: Vec<Judged<'n, '_>> = names
@@ -1137,7 +1138,7 @@ impl Extender {
             // Refused, or not the extender's to judge (every node passes): as any call.
             _ => {
                 let names: Vec<&str> = r.spans.iter().map(|s| &r.text[s.clone()]).collect();
-                return self.filter_names(pod, &names, Some(&r.slots));
+                return self.filter_names(pod, &names);
             }
         };
         if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
@@ -1169,10 +1170,7 @@ impl Extender {
                 failed.push((i, None));
                 continue;
             };
-            if cache[slot].as_ref().is_none_or(|(s, _)| *s != stamp) {
-                cache[slot] = Some((stamp, self.verdict_on(&view, name(), entry, &demand)));
-            }
-            let verdict = cache[slot].as_ref().map_or(&unknown, |(_, v)| v);
+            let verdict = self.memo_verdict(&mut cache[slot], &view, entry, stamp, name, &demand);
             if matches!(verdict, Verdict::Fits) {
                 if !passed.is_empty() {
                     out.push(b',');
@@ -1257,12 +1255,8 @@ impl Extender {
             for i in r.places_of(slot) {
                 let now = match view.entry_at(slot) {
                     (Some(entry), stamp) => {
-                        if cache[slot].as_ref().is_none_or(|(s, _)| *s != stamp) {
-                            let name = &r.text[r.spans[i].clone()];
-                            cache[slot] =
-                                Some((stamp, self.verdict_on(&view, name, entry, demand)));
-                        }
-                        cache[slot].as_ref().map_or(&unknown, |(_, v)| v)
+                        let name = || &r.text[r.spans[i].clone()];
+                        self.memo_verdict(&mut cache[slot], &view, entry, stamp, name, demand)
                     }
                     (None, _) => &unknown,
                 };
@@ -1341,17 +1335,12 @@ impl Extender {
             return FilterAnswer::whole(result, removed);
         }
         let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-        self.filter_names(&args.pod, &names, None)
+        self.filter_names(&args.pod, &names)
     }
 
-    /// The filter's answer for `pod` over `names` (their slots where known, [`Self::judged`]),
-    /// the view synced and no nodes sent in full.
-    fn filter_names(
-        &self,
-        pod: &crate::protocol::Pod,
-        names: &[&str],
-        slots: Option<&[Option<usize>]>,
-    ) -> FilterAnswer {
+    /// The filter's answer for `pod` over `names` ([`Self::judged`]), the view synced and no
+    /// nodes sent in full.
+    fn filter_names(&self, pod: &crate::protocol::Pod, names: &[&str]) -> FilterAnswer {
         let demand = match self.demand_of(pod) {
             Ok(d) => d,
             Err(error) => {
@@ -1362,7 +1351,7 @@ impl Extender {
         if !self.watched.load(std::sync::atomic::Ordering::SeqCst) {
             self.learn(&pod.metadata.uid, &demand);
         }
-        let answer = self.judged(&demand, names, slots, |judged| {
+        let answer = self.judged(&demand, names, |judged| {
             let mut removed = Removed::default();
             for j in judged {
                 removed.count(j.verdict);
@@ -1400,31 +1389,8 @@ impl Extender {
         ahead.made.get_or_init(|| {
             let (policy, epoch) = self.policy_and_epoch();
             let view = self.view();
-            // One pass over the slots for the raw scores, touching a node's name only where its
-            // score must be computed anew; then one pass writing each entry.
-            let raw: Vec<Option<i64>> = {
-                let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
-                let cache = demand_memo(&mut memo_map, &ahead.demand, view.slots());
-                ahead
-                    .slots
-                    .iter()
-                    .map(|&slot| {
-                        let (entry, stamp) = view.entry_at(slot);
-                        let entry = entry?;
-                        let key = (stamp, epoch);
-                        if let Some((k, v)) = &cache[slot]
-                            && *k == key
-                        {
-                            return *v;
-                        }
-                        let name = view.name_of(slot)?;
-                        let score = self.score_on(&view, name, entry, &ahead.demand, &policy);
-                        cache[slot] = Some((key, score));
-                        score
-                    })
-                    .collect()
-            };
-            let scores = extender_scores(&raw);
+            let slots = ahead.slots.iter().map(|&slot| Some(slot));
+            let scores = self.scores_in(&view, &policy, epoch, &ahead.demand, slots);
             // Each entry's start as the view wrote it once (slots are never taken back: each
             // is there).
             let hosts = ahead.slots.iter().map(|&slot| ("", view.item_at(slot)));
@@ -1539,7 +1505,7 @@ impl Extender {
             });
         } else {
             let names: Vec<&str> = args.node_names.iter().flatten().map(|n| n.as_ref()).collect();
-            let passed = self.judged(&demand, &names, None, |judged| {
+            let passed = self.judged(&demand, &names, |judged| {
                 judged
                     .iter()
                     .filter(|j| record(j.name, j.verdict))
@@ -1562,35 +1528,38 @@ impl Extender {
     fn scores_of(&self, demand: &Demand, names: &[&str]) -> Vec<i64> {
         let (policy, epoch) = self.policy_and_epoch();
         let view = self.view();
-        let nodes = names.iter().map(|name| (*name, view.find(name)));
-        self.scores_in(&view, &policy, epoch, demand, nodes)
+        let slots = names.iter().map(|name| view.find(name).map(|f| f.slot));
+        self.scores_in(&view, &policy, epoch, demand, slots)
     }
 
-    /// [`Self::scores_of`] for nodes already found in `view` (by name or by slot), under
-    /// `policy` of `epoch`.
-    fn scores_in<'v>(
+    /// [`Self::scores_of`] for nodes by their slot in `view` (`None`: unknown), under `policy`
+    /// of `epoch`.
+    fn scores_in(
         &self,
         view: &ClusterView,
         policy: &Policy,
         epoch: u64,
         demand: &Demand,
-        nodes: impl Iterator<Item = (&'v str, Option<crate::cluster::Found<'v>>)>,
+        slots: impl Iterator<Item = Option<usize>>,
     ) -> Vec<i64> {
         let raw: Vec<Option<i64>> = {
             let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
             let cache = demand_memo(&mut memo_map, demand, view.slots());
-            nodes
-                .map(|(name, f)| {
-                    let f = f?;
-                    let entry = f.entry?;
-                    let key = (f.stamp, epoch);
-                    if let Some((k, v)) = &cache[f.slot]
+            slots
+                .map(|slot| {
+                    let slot = slot?;
+                    let (entry, stamp) = view.entry_at(slot);
+                    let entry = entry?;
+                    let key = (stamp, epoch);
+                    if let Some((k, v)) = &cache[slot]
                         && *k == key
                     {
                         return *v;
                     }
+                    // The name only where the score must be computed anew.
+                    let name = view.name_of(slot)?;
                     let score = self.score_on(view, name, entry, demand, policy);
-                    cache[f.slot] = Some((key, score));
+                    cache[slot] = Some((key, score));
                     score
                 })
                 .collect()
