@@ -39,6 +39,12 @@ fn node(name: &str, free: &[u32]) -> Value {
     })
 }
 
+/// Puts node `name` (its document: [`node`] with `free`) in the extender's cache.
+fn set_node(extender: &Extender, name: &str, free: &[u32]) {
+    let n: Node = serde_json::from_value(node(name, free)).expect("node");
+    extender.cluster.write().expect("lock").set_node(name, NodeEntry::of(&n, KEY));
+}
+
 fn pod(units: u32) -> Value {
     json!({
         "metadata": {"name": "infer-0", "namespace": "team-a", "uid": "pod-uid-1"},
@@ -245,10 +251,7 @@ async fn bad_input_gets_a_clear_answer_and_nothing_panics() {
 #[tokio::test]
 async fn cached_scores_follow_the_nodes_and_their_pods() {
     let extender = Extender::new(Settings::default());
-    let set = |name: &str, free: &[u32]| {
-        let n: Node = serde_json::from_value(node(name, free)).expect("node");
-        extender.cluster.write().expect("lock").set_node(name, NodeEntry::of(&n, KEY));
-    };
+    let set = |name: &str, free: &[u32]| set_node(&extender, name, free);
     set("a", &[100, 140]);
     set("b", &[50, 140]);
     let args = baleen_extender::protocol::ExtenderArgs::from_json(
@@ -452,8 +455,7 @@ async fn curl(address: SocketAddr, ca: &std::path::Path, host: &str, body: &str)
 #[tokio::test]
 async fn the_webhook_sends_gpu_pods_to_baleen_and_refuses_what_cannot_run_over_real_tls() {
     let extender = Extender::new(Settings::default());
-    let n: Node = serde_json::from_value(node("a", &[140, 140])).expect("node");
-    extender.cluster.write().expect("lock").set_node("a", NodeEntry::of(&n, KEY));
+    set_node(&extender, "a", &[140, 140]);
     let dir = tempfile::tempdir().expect("dir");
     let (address, ca) = serve_webhook(extender, dir.path()).await;
     let host = "baleen-extender.baleen-system.svc";
@@ -729,8 +731,7 @@ async fn the_fast_answers_are_the_typed_answers() {
         compare(units);
     }
     // b changes: the memo's verdict and score for it are not reused.
-    let n: Node = serde_json::from_value(node("b", &[0, 0])).expect("node");
-    extender.cluster.write().expect("lock").set_node("b", NodeEntry::of(&n, KEY));
+    set_node(&extender, "b", &[0, 0]);
     compare(40);
     let args = baleen_extender::protocol::ExtenderArgs::from_json(
         json!({"Pod": pod(40), "NodeNames": ["a", "b", "c"]}),
@@ -748,10 +749,7 @@ async fn the_fast_answers_are_the_typed_answers() {
 #[tokio::test]
 async fn names_sent_again_are_answered_as_names_read_afresh() {
     let extender = Extender::new(Settings::default());
-    let set = |name: &str, free: &[u32]| {
-        let n: Node = serde_json::from_value(node(name, free)).expect("node");
-        extender.cluster.write().expect("lock").set_node(name, NodeEntry::of(&n, KEY));
-    };
+    let set = |name: &str, free: &[u32]| set_node(&extender, name, free);
     for (name, free) in
         [("a", vec![20, 20]), ("b", vec![60, 140]), ("c", vec![0, 0]), ("x", vec![140])]
     {
@@ -881,8 +879,7 @@ async fn preemption_keeps_only_victims_that_free_one_gpu_enough() {
 fn the_target_workload_counts_cpu_only_pods() {
     let extender =
         Extender::new(Settings { rebuild_every: 2, target_window: 100, ..Settings::default() });
-    let n: Node = serde_json::from_value(node("a", &[140, 140])).expect("node");
-    extender.cluster.write().expect("lock").set_node("a", NodeEntry::of(&n, KEY));
+    set_node(&extender, "a", &[140, 140]);
     let demand = |value: Value| {
         let p: Pod = serde_json::from_value(value).expect("pod");
         Demand::of(&p, "awesome-ai-company.com").expect("demand")
@@ -1001,13 +998,8 @@ fn cpu_only_pods_are_scored_only_when_asked() {
 async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
     use baleen_extender::service::Prioritized;
     let extender = Extender::new(Settings::default());
-    {
-        let mut view = extender.cluster.write().expect("lock");
-        for (i, free) in [[20, 140], [60, 60], [0, 100], [140, 140], [8, 0]].iter().enumerate() {
-            let name = format!("n{i}");
-            let n: Node = serde_json::from_value(node(&name, free)).expect("node");
-            view.set_node(&name, NodeEntry::of(&n, KEY));
-        }
+    for (i, free) in [[20, 140], [60, 60], [0, 100], [140, 140], [8, 0]].iter().enumerate() {
+        set_node(&extender, &format!("n{i}"), free);
     }
     for i in 0..20 {
         let p: Pod = serde_json::from_value(pod([8, 40, 70][i % 3])).expect("pod");
@@ -1057,8 +1049,7 @@ async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
     // A node changes between filter and prioritize: the made answer is not given.
     let (ahead, body) = answers(40, &names);
     extender.prepare_ahead(&ahead.expect("prepared"));
-    let n: Node = serde_json::from_value(node("n3", &[0, 40])).expect("node");
-    extender.cluster.write().expect("lock").set_node("n3", NodeEntry::of(&n, KEY));
+    set_node(&extender, "n3", &[0, 40]);
     let (made, fresh) = both(&body);
     assert_eq!(made, None, "n3 changed after the filter");
     let before = fresh;
@@ -1109,14 +1100,8 @@ async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
 #[tokio::test]
 async fn prioritize_after_filter_is_answered_ahead_over_http() {
     let extender = Extender::new(Settings::default());
-    {
-        let mut view = extender.cluster.write().expect("lock");
-        for i in 0..40u32 {
-            let name = format!("node-{i}");
-            let free = [[140, 140], [20, 100], [60, 0], [0, 0]][i as usize % 4];
-            let n: Node = serde_json::from_value(node(&name, &free)).expect("node");
-            view.set_node(&name, NodeEntry::of(&n, KEY));
-        }
+    for i in 0..40 {
+        set_node(&extender, &format!("node-{i}"), &[[140, 140], [20, 100], [60, 0], [0, 0]][i % 4]);
     }
     let (address, token) = serve(extender.clone()).await;
     let names: Vec<String> = (0..40).map(|i| format!("node-{i}")).collect();
@@ -1163,14 +1148,9 @@ async fn prioritize_after_filter_is_answered_ahead_over_http() {
 async fn interleaved_pods_each_get_their_own_scores_made_ahead() {
     use baleen_extender::service::Prioritized;
     let extender = Extender::new(Settings::default());
-    {
-        let mut view = extender.cluster.write().expect("lock");
-        for i in 0..30u32 {
-            let name = format!("n{i}");
-            let free = [[140, 140], [20, 100], [60, 8], [100, 0], [70, 70]][i as usize % 5];
-            let n: Node = serde_json::from_value(node(&name, &free)).expect("node");
-            view.set_node(&name, NodeEntry::of(&n, KEY));
-        }
+    for i in 0..30 {
+        let free = [[140, 140], [20, 100], [60, 8], [100, 0], [70, 70]][i % 5];
+        set_node(&extender, &format!("n{i}"), &free);
     }
     let names: Vec<String> = (0..30).map(|i| format!("n{i}")).collect();
     let filter = |units: u32| {
