@@ -194,3 +194,78 @@ fn both_paths_are_taken() {
     }
     assert_eq!(call(40).how, FilterHow::Reused);
 }
+
+/// Calls of several pods at once while the nodes change under them (kube-scheduler's profiles,
+/// a watcher's events): whatever answers were kept or patched in between, once the nodes stand
+/// still every demand's answer is again the one judged afresh, and every answer given during
+/// the run named only the nodes sent, each once.
+#[test]
+fn answers_kept_through_concurrent_calls_and_changes_are_the_answers_judged_afresh() {
+    let extender = Extender::new(Settings::default());
+    let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
+    let set = |n: usize, free: [u32; 2]| {
+        extender
+            .cluster
+            .write()
+            .expect("lock")
+            .set_node(&names[n], NodeEntry::of(&node(&names[n], &free), KEY));
+    };
+    for n in 0..NODES {
+        set(n, [FREE[n % 5], 140]);
+    }
+    let body = |units: u32| {
+        json!({"Pod": pod("p", units, None), "Nodes": null, "NodeNames": names}).to_string()
+    };
+    std::thread::scope(|scope| {
+        for caller in 0..2u32 {
+            let (extender, body, names) = (&extender, &body, &names);
+            scope.spawn(move || {
+                for k in 0..400u32 {
+                    let units = [8, 40, 100, 140][((k + caller) % 4) as usize];
+                    let answer = extender.filter_call(body(units).as_bytes()).expect("answered");
+                    let answer: Value = serde_json::from_slice(&answer.body).expect("json");
+                    let mut seen: Vec<&str> = answer["NodeNames"]
+                        .as_array()
+                        .expect("names")
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .chain(
+                            answer["FailedNodes"]
+                                .as_object()
+                                .expect("failed")
+                                .keys()
+                                .map(String::as_str),
+                        )
+                        .chain(
+                            answer["FailedAndUnresolvableNodes"]
+                                .as_object()
+                                .expect("failed")
+                                .keys()
+                                .map(String::as_str),
+                        )
+                        .collect();
+                    seen.sort_unstable();
+                    let mut sent: Vec<&str> = names.iter().map(String::as_str).collect();
+                    sent.sort_unstable();
+                    assert_eq!(seen, sent, "each node answered once: {answer}");
+                }
+            });
+        }
+        let set = &set;
+        scope.spawn(move || {
+            for k in 0..400usize {
+                set(k % NODES, [FREE[k % 5], FREE[(k / 3) % 5]]);
+            }
+        });
+    });
+    for units in [8, 40, 100, 140] {
+        let text = body(units);
+        let afresh = extender.filter_json(&ExtenderArgs::parse(text.as_bytes()).expect("args"));
+        let given = extender.filter_call(text.as_bytes()).expect("answered");
+        assert_eq!(
+            String::from_utf8_lossy(&given.body),
+            String::from_utf8_lossy(&afresh.body),
+            "{units} units"
+        );
+    }
+}
