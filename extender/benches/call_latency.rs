@@ -335,6 +335,7 @@ fn main() {
         let mut filter_split = Duration::ZERO;
         let mut prioritize_work = Duration::ZERO;
         let mut making = Duration::ZERO;
+        let mut judging = Duration::ZERO;
         let mut answering = Duration::ZERO;
         let mut answered_ahead = 0usize;
         for i in 0..in_process {
@@ -355,6 +356,11 @@ fn main() {
                 extender.prepare_ahead(ahead);
             }
             making += t.elapsed();
+            let t = Instant::now();
+            if let Some(judge) = &filtered.judge {
+                extender.judge_ahead(judge);
+            }
+            judging += t.elapsed();
             let answer: FilterAnswer<'_> = serde_json::from_slice(&filtered.body).expect("json");
             let passed = answer.node_names.unwrap_or_default();
             let body = serde_json::to_vec(&Call { pod: &p, node_names: &passed }).expect("json");
@@ -378,8 +384,9 @@ fn main() {
             per(prioritize_work)
         );
         println!(
-            "in-process, prioritize made ahead: making {:.3} ms (beside the client), answering {:.3} ms (its parse with the names as text, the lookup; {answered_ahead} of {in_process} answered ahead)",
+            "in-process, prioritize made ahead: making {:.3} ms, the other demands' answers judged ahead {:.3} ms (both beside the client), answering {:.3} ms (its parse with the names as text, the lookup; {answered_ahead} of {in_process} answered ahead)",
             per(making),
+            per(judging),
             per(answering)
         );
         token.cancel();

@@ -370,11 +370,20 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
     if !answer.error.is_empty() {
         tracing::warn!(error = answer.error, "filter refused the pod");
     }
-    if let Some(ahead) = answer.ahead {
+    if answer.ahead.is_some() || answer.judge.is_some() {
         // The scores of the nodes that passed, made while this answer travels and
-        // kube-scheduler reads it (the prioritize that follows finds them, or waits for them).
+        // kube-scheduler reads it (the prioritize that follows finds them, or waits for them);
+        // then the other answers kept for these names judged again, off the next call's path.
         let extender = app.extender.clone();
-        tokio::spawn(async move { extender.prepare_ahead(&ahead) });
+        let (ahead, judge) = (answer.ahead, answer.judge);
+        tokio::spawn(async move {
+            if let Some(ahead) = ahead {
+                extender.prepare_ahead(&ahead);
+            }
+            if let Some(judge) = judge {
+                extender.judge_ahead(&judge);
+            }
+        });
     }
     app.metrics.latency.with_label_values(&["filter"]).observe(started.elapsed().as_secs_f64());
     json_bytes(answer.body)

@@ -275,8 +275,21 @@ pub struct FilterAnswer {
     pub error: String,
     /// The `prioritize` answer for the nodes it passed, to be made while this answer travels.
     pub ahead: Option<Arc<Ahead>>,
+    /// The other answers kept for the call's names, to be judged again while this answer
+    /// travels ([`Extender::judge_ahead`]).
+    pub judge: Option<JudgeAhead>,
     /// How the call's names were judged.
     pub how: FilterHow,
+}
+
+/// The answers kept for one call's names for the demands last asked over them, but one (the
+/// call's own, just judged): judged again beside the calls ([`Extender::judge_ahead`]), so that
+/// the next call for one of those demands finds its answer holding for all but the nodes
+/// changed since.
+#[derive(Debug)]
+pub struct JudgeAhead {
+    names: Arc<Resolved>,
+    except: Demand,
 }
 
 /// How a filter call's node names were judged ([`Extender::filter_call`]).
@@ -314,6 +327,7 @@ impl FilterAnswer {
             removed,
             error: result.error,
             ahead: None,
+            judge: None,
             how: FilterHow::Read,
         }
     }
@@ -388,6 +402,8 @@ struct Resolved {
     compact: bool,
     /// The latest answer for these names, per demand (at most [`JUDGEMENTS`]).
     judgements: Mutex<HashMap<Demand, Arc<Judgement>>>,
+    /// The demands last asked over these names, newest last (at most [`JUDGED_AHEAD`]).
+    asked: Mutex<VecDeque<Demand>>,
 }
 
 impl Resolved {
@@ -411,6 +427,19 @@ impl Resolved {
             places: std::sync::OnceLock::new(),
             compact,
             judgements: Mutex::default(),
+            asked: Mutex::default(),
+        }
+    }
+
+    /// Notes `demand` as the latest asked over these names.
+    fn asked(&self, demand: &Demand) {
+        let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+        if asked.back() != Some(demand) {
+            asked.retain(|d| d != demand);
+            if asked.len() >= JUDGED_AHEAD {
+                asked.pop_front();
+            }
+            asked.push_back(demand.clone());
         }
     }
 
@@ -461,6 +490,10 @@ impl Resolved {
 /// The most demands whose latest answer is kept per names ([`Resolved::judgements`]): 16
 /// answers of 5,000 names are about 1.7 MiB.
 const JUDGEMENTS: usize = 16;
+
+/// The most demands whose answers over one call's names are judged ahead
+/// ([`Extender::judge_ahead`]): the latest asked over them.
+const JUDGED_AHEAD: usize = 8;
 
 /// A filter answer for one call's names and one demand, and the view it holds for: while no
 /// node among the names changed its verdict since (the view's change log, [`ClusterView::changed_since`]),
@@ -1132,7 +1165,19 @@ impl Extender {
     /// answer, the same bytes, in one pass over the names that touches only what it must (each
     /// node's stamp and memoised verdict by its slot), each passing name copied from the call's
     /// own text rather than from the view's far larger index.
-    fn filter_resolved(&self, pod: &crate::protocol::Pod, r: &Resolved) -> FilterAnswer {
+    fn filter_resolved(&self, pod: &crate::protocol::Pod, r: &Arc<Resolved>) -> FilterAnswer {
+        let mut answer = self.filter_resolved_now(pod, r);
+        if let Some(demand) = answer.ahead.as_ref().map(|a| &a.demand)
+            && r.all_known
+        {
+            r.asked(demand);
+            answer.judge = Some(JudgeAhead { names: r.clone(), except: demand.clone() });
+        }
+        answer
+    }
+
+    /// [`Self::filter_resolved`]'s answer, nothing judged ahead.
+    fn filter_resolved_now(&self, pod: &crate::protocol::Pod, r: &Resolved) -> FilterAnswer {
         let demand = match self.demand_of(pod) {
             Ok(d) if !d.is_empty() => d,
             // Refused, or not the extender's to judge (every node passes): as any call.
@@ -1229,6 +1274,7 @@ impl Extender {
             removed: judgement.removed,
             error: String::new(),
             ahead,
+            judge: None,
             how: FilterHow::Read,
         }
     }
@@ -1242,6 +1288,15 @@ impl Extender {
     /// verdict differs and the names are not written compactly (then the whole answer is
     /// judged again).
     fn judged_again(&self, demand: &Demand, r: &Resolved) -> Option<FilterAnswer> {
+        let (judgement, how) = self.rejudged(demand, r)?;
+        let mut answer = self.answer_judged(demand.clone(), &judgement);
+        answer.how = how;
+        Some(answer)
+    }
+
+    /// [`Self::judged_again`]'s judgement, kept for `r`'s names and `demand` (patched where it
+    /// must be), and how it was had: [`FilterHow::Again`] or [`FilterHow::Patched`].
+    fn rejudged(&self, demand: &Demand, r: &Resolved) -> Option<(Arc<Judgement>, FilterHow)> {
         let last =
             r.judgements.lock().unwrap_or_else(PoisonError::into_inner).get(demand).cloned()?;
         let unknown = Verdict::NoState(UNKNOWN_NODE.into());
@@ -1276,10 +1331,9 @@ impl Extender {
         drop(memo_map);
         drop(view);
         if fresh.is_empty() {
-            last.changes.store(changes, std::sync::atomic::Ordering::SeqCst);
-            let mut answer = self.answer_judged(demand.clone(), &last);
-            answer.how = FilterHow::Again;
-            return Some(answer);
+            // Never back: a caller that judged a later view first moved it further.
+            last.changes.fetch_max(changes, std::sync::atomic::Ordering::SeqCst);
+            return Some((last, FilterHow::Again));
         }
         // A node changed twice since is judged once, as it is now.
         fresh.sort_by_key(|(i, _)| *i);
@@ -1305,8 +1359,9 @@ impl Extender {
         out.push(b']');
         let names = names_start..out.len();
         r.push_failed(&mut out, &failed);
-        let judgement = Judgement::new(changes, out, names, passed, failed);
-        Some(self.answer_kept(r, demand, judgement, FilterHow::Patched))
+        let judgement = Arc::new(Judgement::new(changes, out, names, passed, failed));
+        r.keep(demand, &judgement);
+        Some((judgement, FilterHow::Patched))
     }
 
     /// Keeps `ahead` among the latest answers made ahead.
@@ -1372,7 +1427,14 @@ impl Extender {
                     made: std::sync::OnceLock::new(),
                 })
             });
-            FilterAnswer { body, removed, error: String::new(), ahead, how: FilterHow::Read }
+            FilterAnswer {
+                body,
+                removed,
+                error: String::new(),
+                ahead,
+                judge: None,
+                how: FilterHow::Read,
+            }
         });
         self.keep_ahead(answer.ahead.as_ref());
         answer
@@ -1383,6 +1445,22 @@ impl Extender {
     /// holds for.
     pub fn prepare_ahead(&self, ahead: &Ahead) {
         self.made(ahead);
+    }
+
+    /// Judges again the answers kept for a filter call's names for the other demands last asked
+    /// over them ([`JudgeAhead`]): each node changed since an answer was last known to hold is
+    /// judged anew for its demand, and the answer is kept patched where a verdict changed,
+    /// as the next call for that demand would (see [`FilterHow::Patched`]). That call then judges
+    /// only the nodes changed after this: the work moves off its path, to the time kube-scheduler
+    /// spends reading this answer and scoring.
+    pub fn judge_ahead(&self, next: &JudgeAhead) {
+        let asked: Vec<Demand> = {
+            let asked = next.names.asked.lock().unwrap_or_else(PoisonError::into_inner);
+            asked.iter().rev().filter(|d| **d != next.except).cloned().collect()
+        };
+        for demand in asked {
+            let _ = self.rejudged(&demand, &next.names);
+        }
     }
 
     fn made<'a>(&self, ahead: &'a Ahead) -> &'a Made {

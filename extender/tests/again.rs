@@ -67,7 +67,10 @@ proptest! {
     /// Whatever happens between calls, the answer given is the answer judged afresh.
     #[test]
     fn an_answer_given_again_is_the_answer_judged_afresh(
-        steps in proptest::collection::vec((step(), prop::sample::select(vec![8u32, 40, 100, 140])), 1..60),
+        steps in proptest::collection::vec(
+            (step(), prop::sample::select(vec![8u32, 40, 100, 140]), 0..3u8),
+            1..60,
+        ),
         spaced in proptest::bool::weighted(0.25),
     ) {
         let extender = Extender::new(Settings::default());
@@ -83,7 +86,10 @@ proptest! {
         sent.push(names[3].clone());
         let mut bound: Vec<String> = Vec::new();
         let mut hows = Vec::new();
-        for (k, (step, units)) in steps.iter().enumerate() {
+        // The other answers kept, judged ahead (as the server does beside the calls) right
+        // after a call, after the next changes, or never.
+        let mut pending = None;
+        for (k, (step, units, judge_when)) in steps.iter().enumerate() {
             {
                 let mut view = extender.cluster.write().expect("lock");
                 match step {
@@ -109,6 +115,9 @@ proptest! {
                     }
                     Step::Still => {}
                 }
+            }
+            if let Some(judge) = pending.take() {
+                extender.judge_ahead(&judge);
             }
             // Compact as kube-scheduler writes it, or with spaces (then never patched).
             let array = if spaced {
@@ -136,6 +145,11 @@ proptest! {
                 prop_assert!(given.how != FilterHow::Patched);
             }
             hows.push(given.how);
+            match (judge_when, given.judge) {
+                (1, Some(judge)) => extender.judge_ahead(&judge),
+                (2, judge) => pending = judge,
+                _ => {}
+            }
         }
         prop_assert_eq!(hows[0], FilterHow::Read);
     }
@@ -188,6 +202,15 @@ fn both_paths_are_taken() {
     let passed: Vec<&str> =
         answer["NodeNames"].as_array().expect("names").iter().filter_map(Value::as_str).collect();
     assert_eq!(passed, ["n0", "n1", "n2", "n3", "n4", "n6", "n8", "n9", "n10", "n11"]);
+    // Judged ahead: after a call for 8 units, the answer kept for 40 is judged again beside
+    // it, so the next call for 40 finds it patched and gives it again.
+    set(2, &[20, 20]);
+    let answer = call(8);
+    extender.judge_ahead(&answer.judge.expect("the other demand's answer to judge"));
+    let answer = call(40);
+    assert_eq!(answer.how, FilterHow::Again, "patched ahead, given again");
+    let answer: Value = serde_json::from_slice(&answer.body).expect("json");
+    assert!(answer["FailedNodes"]["n2"].is_string(), "{answer}");
     // More changes than the log keeps: judged afresh.
     for _ in 0..1100 {
         set(3, &[140, 20]);
@@ -196,7 +219,8 @@ fn both_paths_are_taken() {
 }
 
 /// Calls of several pods at once while the nodes change under them (kube-scheduler's profiles,
-/// a watcher's events): whatever answers were kept or patched in between, once the nodes stand
+/// a watcher's events), each followed by its judging ahead: whatever answers were kept or
+/// patched in between, once the nodes stand
 /// still every demand's answer is again the one judged afresh, and every answer given during
 /// the run named only the nodes sent, each once.
 #[test]
@@ -223,6 +247,10 @@ fn answers_kept_through_concurrent_calls_and_changes_are_the_answers_judged_afre
                 for k in 0..400u32 {
                     let units = [8, 40, 100, 140][((k + caller) % 4) as usize];
                     let answer = extender.filter_call(body(units).as_bytes()).expect("answered");
+                    // The others judged ahead as the server does, beside the other caller.
+                    if let Some(judge) = &answer.judge {
+                        extender.judge_ahead(judge);
+                    }
                     let answer: Value = serde_json::from_slice(&answer.body).expect("json");
                     let mut seen: Vec<&str> = answer["NodeNames"]
                         .as_array()

@@ -89,7 +89,7 @@ pub fn extender_request(data: &[u8]) {
     let Ok(args) = fast else { return };
     let _ = baleen_extender::demand::Demand::of(&args.pod, "awesome-ai-company.com");
     // Served as the HTTP handler serves it (names a recent call's reused, its answer given
-    // again or patched): the bytes of the answer judged afresh from the parsed call. One
+    // again or patched, the others judged ahead after it): the bytes of the answer judged afresh from the parsed call. One
     // extender across inputs, so that later inputs meet the names and answers of earlier ones.
     let extender = fuzz_extender();
     let served = extender.filter_call(data).expect("a body serde_json reads is answered");
@@ -99,6 +99,10 @@ pub fn extender_request(data: &[u8]) {
         String::from_utf8_lossy(&afresh.body),
         "the filter served and the filter judged afresh differ"
     );
+    // The other answers kept for these names judged ahead, as the server does after answering.
+    if let Some(judge) = &served.judge {
+        extender.judge_ahead(judge);
+    }
 }
 
 /// An extender whose cache holds nodes `a` to `e` (`e` with no usable document), for
