@@ -81,8 +81,8 @@ impl FailKind {
 pub const NOT_SYNCED: &str =
     "baleen-extender has not listed the cluster's nodes and pods yet; try again shortly";
 
-/// Nodes a rebuild scores per hold of the view's read lock.
-const WARM_SLOTS_PER_HOLD: usize = 256;
+/// Nodes a rebuild scores per hold of the view's read lock (about 0.2 ms of 7 demands).
+const WARM_SLOTS_PER_HOLD: usize = 32;
 
 /// How many of the most common recent demands are scored on every node after a rebuild.
 const WARM_DEMANDS: usize = 8;
@@ -518,7 +518,9 @@ const MEMO_DEMANDS: usize = 64;
 /// The pods seen, for the target workload.
 #[derive(Debug, Default)]
 struct Seen {
-    recent: VecDeque<Demand>,
+    /// Shared with a rebuild, which copies the list under the lock (5,000 demands cloned one by
+    /// one were a millisecond of it).
+    recent: VecDeque<Arc<Demand>>,
     uids: std::collections::HashSet<String>,
     since_rebuild: usize,
     /// Pods learned so far.
@@ -815,7 +817,7 @@ impl Extender {
         if !pod_uid.is_empty() && !seen.uids.insert(pod_uid.to_owned()) {
             return;
         }
-        seen.recent.push_back(demand.clone());
+        seen.recent.push_back(Arc::new(demand.clone()));
         if seen.recent.len() > self.settings.target_window {
             seen.recent.pop_front();
         }
@@ -838,12 +840,18 @@ impl Extender {
     }
 
     /// Rebuilds the policy from the pods seen (the LP of `baleen` runs here, not in a verb).
+    ///
+    /// On the rebuild thread (`SCHED_IDLE`) it yields the CPU between its steps and between
+    /// each few nodes it scores, holding no lock then: the kernel's scheduler (EEVDF) may pick
+    /// an idle-class thread that has just woken over a runnable worker and let it run to the
+    /// next tick (4 ms at 250 Hz), and did, once per rebuild or so, in `call_latency`.
     pub fn rebuild_policy(&self) {
-        let (demands, asked): (Vec<Demand>, u64) = {
+        let (demands, asked): (Vec<Arc<Demand>>, u64) = {
             let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
             (seen.recent.iter().cloned().collect(), seen.asked)
         };
         let requests = self.requests_of(&demands);
+        std::thread::yield_now();
         let (cpu, gpus) = {
             let view = self.view();
             let mut cpu = 0u64;
@@ -856,8 +864,10 @@ impl Extender {
             }
             (cpu, gpus)
         };
+        std::thread::yield_now();
         let policy =
             Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default());
+        std::thread::yield_now();
 
         // The cluster's CPU scarcity is read from the target only once it holds enough pods:
         // the first pod's CPU per GPU alone says little (it cost 1.2 points on a tenth of the
@@ -872,7 +882,7 @@ impl Extender {
         let mut counts: std::collections::HashMap<&Demand, usize> =
             std::collections::HashMap::new();
         // CPU-only pods shape the target, but are never scored.
-        for d in demands.iter().filter(|d| !d.is_empty()) {
+        for d in demands.iter().map(|d| &**d).filter(|d| !d.is_empty()) {
             *counts.entry(d).or_default() += 1;
         }
         let mut common: Vec<(&Demand, usize)> = counts.into_iter().collect();
@@ -880,12 +890,14 @@ impl Extender {
         common.truncate(WARM_DEMANDS);
         let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst) + 1;
         let mut warm = Scores::new();
-        // A few hundred nodes per hold of the view's read lock: scoring every node takes tens of
-        // milliseconds at 5,000 nodes, and a watcher or `bind` waiting for the write lock would
-        // hold up every call behind it (the lock lets no reader past a waiting writer). A node
-        // that changes after its turn has a new stamp, so its warm score is never used.
+        // A few dozen nodes per hold of the view's read lock, the CPU yielded between holds:
+        // scoring every node takes tens of milliseconds at 5,000 nodes, and a watcher or `bind`
+        // waiting for the write lock would hold up every call behind it (the lock lets no reader
+        // past a waiting writer). A node that changes after its turn has a new stamp, so its
+        // warm score is never used.
         let mut next = 0;
         loop {
+            std::thread::yield_now();
             let view = self.view();
             let end = (next + WARM_SLOTS_PER_HOLD).min(view.slots());
             for slot in next..end {
@@ -931,30 +943,40 @@ impl Extender {
     }
 
     /// The demands as placement requests on the cluster's most common GPU (its units).
-    fn requests_of(&self, demands: &[Demand]) -> Vec<Request> {
-        let view = self.view();
-        let mut by_units: BTreeMap<u32, usize> = BTreeMap::new();
-        let mut sample: BTreeMap<u32, &NodeGpuState> = BTreeMap::new();
-        for s in view.states() {
-            let units = s.gpus.iter().map(|g| g.units_total).max().unwrap_or(0);
-            *by_units.entry(units).or_default() += 1;
-            sample.entry(units).or_insert(s);
-        }
-        let Some(common) = by_units.iter().max_by_key(|(_, n)| **n).map(|(u, _)| *u) else {
-            return Vec::new();
+    /// Each distinct demand is turned into a request once (a few thousand pods ask a handful
+    /// of shapes), the view's lock held only to find the common GPU.
+    fn requests_of(&self, demands: &[Arc<Demand>]) -> Vec<Request> {
+        let model = {
+            let view = self.view();
+            let mut by_units: BTreeMap<u32, usize> = BTreeMap::new();
+            let mut sample: BTreeMap<u32, &NodeGpuState> = BTreeMap::new();
+            for s in view.states() {
+                let units = s.gpus.iter().map(|g| g.units_total).max().unwrap_or(0);
+                *by_units.entry(units).or_default() += 1;
+                sample.entry(units).or_insert(s);
+            }
+            let Some(common) = by_units.iter().max_by_key(|(_, n)| **n).map(|(u, _)| *u) else {
+                return Vec::new();
+            };
+            let Some(model) = NodeModel::new(sample[&common], Default::default()) else {
+                return Vec::new();
+            };
+            model
         };
-        let Some(model) = NodeModel::new(sample[&common], Default::default()) else {
-            return Vec::new();
-        };
+        let mut made: HashMap<&Demand, Option<Request>> = HashMap::new();
         demands
             .iter()
             .filter_map(|d| {
-                if d.is_empty() {
-                    // A CPU-only pod: what makes CPU scarce beside the GPU pods.
-                    Some(crate::place::cpu_only(d))
-                } else {
-                    model.request(d)
-                }
+                made.entry(&**d)
+                    .or_insert_with(|| {
+                        if d.is_empty() {
+                            // A CPU-only pod: what makes CPU scarce beside the GPU pods.
+                            Some(crate::place::cpu_only(d))
+                        } else {
+                            model.request(d)
+                        }
+                    })
+                    .clone()
             })
             .collect()
     }
