@@ -422,7 +422,7 @@ fn main() {
             sum * 1e3 / count.max(1) as f64
         };
         println!(
-            "the server's own time in its handlers (mean): filter {:.3} ms, prioritize {:.3} ms; filter calls by how (all, the first batch's included): read {}, reused {}, again {}, patched {}; prioritize made ahead {}, computed {}",
+            "the server's own time in its handlers (mean): filter {:.3} ms, prioritize {:.3} ms; filter calls by how (all, the first batch's included): read {}, reused {}, again {}, patched {}; prioritize made ahead {}, computed {}; scores made ahead kept {}, patched {}, afresh {}",
             mean_ms(0),
             mean_ms(1),
             counted("baleen_extender_filter_names_total", "read"),
@@ -431,6 +431,9 @@ fn main() {
             counted("baleen_extender_filter_names_total", "patched"),
             counted("baleen_extender_prioritize_answers_total", "made_ahead"),
             counted("baleen_extender_prioritize_answers_total", "computed"),
+            extender.scores_made.with_label_values(&["kept"]).get(),
+            extender.scores_made.with_label_values(&["patched"]).get(),
+            extender.scores_made.with_label_values(&["afresh"]).get(),
         );
         for (c, name) in classes.iter_mut().zip([
             "judged in full, no rebuild",

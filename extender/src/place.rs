@@ -274,26 +274,56 @@ pub fn cpu_only(demand: &Demand) -> Request {
 /// Scores of one decision as kube-scheduler's 0..=10: the best node(s) 10, the others spread
 /// over 0..=9 by their raw score, nodes without a score 0.
 pub fn extender_scores(raw: &[Option<i64>]) -> Vec<i64> {
-    let (Some(&min), Some(&max)) = (raw.iter().flatten().min(), raw.iter().flatten().max()) else {
-        return vec![0; raw.len()];
-    };
-    // In i64 where the span allows it (always, for the policy's scores): 5,000 i128 divisions
-    // a call were measurable.
-    let span = i128::from(max) - i128::from(min);
-    let narrow = i64::try_from(span).ok().filter(|&s| s <= i64::MAX / 9);
-    raw.iter()
-        .map(|s| match s {
+    match Scale::of(raw) {
+        Some(scale) => raw.iter().map(|s| scale.score(*s)).collect(),
+        None => vec![0; raw.len()],
+    }
+}
+
+/// How [`extender_scores`] maps one decision's raw scores: by their least and greatest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scale {
+    /// The least raw score.
+    pub min: i64,
+    /// The greatest raw score.
+    pub max: i64,
+    /// `max - min` where the division fits in i64 (always, for the policy's scores): 5,000
+    /// i128 divisions a call were measurable.
+    narrow: Option<i64>,
+}
+
+impl Scale {
+    /// The scale of `raw`; `None` where no node has a score.
+    pub fn of(raw: &[Option<i64>]) -> Option<Self> {
+        let (Some(&min), Some(&max)) = (raw.iter().flatten().min(), raw.iter().flatten().max())
+        else {
+            return None;
+        };
+        Some(Self::between(min, max))
+    }
+
+    /// The scale from `min` to `max`.
+    pub fn between(min: i64, max: i64) -> Self {
+        let span = i128::from(max) - i128::from(min);
+        let narrow = i64::try_from(span).ok().filter(|&s| s <= i64::MAX / 9);
+        Scale { min, max, narrow }
+    }
+
+    /// One raw score on this scale (0 where the node has none).
+    pub fn score(&self, raw: Option<i64>) -> i64 {
+        match raw {
             None => 0,
-            Some(s) if *s == max => crate::protocol::MAX_SCORE,
-            Some(s) => match narrow {
-                Some(span) => ((s - min) * 9 / span.max(1)).clamp(0, 9),
+            Some(s) if s == self.max => crate::protocol::MAX_SCORE,
+            Some(s) => match self.narrow {
+                Some(span) => ((s - self.min) * 9 / span.max(1)).clamp(0, 9),
                 None => {
-                    let pos = (i128::from(*s) - i128::from(min)) * 9 / span.max(1);
+                    let span = i128::from(self.max) - i128::from(self.min);
+                    let pos = (i128::from(s) - i128::from(self.min)) * 9 / span.max(1);
                     i64::try_from(pos).unwrap_or(0).clamp(0, 9)
                 }
             },
-        })
-        .collect()
+        }
+    }
 }
 
 #[cfg(test)]

@@ -108,6 +108,7 @@ pub async fn start(
     let metrics = Metrics::new(registry.clone())?;
     registry.register(Box::new(extender.not_sent.clone()))?;
     registry.register(Box::new(extender.refused_documents.clone()))?;
+    registry.register(Box::new(extender.scores_made.clone()))?;
     let verbs = router(extender.clone(), metrics.clone(), &config.prefix);
     let tls = match &config.tls {
         None => None,

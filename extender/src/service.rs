@@ -232,6 +232,15 @@ fn scores_answer<'a>(
     hosts: impl ExactSizeIterator<Item = (&'a str, Option<&'a str>)>,
     scores: &[i64],
 ) -> Vec<u8> {
+    scores_answer_at(hosts, scores, None)
+}
+
+/// [`scores_answer`], noting in `at` where each entry's score starts.
+fn scores_answer_at<'a>(
+    hosts: impl ExactSizeIterator<Item = (&'a str, Option<&'a str>)>,
+    scores: &[i64],
+    mut at: Option<&mut Vec<usize>>,
+) -> Vec<u8> {
     use crate::protocol::{HOST_ITEM_SCORE, HOST_ITEM_START};
     // About 32 bytes an entry for names of a dozen characters; grown where longer.
     let mut out = Vec::with_capacity(hosts.len() * 40 + 2);
@@ -249,15 +258,28 @@ fn scores_answer<'a>(
                 out.extend_from_slice(HOST_ITEM_SCORE.as_bytes());
             }
         }
-        match u8::try_from(score) {
-            // 0 to 9, most scores: one digit.
-            Ok(digit @ 0..=9) => out.push(b'0' + digit),
-            _ => out.extend_from_slice(number.format(score).as_bytes()),
+        if let Some(at) = at.as_mut() {
+            at.push(out.len());
         }
+        push_score(&mut out, &mut number, score);
         out.push(b'}');
     }
     out.push(b']');
     out
+}
+
+/// Appends `score` as JSON.
+fn push_score(out: &mut Vec<u8>, number: &mut itoa::Buffer, score: i64) {
+    match u8::try_from(score) {
+        // 0 to 9, most scores: one digit.
+        Ok(digit @ 0..=9) => out.push(b'0' + digit),
+        _ => out.extend_from_slice(number.format(score).as_bytes()),
+    }
+}
+
+/// How many bytes `score` takes in JSON.
+fn score_width(score: i64) -> usize {
+    itoa::Buffer::new().format(score).len()
 }
 
 /// The most answers made ahead that are kept (one per call served at once).
@@ -377,6 +399,73 @@ struct Made {
     changes: u64,
     epoch: u64,
 }
+
+/// An answer made ahead for the nodes a filter passed (their slots, shared with the filter's
+/// kept answer, [`Judgement::passed`]) and a demand, kept with what it was made from: the next
+/// answer for the same nodes and demand under the same policy is this one with the scores of
+/// the nodes changed since patched in, where those changes leave the least and the greatest
+/// raw score as they were (then no other node's score moves); else it is made afresh.
+#[derive(Debug)]
+struct MadeKept {
+    demand: Demand,
+    slots: Arc<[usize]>,
+    epoch: u64,
+    /// [`ClusterView::changes`] when it was last known to hold.
+    changes: std::sync::atomic::AtomicU64,
+    /// Each node's raw score (in `slots`' order).
+    raw: Vec<Option<i64>>,
+    /// Their scale; `None` where no node had a score.
+    scale: Option<crate::place::Scale>,
+    /// How many nodes have the least and the greatest raw score.
+    at_min: usize,
+    at_max: usize,
+    body: bytes::Bytes,
+    /// Where each node's score starts in `body`.
+    score_at: Vec<usize>,
+    /// Each (slot, place in `slots`), sorted; made when first asked, shared by the patched
+    /// answers of the same nodes.
+    places: Arc<std::sync::OnceLock<Vec<(usize, usize)>>>,
+}
+
+impl MadeKept {
+    /// The places in `slots` of slot `slot`.
+    fn places_of(&self, slot: usize) -> impl Iterator<Item = usize> + '_ {
+        let places = self.places.get_or_init(|| {
+            let mut places: Vec<(usize, usize)> =
+                self.slots.iter().enumerate().map(|(i, &s)| (s, i)).collect();
+            places.sort_unstable();
+            places
+        });
+        let from = places.partition_point(|&(s, _)| s < slot);
+        places[from..].iter().take_while(move |&&(s, _)| s == slot).map(|&(_, i)| i)
+    }
+}
+
+/// How a `prioritize` answer made ahead was made (the metric's label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MadeHow {
+    /// The answer made last for the same passed nodes and demand, none of them changed since.
+    Kept,
+    /// That answer with the scores of the nodes changed since patched in.
+    Patched,
+    /// Every node's score looked up in the memo or computed.
+    Afresh,
+}
+
+impl MadeHow {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MadeHow::Kept => "kept",
+            MadeHow::Patched => "patched",
+            MadeHow::Afresh => "afresh",
+        }
+    }
+}
+
+/// The most answers made ahead kept to be patched ([`MadeKept`]): about 370 KiB each at 5,000
+/// nodes.
+const MADE_KEPT: usize = 8;
 
 /// The most filter calls' names kept resolved ([`Resolved`]).
 const RESOLVED: usize = AHEADS;
@@ -545,6 +634,8 @@ pub struct Extender {
     scores: Mutex<Scores>,
     /// The latest `prioritize` answers made ahead by `filter`, newest last.
     aheads: Mutex<VecDeque<Arc<Ahead>>>,
+    /// The latest answers made ahead, kept to be patched, newest last.
+    made_kept: Mutex<VecDeque<Arc<MadeKept>>>,
     /// The names of the latest filter calls, resolved, newest last.
     resolved: Mutex<VecDeque<Arc<Resolved>>>,
     seen: Mutex<Seen>,
@@ -557,6 +648,8 @@ pub struct Extender {
     pub not_sent: prometheus::IntCounter,
     /// gpu-state documents refused as not believable ([`crate::cluster::believable`]).
     pub refused_documents: prometheus::IntCounter,
+    /// `prioritize` answers made ahead, by how ([`MadeHow`]).
+    pub scores_made: prometheus::IntCounterVec,
     /// The API client the `bind` verb binds with (none: the verb answers that it cannot).
     binder: std::sync::OnceLock<kube::Client>,
 }
@@ -632,6 +725,7 @@ impl Extender {
             verdicts: Mutex::new(Verdicts::new()),
             scores: Mutex::new(Scores::new()),
             aheads: Mutex::new(VecDeque::new()),
+            made_kept: Mutex::new(VecDeque::new()),
             resolved: Mutex::new(VecDeque::new()),
             seen: Mutex::new(Seen::default()),
             rebuild: tokio::sync::Notify::new(),
@@ -650,6 +744,14 @@ impl Extender {
                 "gpu-state documents refused because the Node's own device counts do not bear them out (more units or GPUs than the kubelet counts, more free than total, past the agent's limits).",
             )
             .unwrap_or_else(|_| unreachable_counter()),
+            scores_made: prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    "baleen_extender_scores_made_total",
+                    "prioritize answers made ahead, by how: kept (the answer made last for the same passed nodes and demand, none of those nodes changed since), patched (that answer with the scores of the nodes changed since patched in: the changes left the least and greatest raw score as they were), afresh (every node's score looked up in the memo or computed).",
+                ),
+                &["how"],
+            )
+            .unwrap_or_else(|_| unreachable!("a valid constant name and label")),
             binder: std::sync::OnceLock::new(),
         })
     }
@@ -1489,17 +1591,158 @@ impl Extender {
         ahead.made.get_or_init(|| {
             let (policy, epoch) = self.policy_and_epoch();
             let view = self.view();
-            let slots = ahead.slots.iter().map(|&slot| Some(slot));
-            let scores = self.scores_in(&view, &policy, epoch, &ahead.demand, slots);
-            // Each entry's start as the view wrote it once (slots are never taken back: each
-            // is there).
-            let hosts = ahead.slots.iter().map(|&slot| ("", view.item_at(slot)));
-            Made {
-                body: bytes::Bytes::from(scores_answer(hosts, &scores)),
-                changes: view.changes(),
-                epoch,
-            }
+            let (kept, how) = match self.made_patched(&view, &policy, epoch, ahead) {
+                Some(patched) => patched,
+                None => {
+                    let kept = Arc::new(self.made_afresh(&view, &policy, epoch, ahead));
+                    self.keep_made(&kept);
+                    (kept, MadeHow::Afresh)
+                }
+            };
+            self.scores_made.with_label_values(&[how.as_str()]).inc();
+            Made { body: kept.body.clone(), changes: view.changes(), epoch }
         })
+    }
+
+    /// `ahead`'s answer made from the scores memo, every node's score looked up or computed.
+    fn made_afresh(
+        &self,
+        view: &ClusterView,
+        policy: &Policy,
+        epoch: u64,
+        ahead: &Ahead,
+    ) -> MadeKept {
+        let slots = ahead.slots.iter().map(|&slot| Some(slot));
+        let raw = self.raw_scores_in(view, policy, epoch, &ahead.demand, slots);
+        let scale = crate::place::Scale::of(&raw);
+        let scores: Vec<i64> = match scale {
+            Some(scale) => raw.iter().map(|r| scale.score(*r)).collect(),
+            None => vec![0; raw.len()],
+        };
+        let (at_min, at_max) = scale.map_or((0, 0), |scale| {
+            let count = |v: i64| raw.iter().filter(|r| **r == Some(v)).count();
+            (count(scale.min), count(scale.max))
+        });
+        // Each entry's start as the view wrote it once (slots are never taken back: each
+        // is there).
+        let hosts = ahead.slots.iter().map(|&slot| ("", view.item_at(slot)));
+        let mut score_at = Vec::with_capacity(raw.len());
+        let body = scores_answer_at(hosts, &scores, Some(&mut score_at));
+        MadeKept {
+            demand: ahead.demand.clone(),
+            slots: ahead.slots.clone(),
+            epoch,
+            changes: view.changes().into(),
+            raw,
+            scale,
+            at_min,
+            at_max,
+            body: body.into(),
+            score_at,
+            places: Arc::default(),
+        }
+    }
+
+    /// `ahead`'s answer as the one kept for the same nodes (the same filter answer's, given
+    /// again) and demand under the same policy, with the scores of the nodes changed since
+    /// patched in; `None` where there is none, where more changed than the view's log keeps,
+    /// or where the changes move the least or the greatest raw score (every score moves then).
+    fn made_patched(
+        &self,
+        view: &ClusterView,
+        policy: &Policy,
+        epoch: u64,
+        ahead: &Ahead,
+    ) -> Option<(Arc<MadeKept>, MadeHow)> {
+        let kept = {
+            let kept = self.made_kept.lock().unwrap_or_else(PoisonError::into_inner);
+            kept.iter()
+                .rev()
+                .find(|k| {
+                    Arc::ptr_eq(&k.slots, &ahead.slots)
+                        && k.epoch == epoch
+                        && k.demand == ahead.demand
+                })
+                .cloned()?
+        };
+        let since = kept.changes.load(std::sync::atomic::Ordering::SeqCst);
+        let mut touched: Vec<usize> =
+            view.changed_since(since)?.flat_map(|slot| kept.places_of(slot)).collect();
+        touched.sort_unstable();
+        touched.dedup();
+        let changes = view.changes();
+        if touched.is_empty() {
+            kept.changes.fetch_max(changes, std::sync::atomic::Ordering::SeqCst);
+            return Some((kept, MadeHow::Kept));
+        }
+        let slots = touched.iter().map(|&i| Some(kept.slots[i]));
+        let fresh = self.raw_scores_in(view, policy, epoch, &ahead.demand, slots);
+        let scale = kept.scale?;
+        let (mut at_min, mut at_max) = (kept.at_min, kept.at_max);
+        for (&i, new) in touched.iter().zip(&fresh) {
+            let old = kept.raw[i];
+            if old == *new {
+                continue;
+            }
+            at_min -= usize::from(old == Some(scale.min));
+            at_max -= usize::from(old == Some(scale.max));
+            if let Some(v) = *new {
+                if v < scale.min || v > scale.max {
+                    return None;
+                }
+                at_min += usize::from(v == scale.min);
+                at_max += usize::from(v == scale.max);
+            }
+        }
+        if at_min == 0 || at_max == 0 {
+            return None;
+        }
+        // The old answer in runs between the scores that change; each later score's start
+        // moved by what the changed ones grew or shrank before it.
+        let mut raw = kept.raw.clone();
+        let mut body = Vec::with_capacity(kept.body.len() + touched.len());
+        let mut score_at = Vec::with_capacity(kept.score_at.len());
+        let mut number = itoa::Buffer::new();
+        let (mut from, mut next) = (0, 0);
+        for (&i, new) in touched.iter().zip(&fresh) {
+            let (before, after) = (scale.score(kept.raw[i]), scale.score(*new));
+            raw[i] = *new;
+            let at = kept.score_at[i];
+            body.extend_from_slice(&kept.body[from..at]);
+            let shift = body.len().wrapping_sub(at);
+            score_at.extend(kept.score_at[next..=i].iter().map(|a| a.wrapping_add(shift)));
+            push_score(&mut body, &mut number, after);
+            from = at + score_width(before);
+            next = i + 1;
+        }
+        let shift = body.len().wrapping_sub(from);
+        body.extend_from_slice(&kept.body[from..]);
+        score_at.extend(kept.score_at[next..].iter().map(|a| a.wrapping_add(shift)));
+        let patched = Arc::new(MadeKept {
+            demand: kept.demand.clone(),
+            slots: kept.slots.clone(),
+            epoch,
+            changes: changes.into(),
+            raw,
+            scale: Some(scale),
+            at_min,
+            at_max,
+            body: body.into(),
+            score_at,
+            places: kept.places.clone(),
+        });
+        self.keep_made(&patched);
+        Some((patched, MadeHow::Patched))
+    }
+
+    /// Keeps `made` as the latest answer made for its nodes and demand.
+    fn keep_made(&self, made: &Arc<MadeKept>) {
+        let mut kept = self.made_kept.lock().unwrap_or_else(PoisonError::into_inner);
+        kept.retain(|k| !(Arc::ptr_eq(&k.slots, &made.slots) && k.demand == made.demand));
+        if kept.len() >= MADE_KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(made.clone());
     }
 
     /// A `prioritize` call's body answered: from the scores made ahead where its names are a
@@ -1642,29 +1885,38 @@ impl Extender {
         demand: &Demand,
         slots: impl Iterator<Item = Option<usize>>,
     ) -> Vec<i64> {
-        let raw: Vec<Option<i64>> = {
-            let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
-            let cache = demand_memo(&mut memo_map, demand, view.slots());
-            slots
-                .map(|slot| {
-                    let slot = slot?;
-                    let (entry, stamp) = view.entry_at(slot);
-                    let entry = entry?;
-                    let key = (stamp, epoch);
-                    if let Some((k, v)) = &cache[slot]
-                        && *k == key
-                    {
-                        return *v;
-                    }
-                    // The name only where the score must be computed anew.
-                    let name = view.name_of(slot)?;
-                    let score = self.score_on(view, name, entry, demand, policy);
-                    cache[slot] = Some((key, score));
-                    score
-                })
-                .collect()
-        };
-        extender_scores(&raw)
+        extender_scores(&self.raw_scores_in(view, policy, epoch, demand, slots))
+    }
+
+    /// [`Self::scores_in`]'s raw scores, before they are put on kube-scheduler's scale.
+    fn raw_scores_in(
+        &self,
+        view: &ClusterView,
+        policy: &Policy,
+        epoch: u64,
+        demand: &Demand,
+        slots: impl Iterator<Item = Option<usize>>,
+    ) -> Vec<Option<i64>> {
+        let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
+        let cache = demand_memo(&mut memo_map, demand, view.slots());
+        slots
+            .map(|slot| {
+                let slot = slot?;
+                let (entry, stamp) = view.entry_at(slot);
+                let entry = entry?;
+                let key = (stamp, epoch);
+                if let Some((k, v)) = &cache[slot]
+                    && *k == key
+                {
+                    return *v;
+                }
+                // The name only where the score must be computed anew.
+                let name = view.name_of(slot)?;
+                let score = self.score_on(view, name, entry, demand, policy);
+                cache[slot] = Some((key, score));
+                score
+            })
+            .collect()
     }
 
     /// The preempt verb: of the candidate nodes and victims kube-scheduler proposes (it picks

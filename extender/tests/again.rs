@@ -1,8 +1,10 @@
 //! A filter answer given again (issue 25, item 1): kube-scheduler sends the same names pod after
 //! pod, so the extender keeps its latest answer per names and demand and gives it again where
 //! no node among the names changed its verdict since, judging only the nodes the view's change
-//! log names. Held here to the answer judged afresh, byte for byte, through any sequence of
-//! node changes, removals, returns, bound and deleted pods and demands.
+//! log names; the answers of the other demands are judged ahead, and the scores made ahead for
+//! `prioritize` are patched from the answer made before for the same nodes. Held here to the
+//! answers judged and scored afresh, byte for byte, through any sequence of node changes,
+//! removals, returns, bound and deleted pods, demands and policy rebuilds.
 
 use baleen_extender::cluster::{NodeEntry, PodEntry};
 use baleen_extender::protocol::{ExtenderArgs, Node, Pod};
@@ -153,6 +155,138 @@ proptest! {
         }
         prop_assert_eq!(hows[0], FilterHow::Read);
     }
+}
+
+/// Applies `step` to the view (bound pods' UIDs kept in `bound`).
+fn apply(extender: &Extender, names: &[String], bound: &mut Vec<String>, k: usize, step: &Step) {
+    let mut view = extender.cluster.write().expect("lock");
+    match step {
+        Step::Set(n, free) => {
+            view.set_node(&names[*n], NodeEntry::of(&node(&names[*n], free), KEY))
+        }
+        Step::Remove(n) => view.remove_node(&names[*n]),
+        Step::Bind(n, u) => {
+            let uid = format!("b{k}");
+            let p: Pod = serde_json::from_value(pod(&uid, *u, Some(&names[*n]))).expect("pod");
+            view.set_pod(&uid, PodEntry::of(&p, DOMAIN));
+            bound.push(uid);
+        }
+        Step::Delete(i) => {
+            if !bound.is_empty() {
+                let uid = bound.remove(i % bound.len());
+                view.remove_pod(&uid);
+            }
+        }
+        Step::Flood => {
+            for j in 0..1100 {
+                let n = j % NODES;
+                view.set_node(&names[n], NodeEntry::of(&node(&names[n], &[FREE[j % 5], 140]), KEY));
+            }
+        }
+        Step::Still => {}
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// kube-scheduler's filter then prioritize with the names the filter passed, whatever
+    /// happens between pods (and, now and then, between the two calls, or a policy rebuild):
+    /// the scores answered (made ahead, patched from the answer made before for the same
+    /// nodes, or computed) are the scores computed afresh, byte for byte.
+    #[test]
+    fn scores_made_ahead_or_patched_are_the_scores_computed_afresh(
+        steps in proptest::collection::vec(
+            (step(), prop::sample::select(vec![8u32, 20, 40, 100]), 0..10u8),
+            1..60,
+        ),
+    ) {
+        use baleen_extender::service::Prioritized;
+        let extender = Extender::new(Settings::default());
+        let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
+        {
+            let mut view = extender.cluster.write().expect("lock");
+            for (i, name) in names.iter().enumerate() {
+                view.set_node(name, NodeEntry::of(&node(name, &[FREE[i % 5], FREE[(i + 2) % 5]]), KEY));
+            }
+        }
+        let mut bound: Vec<String> = Vec::new();
+        for (k, (step, units, when)) in steps.iter().enumerate() {
+            // 0: the policy rebuilt before the pod; 1: the step lands between filter and
+            // prioritize; else before the filter.
+            if *when == 0 {
+                extender.rebuild_policy();
+            }
+            if *when != 1 {
+                apply(&extender, &names, &mut bound, k, step);
+            }
+            let p = pod(&format!("p{k}"), *units, None);
+            let body = json!({"Pod": p, "Nodes": null, "NodeNames": names}).to_string();
+            let filtered = extender.filter_call(body.as_bytes()).expect("answered");
+            if let Some(ahead) = &filtered.ahead {
+                extender.prepare_ahead(ahead);
+            }
+            if let Some(judge) = &filtered.judge {
+                extender.judge_ahead(judge);
+            }
+            if *when == 1 {
+                apply(&extender, &names, &mut bound, k, step);
+            }
+            let passed: Value = serde_json::from_slice(&filtered.body).expect("json");
+            let body = serde_json::to_string(
+                &json!({"Pod": p, "Nodes": null, "NodeNames": passed["NodeNames"]}),
+            )
+            .expect("json");
+            let given = match extender.prioritize_call(body.as_bytes()).expect("answered") {
+                Prioritized::Ahead(b) => b.to_vec(),
+                Prioritized::Computed(b) => b,
+            };
+            let args = ExtenderArgs::parse(body.as_bytes()).expect("args");
+            let afresh = extender.prioritize_json(&args).expect("scores");
+            prop_assert_eq!(
+                String::from_utf8_lossy(&given),
+                String::from_utf8_lossy(&afresh),
+                "pod {} ({:?}, {} units, when {})", k, step, units, when
+            );
+        }
+    }
+}
+
+/// The three ways an answer is made ahead are all taken by a run of pods of one demand while
+/// single nodes change between them: the answer kept (nothing of its nodes changed), patched
+/// (a node changed that held neither the least nor the greatest raw score alone), afresh (the
+/// first, and after a change that moved those).
+#[test]
+fn scores_are_made_kept_patched_and_afresh() {
+    let extender = Extender::new(Settings::default());
+    let names: Vec<String> = (0..40).map(|i| format!("n{i}")).collect();
+    let set = |n: usize, free: &[u32]| {
+        extender
+            .cluster
+            .write()
+            .expect("lock")
+            .set_node(&names[n], NodeEntry::of(&node(&names[n], free), KEY));
+    };
+    for n in 0..names.len() {
+        set(n, &[FREE[n % 5], FREE[(n / 5) % 5]]);
+    }
+    let call = || {
+        let body =
+            json!({"Pod": pod("p", 20, None), "Nodes": null, "NodeNames": names}).to_string();
+        let filtered = extender.filter_call(body.as_bytes()).expect("answered");
+        extender.prepare_ahead(&filtered.ahead.expect("many nodes pass"));
+    };
+    let made = |how: &str| extender.scores_made.with_label_values(&[how]).get();
+    call();
+    assert_eq!(made("afresh"), 1);
+    call();
+    assert_eq!(made("kept"), 1, "nothing changed");
+    for k in 0..30 {
+        set(k % names.len(), &[FREE[(k * 3) % 5], FREE[(k * 7 + 1) % 5]]);
+        call();
+    }
+    assert!(made("patched") > 0, "kept {} afresh {}", made("kept"), made("afresh"));
+    assert!(made("afresh") > 1, "patched {}", made("patched"));
 }
 
 /// The answer is given again where nothing among the names changed its verdict, patched where
