@@ -207,7 +207,8 @@ fn main() {
         );
         // The policy is rebuilt every 100 new pods beside the calls, as in the extender.
         // (CALL_LATENCY_NO_REBUILD=1: without it, to see what it costs the tail.)
-        if std::env::var_os("CALL_LATENCY_NO_REBUILD").is_none() {
+        let rebuilder = std::env::var_os("CALL_LATENCY_NO_REBUILD").is_none();
+        if rebuilder {
             tokio::spawn(extender.clone().run_rebuilder(token.clone()));
         }
         // CALL_LATENCY_NAMES=500: kube-scheduler's default at 5,000 nodes, which stops after
@@ -273,7 +274,8 @@ fn main() {
             let filter_body = serde_json::to_vec(&Call { pod: &p, node_names: &all }).expect("json");
             let again_before = counted("baleen_extender_filter_names_total", "again")
                 + counted("baleen_extender_filter_names_total", "patched");
-            let rebuilding = !extender.learning().1;
+            // (Without the rebuilder no rebuild is ever under way, though some are asked.)
+            let rebuilding = rebuilder && !extender.learning().1;
             let started = Instant::now();
             let text = connection.post("/filter", &filter_body).to_vec();
             let own = Instant::now();
@@ -308,7 +310,7 @@ fn main() {
                 let again = counted("baleen_extender_filter_names_total", "again")
                     + counted("baleen_extender_filter_names_total", "patched")
                     > again_before;
-                let rebuilding = rebuilding || !extender.learning().1;
+                let rebuilding = rebuilding || (rebuilder && !extender.learning().1);
                 classes[usize::from(again) + 2 * usize::from(rebuilding)].push(elapsed);
             }
             // Bind to the best node (not yet in its annotation), and one other node changes.
