@@ -119,7 +119,7 @@ impl Metrics {
             IntCounterVec::new(
                 Opts::new(
                     "baleen_extender_filter_names_total",
-                    "filter calls by how their node names were judged: read (split and looked up), reused (byte for byte a recent call's, judged from the slots found then; kube-scheduler sends the same names pod after pod with percentageOfNodesToScore: 100), again (a recent call's names and demand, no node among them changed its verdict since: that answer again), patched (the same, some nodes' verdicts changed: that answer with theirs patched in).",
+                    "filter calls by how their node names were judged: read (split and looked up), reused (byte for byte a recent call's, judged from the slots found then; kube-scheduler sends the same names pod after pod with percentageOfNodesToScore: 100), again (a recent call's names and demand, no node among them changed its verdict since it was last judged, by a call or ahead: that answer again), patched (the same, some nodes' verdicts changed: that answer with theirs patched in).",
                 ),
                 &["how"],
             ),
