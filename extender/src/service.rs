@@ -1872,23 +1872,12 @@ impl Extender {
         let (policy, epoch) = self.policy_and_epoch();
         let view = self.view();
         let slots = names.iter().map(|name| view.find(name).map(|f| f.slot));
-        self.scores_in(&view, &policy, epoch, demand, slots)
+        extender_scores(&self.raw_scores_in(&view, &policy, epoch, demand, slots))
     }
 
-    /// [`Self::scores_of`] for nodes by their slot in `view` (`None`: unknown), under `policy`
-    /// of `epoch`.
-    fn scores_in(
-        &self,
-        view: &ClusterView,
-        policy: &Policy,
-        epoch: u64,
-        demand: &Demand,
-        slots: impl Iterator<Item = Option<usize>>,
-    ) -> Vec<i64> {
-        extender_scores(&self.raw_scores_in(view, policy, epoch, demand, slots))
-    }
-
-    /// [`Self::scores_in`]'s raw scores, before they are put on kube-scheduler's scale.
+    /// The raw scores for `demand` of the nodes by their slot in `view` (`None`: unknown; no
+    /// score), under `policy` of `epoch`, from the memo where the node, its pods and the
+    /// policy are as they were, before they are put on kube-scheduler's scale.
     fn raw_scores_in(
         &self,
         view: &ClusterView,

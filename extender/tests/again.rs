@@ -92,32 +92,7 @@ proptest! {
         // after a call, after the next changes, or never.
         let mut pending = None;
         for (k, (step, units, judge_when)) in steps.iter().enumerate() {
-            {
-                let mut view = extender.cluster.write().expect("lock");
-                match step {
-                    Step::Set(n, free) => view.set_node(&names[*n], NodeEntry::of(&node(&names[*n], free), KEY)),
-                    Step::Remove(n) => view.remove_node(&names[*n]),
-                    Step::Bind(n, u) => {
-                        let uid = format!("b{k}");
-                        let p: Pod = serde_json::from_value(pod(&uid, *u, Some(&names[*n]))).expect("pod");
-                        view.set_pod(&uid, PodEntry::of(&p, DOMAIN));
-                        bound.push(uid);
-                    }
-                    Step::Delete(i) => {
-                        if !bound.is_empty() {
-                            let uid = bound.remove(i % bound.len());
-                            view.remove_pod(&uid);
-                        }
-                    }
-                    Step::Flood => {
-                        for j in 0..1100 {
-                            let n = j % NODES;
-                            view.set_node(&names[n], NodeEntry::of(&node(&names[n], &[FREE[j % 5], 140]), KEY));
-                        }
-                    }
-                    Step::Still => {}
-                }
-            }
+            apply(&extender, &names, &mut bound, k, step);
             if let Some(judge) = pending.take() {
                 extender.judge_ahead(&judge);
             }
