@@ -75,14 +75,7 @@ proptest! {
         ),
         spaced in proptest::bool::weighted(0.25),
     ) {
-        let extender = Extender::new(Settings::default());
-        let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
-        {
-            let mut view = extender.cluster.write().expect("lock");
-            for (i, name) in names.iter().enumerate() {
-                view.set_node(name, NodeEntry::of(&node(name, &[FREE[i % 5], FREE[(i + 2) % 5]]), KEY));
-            }
-        }
+        let (extender, names) = cluster();
         // The names as kube-scheduler sends them, one repeated.
         let mut sent = names.clone();
         sent.push(names[3].clone());
@@ -132,6 +125,19 @@ proptest! {
     }
 }
 
+/// An extender whose cache holds the nodes `n0` to `n11`, two GPUs each, and their names.
+fn cluster() -> (std::sync::Arc<Extender>, Vec<String>) {
+    let extender = Extender::new(Settings::default());
+    let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
+    {
+        let mut view = extender.cluster.write().expect("lock");
+        for (i, name) in names.iter().enumerate() {
+            view.set_node(name, NodeEntry::of(&node(name, &[FREE[i % 5], FREE[(i + 2) % 5]]), KEY));
+        }
+    }
+    (extender, names)
+}
+
 /// Applies `step` to the view (bound pods' UIDs kept in `bound`).
 fn apply(extender: &Extender, names: &[String], bound: &mut Vec<String>, k: usize, step: &Step) {
     let mut view = extender.cluster.write().expect("lock");
@@ -177,14 +183,7 @@ proptest! {
         ),
     ) {
         use baleen_extender::service::Prioritized;
-        let extender = Extender::new(Settings::default());
-        let names: Vec<String> = (0..NODES).map(|i| format!("n{i}")).collect();
-        {
-            let mut view = extender.cluster.write().expect("lock");
-            for (i, name) in names.iter().enumerate() {
-                view.set_node(name, NodeEntry::of(&node(name, &[FREE[i % 5], FREE[(i + 2) % 5]]), KEY));
-            }
-        }
+        let (extender, names) = cluster();
         let mut bound: Vec<String> = Vec::new();
         for (k, (step, units, when)) in steps.iter().enumerate() {
             // 0: the policy rebuilt before the pod; 1: the step lands between filter and
