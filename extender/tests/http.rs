@@ -1141,6 +1141,52 @@ async fn prioritize_after_filter_is_answered_ahead_over_http() {
     token.cancel();
 }
 
+/// Issue 25, item 1: after answering a filter, the server judges ahead the answers it keeps for
+/// the same names for the other demands asked: a node that stops fitting one demand while
+/// another's call is served is already out of the first demand's answer when its next call
+/// comes, which is then given again, not patched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_judges_the_other_demands_answers_ahead() {
+    let extender = Extender::new(Settings::default());
+    for i in 0..40 {
+        set_node(&extender, &format!("node-{i}"), &[[140, 140], [20, 100], [60, 0], [0, 0]][i % 4]);
+    }
+    let (address, token) = serve(extender.clone()).await;
+    let names: Vec<String> = (0..40).map(|i| format!("node-{i}")).collect();
+    let filter = |units: u32| {
+        let args = json!({"Pod": pod(units), "Nodes": null, "NodeNames": names});
+        async move {
+            let (status, text) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
+            assert_eq!(status, 200, "{text}");
+            serde_json::from_str::<Value>(&text).expect("json")
+        }
+    };
+    filter(100).await;
+    filter(8).await;
+    // node-0 no longer fits 100 units; it still fits 8.
+    set_node(&extender, "node-0", &[60, 60]);
+    filter(8).await;
+    // What the server does beside the calls is given a moment.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let answer = filter(100).await;
+    assert!(answer["FailedNodes"]["node-0"].is_string(), "{answer}");
+    let (_, metrics) = call(address, "GET", "/metrics", "").await;
+    let count = |how: &str| {
+        let name = format!("baleen_extender_filter_names_total{{how=\"{how}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name.as_str()))
+            .map_or(0, |v| v.parse::<u64>().expect("a count"))
+    };
+    // Without judging ahead, the last call would have been patched.
+    assert_eq!(
+        [count("read"), count("reused"), count("again"), count("patched")],
+        [1, 1, 2, 0],
+        "{metrics}"
+    );
+    token.cancel();
+}
+
 /// Issue 25, item 1: two pods in flight at once (two profiles, or a retry) each get their own
 /// scores made ahead, whichever order their calls interleave in, and an answer being made on
 /// another thread while its `prioritize` arrives is waited for, not made twice or half.
