@@ -1166,8 +1166,20 @@ async fn the_server_judges_the_other_demands_answers_ahead() {
     // node-0 no longer fits 100 units; it still fits 8.
     set_node(&extender, "node-0", &[60, 60]);
     filter(8).await;
-    // What the server does beside the calls is given a moment.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // Beside the calls the server makes each filter's scores ahead, then judges ahead: once the
+    // third making is counted, the judging right after it is given a moment.
+    let made = || {
+        ["kept", "patched", "afresh"]
+            .iter()
+            .map(|how| extender.scores_made.with_label_values(&[how]).get())
+            .sum::<u64>()
+    };
+    let waited = std::time::Instant::now();
+    while made() < 3 && waited.elapsed() < std::time::Duration::from_secs(10) {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(made(), 3, "each filter's scores made ahead");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     let answer = filter(100).await;
     assert!(answer["FailedNodes"]["node-0"].is_string(), "{answer}");
     let (_, metrics) = call(address, "GET", "/metrics", "").await;
