@@ -57,6 +57,18 @@ fn pod(units: u32) -> Value {
     })
 }
 
+/// An extender whose cache holds `node-0` to `node-39` (four kinds of two GPUs), served, and
+/// the nodes' names.
+async fn forty_nodes_served() -> (Arc<Extender>, SocketAddr, CancellationToken, Vec<String>) {
+    let extender = Extender::new(Settings::default());
+    for i in 0..40 {
+        set_node(&extender, &format!("node-{i}"), &[[140, 140], [20, 100], [60, 0], [0, 0]][i % 4]);
+    }
+    let (address, token) = serve(extender.clone()).await;
+    let names: Vec<String> = (0..40).map(|i| format!("node-{i}")).collect();
+    (extender, address, token, names)
+}
+
 async fn serve(extender: Arc<Extender>) -> (SocketAddr, CancellationToken) {
     let token = CancellationToken::new();
     let metrics = Metrics::new(prometheus::Registry::new()).expect("metrics");
@@ -1099,12 +1111,7 @@ async fn scores_made_ahead_are_the_scores_computed_and_never_stale() {
 /// gives; a prioritize of names the filter did not answer is computed.
 #[tokio::test]
 async fn prioritize_after_filter_is_answered_ahead_over_http() {
-    let extender = Extender::new(Settings::default());
-    for i in 0..40 {
-        set_node(&extender, &format!("node-{i}"), &[[140, 140], [20, 100], [60, 0], [0, 0]][i % 4]);
-    }
-    let (address, token) = serve(extender.clone()).await;
-    let names: Vec<String> = (0..40).map(|i| format!("node-{i}")).collect();
+    let (extender, address, token, names) = forty_nodes_served().await;
     for units in [8, 40, 100] {
         let args = json!({"Pod": pod(units), "Nodes": null, "NodeNames": names});
         let (status, text) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
@@ -1147,12 +1154,7 @@ async fn prioritize_after_filter_is_answered_ahead_over_http() {
 /// comes, which is then given again, not patched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_judges_the_other_demands_answers_ahead() {
-    let extender = Extender::new(Settings::default());
-    for i in 0..40 {
-        set_node(&extender, &format!("node-{i}"), &[[140, 140], [20, 100], [60, 0], [0, 0]][i % 4]);
-    }
-    let (address, token) = serve(extender.clone()).await;
-    let names: Vec<String> = (0..40).map(|i| format!("node-{i}")).collect();
+    let (extender, address, token, names) = forty_nodes_served().await;
     let filter = |units: u32| {
         let args = json!({"Pod": pod(units), "Nodes": null, "NodeNames": names});
         async move {
