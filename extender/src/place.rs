@@ -274,7 +274,12 @@ pub fn cpu_only(demand: &Demand) -> Request {
 /// Scores of one decision as kube-scheduler's 0..=10: the best node(s) 10, the others spread
 /// over 0..=9 by their raw score, nodes without a score 0.
 pub fn extender_scores(raw: &[Option<i64>]) -> Vec<i64> {
-    match Scale::of(raw) {
+    scaled(Scale::of(raw), raw)
+}
+
+/// `raw` on `scale` ([`Scale::of`] them; every score 0 where it is `None`).
+pub fn scaled(scale: Option<Scale>, raw: &[Option<i64>]) -> Vec<i64> {
+    match scale {
         Some(scale) => raw.iter().map(|s| scale.score(*s)).collect(),
         None => vec![0; raw.len()],
     }

@@ -422,17 +422,34 @@ struct MadeKept {
     body: bytes::Bytes,
     /// Where each node's score starts in `body`.
     score_at: Vec<usize>,
-    /// Each (slot, place in `slots`), sorted; made when first asked, shared by the patched
-    /// answers of the same nodes.
-    places: Arc<std::sync::OnceLock<Vec<(usize, usize)>>>,
+    /// Where each slot is in `slots`; shared by the patched answers of the same nodes.
+    places: Arc<SlotPlaces>,
 }
 
 impl MadeKept {
     /// The places in `slots` of slot `slot`.
     fn places_of(&self, slot: usize) -> impl Iterator<Item = usize> + '_ {
-        let places = self.places.get_or_init(|| {
+        self.places.of(slot, || self.slots.iter().copied().map(Some))
+    }
+}
+
+/// Where each slot lies in a list of slots: each (slot, index) sorted, made when first asked
+/// (a list never asked costs no sort), so that the indices of a node that changed are found
+/// by a binary search.
+#[derive(Debug, Default)]
+struct SlotPlaces(std::sync::OnceLock<Vec<(usize, usize)>>);
+
+impl SlotPlaces {
+    /// The indices of `slot` in the list `slots` gives (`None`: no slot there); `slots` is
+    /// read only the first time.
+    fn of<I: Iterator<Item = Option<usize>>>(
+        &self,
+        slot: usize,
+        slots: impl FnOnce() -> I,
+    ) -> impl Iterator<Item = usize> + '_ {
+        let places = self.0.get_or_init(|| {
             let mut places: Vec<(usize, usize)> =
-                self.slots.iter().enumerate().map(|(i, &s)| (s, i)).collect();
+                slots().enumerate().filter_map(|(i, s)| s.map(|s| (s, i))).collect();
             places.sort_unstable();
             places
         });
@@ -485,7 +502,7 @@ struct Resolved {
     all_known: bool,
     /// Each (slot, index of a name with it), sorted, to find the names of a node that changed;
     /// made when first asked (names never sent again cost no sort).
-    places: std::sync::OnceLock<Vec<(usize, usize)>>,
+    places: SlotPlaces,
     /// Whether consecutive names are separated by exactly `","` (as kube-scheduler's encoder
     /// writes them): runs of passing names are then copied from the text in one piece.
     compact: bool,
@@ -513,7 +530,7 @@ impl Resolved {
             spans,
             slots,
             all_known,
-            places: std::sync::OnceLock::new(),
+            places: SlotPlaces::default(),
             compact,
             judgements: Mutex::default(),
             asked: Mutex::default(),
@@ -551,8 +568,10 @@ impl Resolved {
         });
     }
 
-    /// Keeps `judgement` as the latest for `demand` (where every name had a slot).
-    fn keep(&self, demand: &Demand, judgement: &Arc<Judgement>) {
+    /// Keeps `judgement` as the latest for `demand` (where every name had a slot), and gives
+    /// it back shared.
+    fn keep(&self, demand: &Demand, judgement: Judgement) -> Arc<Judgement> {
+        let judgement = Arc::new(judgement);
         if self.all_known {
             let mut kept = self.judgements.lock().unwrap_or_else(PoisonError::into_inner);
             if !kept.contains_key(demand) && kept.len() >= JUDGEMENTS {
@@ -560,19 +579,12 @@ impl Resolved {
             }
             kept.insert(demand.clone(), judgement.clone());
         }
+        judgement
     }
 
     /// The indices of the names with slot `slot`.
     fn places_of(&self, slot: usize) -> impl Iterator<Item = usize> + '_ {
-        let places = self.places.get_or_init(|| {
-            let mut places: Vec<(usize, usize)> = (self.slots.iter().enumerate())
-                .filter_map(|(i, slot)| slot.map(|s| (s, i)))
-                .collect();
-            places.sort_unstable();
-            places
-        });
-        let from = places.partition_point(|&(s, _)| s < slot);
-        places[from..].iter().take_while(move |&&(s, _)| s == slot).map(|&(_, i)| i)
+        self.places.of(slot, || self.slots.iter().copied())
     }
 }
 
@@ -1363,22 +1375,8 @@ impl Extender {
         drop(view);
         r.push_failed(&mut out, &failed);
         let judgement = Judgement::new(changes, out, names, passed, failed);
-        self.answer_kept(r, &demand, judgement, FilterHow::Read)
-    }
-
-    /// Keeps `judgement` as the latest for `r`'s names and `demand`, and answers with it.
-    fn answer_kept(
-        &self,
-        r: &Resolved,
-        demand: &Demand,
-        judgement: Judgement,
-        how: FilterHow,
-    ) -> FilterAnswer {
-        let judgement = Arc::new(judgement);
-        r.keep(demand, &judgement);
-        let mut answer = self.answer_judged(demand.clone(), &judgement);
-        answer.how = how;
-        answer
+        let judgement = r.keep(&demand, judgement);
+        self.answer_judged(demand, &judgement)
     }
 
     /// The answer of `judgement`, the `prioritize` after it prepared.
@@ -1483,8 +1481,7 @@ impl Extender {
         out.push(b']');
         let names = names_start..out.len();
         r.push_failed(&mut out, &failed);
-        let judgement = Arc::new(Judgement::new(changes, out, names, passed, failed));
-        r.keep(demand, &judgement);
+        let judgement = r.keep(demand, Judgement::new(changes, out, names, passed, failed));
         Some((judgement, FilterHow::Patched))
     }
 
@@ -1615,10 +1612,7 @@ impl Extender {
         let slots = ahead.slots.iter().map(|&slot| Some(slot));
         let raw = self.raw_scores_in(view, policy, epoch, &ahead.demand, slots);
         let scale = crate::place::Scale::of(&raw);
-        let scores: Vec<i64> = match scale {
-            Some(scale) => raw.iter().map(|r| scale.score(*r)).collect(),
-            None => vec![0; raw.len()],
-        };
+        let scores = crate::place::scaled(scale, &raw);
         let (at_min, at_max) = scale.map_or((0, 0), |scale| {
             let count = |v: i64| raw.iter().filter(|r| **r == Some(v)).count();
             (count(scale.min), count(scale.max))
