@@ -12,6 +12,10 @@
 #       agent runs it: env -i, the GPU, the pipe directory, a 64 MiB limit) against the daemon
 #       (expected: exit 0, about 62 MiB free), against an empty pipe directory (expected: exit 1,
 #       "not an MPS client": the driver runs the context without MPS), and its time.
+#   T5  (issue 39, item 3) a setuid-root copy of nvidia-cuda-mps-control run by uid 65534 with
+#       the pipe directory read-only: without no_new_privs its euid is 0 and `quit` is
+#       expected to reach the daemon (why the install asks allowPrivilegeEscalation: false);
+#       with no_new_privs (what allowPrivilegeEscalation: false sets) `quit` must be refused.
 # Usage: OUT=dir AGENT=target/release/baleen-agent scripts/gpu-day-tenant.sh
 set -uo pipefail
 OUT=${OUT:-gpu-day-tenant-out}
@@ -58,6 +62,19 @@ echo "lowered to 4G:"; timeout 60 tenant 0 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40
 step "uid 65534 quit through the privileged socket (expected: refused)"
 echo quit | timeout 10 tenant 65534 "$MPS"; echo "rc=$?"
 echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$PIPE "$MPS"; echo "daemon answers: rc=$?"
+step "T5 a setuid-root copy of the control binary, uid 65534 (expected: refused with no_new_privs)"
+SUID=/tmp/baleen-tenant/suid-mps-control
+cp "$MPS" "$SUID"; chown root:root "$SUID"; chmod 4755 "$SUID"; ls -la "$SUID"
+findmnt -no OPTIONS -T "$SUID"  # nosuid here would hide what a setuid bit does
+nnp() { # uid, then the command: tenant() with no_new_privs set before the exec
+  local uid=$1; shift
+  unshare --mount --propagation private sh -c "mount --bind $PIPE $VIEW && mount -o remount,bind,ro $VIEW && exec setpriv --no-new-privs --reuid $uid --regid $uid --clear-groups env -i PATH=$PATH HOME=/tmp CUDA_MPS_PIPE_DIRECTORY=$VIEW $*"
+}
+echo "with no_new_privs, quit:"; echo quit | timeout 10 nnp 65534 "$SUID"; echo "rc=$?"
+echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$PIPE "$MPS"; echo "daemon still answers: rc=$? (expected 0)"
+echo "without no_new_privs, get_server_list (quit not sent, so T4 still has a daemon):"
+echo get_server_list | timeout 10 tenant 65534 "$SUID"; echo "rc=$? (0: the setuid copy reached control_privileged)"
+rm -f "$SUID"
 step "T4 the agent's MPS client probe"
 AGENT=${AGENT:-target/release/baleen-agent}
 if [ -x "$AGENT" ]; then

@@ -759,7 +759,7 @@ fn advertised(domain: &str) -> Result<BTreeSet<String>> {
 #[test]
 fn example_pods_are_valid_and_ask_for_what_the_agent_advertises() -> Result<()> {
     let advertised = advertised(baleen_k8s::gpu_state::DEFAULT_DOMAIN)?;
-    let policy = tenant_policy("default")?;
+    let install = Install::parse(&render("default")?)?;
     let dir = repo().join("packaging/examples/pods");
     let mut asked = BTreeSet::new();
     for entry in std::fs::read_dir(&dir)? {
@@ -768,9 +768,8 @@ fn example_pods_are_valid_and_ask_for_what_the_agent_advertises() -> Result<()> 
         for doc in documents(&text)? {
             let pod: Pod = strict(&doc).with_context(|| path.display().to_string())?;
             // What the install's tenant policy matches, it admits (the examples run as shown).
-            if cel_true(&policy.0, &doc)? {
-                ensure!(cel_true(&policy.1, &doc)?, "{}: refused by the install", path.display());
-            }
+            let admitted = tenant_admits(&install, &doc)?;
+            ensure!(admitted != Some(false), "{}: refused by the install", path.display());
             let spec = pod.spec.context("spec")?;
             for c in &spec.containers {
                 let limits =
@@ -1267,29 +1266,18 @@ fn check_verbs_reach(
     Ok(())
 }
 
-/// The install's tenant policy's two CEL expressions: whether a pod is matched, and whether it
-/// is admitted.
-fn tenant_policy(values: &str) -> Result<(String, String)> {
-    let install = Install::parse(&render(values)?)?;
-    let policy = install
-        .admission_policies
-        .iter()
-        .find(|p| p.metadata.name.as_deref() == Some("baleen-gpu-memory-non-root"))
-        .context("the tenant policy")?;
-    let name = policy.metadata.name.clone().context("name")?;
+/// Whether the install's tenant policy (rendered with `values`) matches `pod` and, if so,
+/// admits it: `None` when not matched. Its binding denies, and an error admits nothing.
+fn tenant_admits(install: &Install, pod: &Value) -> Result<Option<bool>> {
+    let name = "baleen-gpu-memory-non-root";
     let binding = install
         .policy_bindings
         .iter()
-        .find(|b| b.spec.as_ref().and_then(|s| s.policy_name.as_deref()) == Some(name.as_str()))
+        .find(|b| b.spec.as_ref().and_then(|s| s.policy_name.as_deref()) == Some(name))
         .context("a binding")?;
     let bound = binding.spec.as_ref().context("binding spec")?;
-    ensure!(bound.policy_name.as_deref() == Some(name.as_str()), "the binding names the policy");
     ensure!(bound.validation_actions.as_deref() == Some(&["Deny".to_owned()][..]), "it denies");
-    let spec = policy.spec.as_ref().context("policy spec")?;
-    ensure!(spec.failure_policy.as_deref() == Some("Fail"), "an error admits nothing");
-    let matched = spec.match_conditions.as_ref().and_then(|m| m.first()).context("condition")?;
-    let valid = spec.validations.as_ref().and_then(|v| v.first()).context("validation")?;
-    Ok((matched.expression.clone(), valid.expression.clone()))
+    policy_admits(install, name, &Value::Null, pod, &Value::Null)
 }
 
 fn cel_true(expression: &str, pod: &serde_json::Value) -> Result<bool> {
@@ -1302,100 +1290,277 @@ fn cel_true(expression: &str, pod: &serde_json::Value) -> Result<bool> {
 #[test]
 fn gpu_memory_pods_that_may_run_as_root_are_refused_by_the_install() -> Result<()> {
     // A root process in a gpu-memory container can connect to its GPU's MPS control socket
-    // (root passes the socket's mode) and send `quit`: the API server must refuse the pod.
-    let (matched, valid) = tenant_policy("default")?;
+    // (root passes the socket's mode) and send `quit`: the API server must refuse the pod. A
+    // setuid-root binary in the tenant's image makes a non-root process root again unless
+    // privilege escalation is off (no_new_privs), and a privileged container or an added
+    // capability (CAP_DAC_OVERRIDE passes the socket's mode) is as good as root.
+    let install = Install::parse(&render("default")?)?;
     let gpu_memory = serde_json::json!({"limits": {"awesome-ai-company.com/gpu-memory": "8"}});
-    let pod = |pod_ctx: serde_json::Value, containers: serde_json::Value| {
+    let safe = serde_json::json!({"runAsNonRoot": true, "allowPrivilegeEscalation": false});
+    let with = |extra: Value| {
+        let mut ctx = safe.clone();
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            ctx[k] = v.clone();
+        }
+        ctx
+    };
+    let pod = |pod_ctx: Value, containers: Value| {
         let mut pod = serde_json::json!({"spec": {"containers": containers}});
         if !pod_ctx.is_null() {
             pod["spec"]["securityContext"] = pod_ctx;
         }
         pod
     };
+    let one = |ctx: Value| {
+        let mut c = serde_json::json!({"name": "c", "resources": gpu_memory});
+        if !ctx.is_null() {
+            c["securityContext"] = ctx;
+        }
+        pod(Value::Null, serde_json::json!([c]))
+    };
     let cases = [
-        // (what, pod, matched, admitted)
+        // (what, pod, matched and admitted: None when not matched)
+        ("no security context", one(Value::Null), Some(false)),
+        ("non-root, no escalation", one(safe.clone()), Some(true)),
         (
-            "no security context",
-            pod(
-                serde_json::Value::Null,
-                serde_json::json!([{"name": "c", "resources": gpu_memory}]),
-            ),
-            true,
-            false,
-        ),
-        (
-            "runAsNonRoot on the pod",
+            "runAsNonRoot on the pod, no escalation on the container",
             pod(
                 serde_json::json!({"runAsNonRoot": true}),
-                serde_json::json!([{"name": "c", "resources": gpu_memory}]),
+                serde_json::json!([{"name": "c", "resources": gpu_memory,
+                    "securityContext": {"allowPrivilegeEscalation": false}}]),
             ),
-            true,
-            true,
+            Some(true),
         ),
         (
-            "runAsNonRoot on the container",
-            pod(
-                serde_json::Value::Null,
-                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": {"runAsNonRoot": true}}]),
-            ),
-            true,
-            true,
+            "runAsNonRoot without allowPrivilegeEscalation",
+            one(serde_json::json!({"runAsNonRoot": true})),
+            Some(false),
+        ),
+        (
+            "allowPrivilegeEscalation: true",
+            one(with(serde_json::json!({"allowPrivilegeEscalation": true}))),
+            Some(false),
         ),
         (
             "the container undoes the pod's",
-            pod(
-                serde_json::json!({"runAsNonRoot": true}),
-                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": {"runAsNonRoot": false}}]),
-            ),
-            true,
-            false,
+            one(with(serde_json::json!({"runAsNonRoot": false}))),
+            Some(false),
+        ),
+        ("privileged", one(with(serde_json::json!({"privileged": true}))), Some(false)),
+        ("privileged: false", one(with(serde_json::json!({"privileged": false}))), Some(true)),
+        (
+            "an added capability",
+            one(with(serde_json::json!({"capabilities": {"add": ["DAC_OVERRIDE"]}}))),
+            Some(false),
+        ),
+        (
+            "every capability dropped",
+            one(with(serde_json::json!({"capabilities": {"drop": ["ALL"], "add": []}}))),
+            Some(true),
         ),
         (
             "a root sidecar beside the GPU container",
             pod(
-                serde_json::Value::Null,
-                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": {"runAsNonRoot": true}}, {"name": "side"}]),
+                Value::Null,
+                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": safe}, {"name": "side"}]),
             ),
-            true,
-            false,
+            Some(false),
+        ),
+        (
+            "a sidecar that may escalate",
+            pod(
+                serde_json::json!({"runAsNonRoot": true}),
+                serde_json::json!([{"name": "c", "resources": gpu_memory, "securityContext": safe},
+                    {"name": "side", "securityContext": {"allowPrivilegeEscalation": true}}]),
+            ),
+            Some(false),
         ),
         (
             "gpu-memory in requests only",
             pod(
-                serde_json::Value::Null,
+                Value::Null,
                 serde_json::json!([{"name": "c", "resources": {"requests": {"awesome-ai-company.com/gpu-memory": "1"}}}]),
             ),
-            true,
-            false,
+            Some(false),
         ),
         (
             "a whole GPU (no MPS)",
             pod(
-                serde_json::Value::Null,
+                Value::Null,
                 serde_json::json!([{"name": "c", "resources": {"limits": {"awesome-ai-company.com/gpu": "1"}}}]),
             ),
-            false,
-            false,
+            None,
         ),
-        (
-            "no resources at all",
-            pod(serde_json::Value::Null, serde_json::json!([{"name": "c"}])),
-            false,
-            false,
-        ),
+        ("no resources at all", pod(Value::Null, serde_json::json!([{"name": "c"}])), None),
     ];
-    for (what, pod, want_matched, want_admitted) in cases {
-        ensure!(cel_true(&matched, &pod)? == want_matched, "{what}: matched is not {want_matched}");
-        if want_matched {
-            ensure!(
-                cel_true(&valid, &pod)? == want_admitted,
-                "{what}: admitted is not {want_admitted}"
-            );
-        }
+    for (what, pod, want) in cases {
+        let got = tenant_admits(&install, &pod)?;
+        ensure!(got == want, "{what}: {got:?}, not {want:?}");
     }
     // An init container asking for gpu-memory is matched and held to the same rule.
     let init = serde_json::json!({"spec": {"containers": [{"name": "c"}], "initContainers": [{"name": "i", "resources": gpu_memory}]}});
-    ensure!(cel_true(&matched, &init)? && !cel_true(&valid, &init)?, "an init container");
+    ensure!(tenant_admits(&install, &init)? == Some(false), "an init container");
+    // `kubectl debug` adds an ephemeral container (subresource pods/ephemeralcontainers, which
+    // the policy matches): a root one beside the GPU container is refused, a safe one is not.
+    let mut debugged = one(safe.clone());
+    debugged["spec"]["ephemeralContainers"] = serde_json::json!([{"name": "debug"}]);
+    ensure!(tenant_admits(&install, &debugged)? == Some(false), "a root ephemeral container");
+    debugged["spec"]["ephemeralContainers"][0]["securityContext"] = safe.clone();
+    ensure!(tenant_admits(&install, &debugged)? == Some(true), "a safe ephemeral container");
+    let policy = install
+        .admission_policies
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some("baleen-gpu-memory-non-root"))
+        .and_then(|p| p.spec.as_ref()?.match_constraints.clone())
+        .context("the tenant policy's constraints")?;
+    let resources: Vec<String> = policy
+        .resource_rules
+        .iter()
+        .flatten()
+        .flat_map(|r| r.resources.clone().unwrap_or_default())
+        .collect();
+    ensure!(
+        resources.iter().any(|r| r == "pods/ephemeralcontainers"),
+        "the policy sees containers added by kubectl debug: {resources:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn dra_claims_of_the_gpu_class_need_a_restricted_namespace() -> Result<()> {
+    // A claim of the GPU class gets the MPS pipe directory through its CDI spec; the pod names
+    // only its claim, so the rule is the namespace's: Pod Security `restricted` enforced.
+    let install = Install::parse(&render("dra")?)?;
+    let name = "baleen-gpu-claims-restricted";
+    ensure!(
+        install.policy_bindings.iter().any(|b| b
+            .spec
+            .as_ref()
+            .and_then(|s| s.policy_name.as_deref())
+            == Some(name)),
+        "the claims policy is bound"
+    );
+    let request =
+        |class: &str| serde_json::json!({"name": "g", "exactly": {"deviceClassName": class}});
+    let claim = |requests: Value| serde_json::json!({"spec": {"devices": {"requests": requests}}});
+    let template = |requests: Value| serde_json::json!({"spec": {"spec": {"devices": {"requests": requests}}}});
+    let namespace =
+        |labels: Value| serde_json::json!({"metadata": {"name": "team-a", "labels": labels}});
+    let restricted = serde_json::json!({"pod-security.kubernetes.io/enforce": "restricted"});
+    let gpu = "gpu.awesome-ai-company.com";
+    let cases = [
+        // (what, object, namespace labels, matched and admitted)
+        (
+            "a GPU claim, restricted",
+            claim(serde_json::json!([request(gpu)])),
+            restricted.clone(),
+            Some(true),
+        ),
+        (
+            "a GPU claim, no labels",
+            claim(serde_json::json!([request(gpu)])),
+            Value::Null,
+            Some(false),
+        ),
+        (
+            "a GPU claim, baseline",
+            claim(serde_json::json!([request(gpu)])),
+            serde_json::json!({"pod-security.kubernetes.io/enforce": "baseline"}),
+            Some(false),
+        ),
+        (
+            "a GPU claim, restricted only warned",
+            claim(serde_json::json!([request(gpu)])),
+            serde_json::json!({"pod-security.kubernetes.io/warn": "restricted"}),
+            Some(false),
+        ),
+        (
+            "a GPU claim, restricted at v1.0 (before allowPrivilegeEscalation was checked)",
+            claim(serde_json::json!([request(gpu)])),
+            serde_json::json!({"pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/enforce-version": "v1.0"}),
+            Some(false),
+        ),
+        (
+            "a GPU claim, restricted at v1.9",
+            claim(serde_json::json!([request(gpu)])),
+            serde_json::json!({"pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/enforce-version": "v1.9"}),
+            Some(false),
+        ),
+        (
+            "a GPU claim, restricted at v1.34",
+            claim(serde_json::json!([request(gpu)])),
+            serde_json::json!({"pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/enforce-version": "v1.34"}),
+            Some(true),
+        ),
+        (
+            "a GPU claim, restricted at latest",
+            claim(serde_json::json!([request(gpu)])),
+            serde_json::json!({"pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/enforce-version": "latest"}),
+            Some(true),
+        ),
+        (
+            "a template, no labels",
+            template(serde_json::json!([request(gpu)])),
+            Value::Null,
+            Some(false),
+        ),
+        (
+            "a template, restricted",
+            template(serde_json::json!([request(gpu)])),
+            restricted.clone(),
+            Some(true),
+        ),
+        (
+            "a first-available alternative",
+            claim(serde_json::json!([{"name": "g", "firstAvailable": [
+                {"name": "a", "deviceClassName": "other.example.com"},
+                {"name": "b", "deviceClassName": gpu}]}])),
+            Value::Null,
+            Some(false),
+        ),
+        (
+            "v1beta1's class on the request",
+            claim(serde_json::json!([{"name": "g", "deviceClassName": gpu}])),
+            Value::Null,
+            Some(false),
+        ),
+        (
+            "another driver's class",
+            claim(serde_json::json!([request("gpu.nvidia.com")])),
+            Value::Null,
+            None,
+        ),
+        (
+            "a MIG instance (no MPS)",
+            claim(serde_json::json!([request("mig.gpu.awesome-ai-company.com")])),
+            Value::Null,
+            None,
+        ),
+        ("a claim with no devices", serde_json::json!({"spec": {}}), Value::Null, None),
+    ];
+    for (what, object, labels, want) in cases {
+        let ns = if labels.is_null() {
+            serde_json::json!({"metadata": {"name": "team-a"}})
+        } else {
+            namespace(labels)
+        };
+        let got = policy_admits_with(
+            &install,
+            name,
+            &[("object", &object), ("oldObject", &Value::Null), ("namespaceObject", &ns)],
+        )?;
+        ensure!(got == want, "{what}: {got:?}, not {want:?}");
+    }
+    // Without DRA the policy is not installed.
+    let plain = Install::parse(&render("default")?)?;
+    ensure!(
+        !plain.admission_policies.iter().any(|p| p.metadata.name.as_deref() == Some(name)),
+        "no claims policy without DRA"
+    );
     Ok(())
 }
 
@@ -1417,11 +1582,12 @@ fn cel_eval(
 
 #[test]
 fn the_tenant_policy_follows_a_custom_domain() -> Result<()> {
-    let (matched, valid) = tenant_policy("custom-domain")?;
+    let install = Install::parse(&render("custom-domain")?)?;
     let pod = |resource: &str| serde_json::json!({"spec": {"containers": [{"name": "c", "resources": {"limits": {resource: "8"}}}]}});
-    ensure!(cel_true(&matched, &pod("gpus.example.org/gpu-memory"))?, "the custom domain's");
-    ensure!(!cel_true(&valid, &pod("gpus.example.org/gpu-memory"))?, "refused as root");
-    ensure!(!cel_true(&matched, &pod("awesome-ai-company.com/gpu-memory"))?, "not the default's");
+    let custom = tenant_admits(&install, &pod("gpus.example.org/gpu-memory"))?;
+    ensure!(custom == Some(false), "the custom domain's, refused as root: {custom:?}");
+    let default = tenant_admits(&install, &pod("awesome-ai-company.com/gpu-memory"))?;
+    ensure!(default.is_none(), "not the default's: {default:?}");
     Ok(())
 }
 
@@ -1445,6 +1611,19 @@ fn policy_admits(
     object: &Value,
     old: &Value,
 ) -> Result<Option<bool>> {
+    policy_admits_with(
+        install,
+        name,
+        &[("request", request), ("object", object), ("oldObject", old)],
+    )
+}
+
+/// [`policy_admits`] with `base` bound (request, object, oldObject, namespaceObject, ...).
+fn policy_admits_with(
+    install: &Install,
+    name: &str,
+    base: &[(&str, &Value)],
+) -> Result<Option<bool>> {
     let policy = install
         .admission_policies
         .iter()
@@ -1452,21 +1631,20 @@ fn policy_admits(
         .with_context(|| format!("the policy {name}"))?;
     let spec = policy.spec.as_ref().context("spec")?;
     ensure!(spec.failure_policy.as_deref() == Some("Fail"), "an error admits nothing");
-    let base = [("request", request), ("object", object), ("oldObject", old)];
     let mut variables = std::collections::HashMap::new();
     for condition in spec.match_conditions.iter().flatten() {
-        match cel_eval(&condition.expression, &base, &variables)? {
+        match cel_eval(&condition.expression, base, &variables)? {
             cel::Value::Bool(true) => {}
             cel::Value::Bool(false) => return Ok(None),
             other => bail!("match condition gave {other:?}"),
         }
     }
     for variable in spec.variables.iter().flatten() {
-        let value = cel_eval(&variable.expression, &base, &variables)?;
+        let value = cel_eval(&variable.expression, base, &variables)?;
         variables.insert(variable.name.clone(), value);
     }
     for validation in spec.validations.iter().flatten() {
-        match cel_eval(&validation.expression, &base, &variables)? {
+        match cel_eval(&validation.expression, base, &variables)? {
             cel::Value::Bool(true) => {}
             cel::Value::Bool(false) => return Ok(Some(false)),
             other => bail!("validation gave {other:?}"),
