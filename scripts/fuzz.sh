@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 SECONDS_EACH=${1:-30}
 shift || true
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(config topology checkpoint gpu_state extender_request quantity mps_log proc_cgroup)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(config topology checkpoint gpu_state extender_request admission_review quantity mps_log proc_cgroup)
 command -v cargo-fuzz >/dev/null || { echo "cargo-fuzz is not installed: cargo install cargo-fuzz" >&2; exit 2; }
 rustup toolchain list | grep -q nightly || { echo "the nightly toolchain is needed: rustup toolchain install nightly" >&2; exit 2; }
 # Seeds: the same ones the stable test uses.

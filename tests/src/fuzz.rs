@@ -17,6 +17,7 @@ pub const TARGETS: &[Target] = &[
     ("checkpoint", checkpoint),
     ("gpu_state", gpu_state),
     ("extender_request", extender_request),
+    ("admission_review", admission_review),
     ("quantity", quantity),
     ("mps_log", mps_log),
     ("proc_cgroup", proc_cgroup),
@@ -105,6 +106,42 @@ pub fn extender_request(data: &[u8]) {
     }
 }
 
+/// An AdmissionReview as the webhook reads it (streamed, only what it judges kept), held to the
+/// verdict judged from the pod parsed whole, for both of the webhook's rules.
+pub fn admission_review(data: &[u8]) {
+    use baleen_extender::webhook::{judge, judge_cpu_only, review};
+    let domain = "awesome-ai-company.com";
+    for cpu_only in [false, true] {
+        let rule = review::Rule {
+            domain,
+            scheduler: "baleen-scheduler",
+            largest_units: Some(140),
+            cpu_only,
+        };
+        let Ok(reviewed) = review::read(data, rule) else { continue };
+        let _ = review::answer(&reviewed, "baleen-scheduler");
+        let Ok(streamed) = &reviewed.verdict else { continue };
+        let object = serde_json::from_slice::<serde_json::Value>(data)
+            .ok()
+            .and_then(|v| v.pointer("/request/object").cloned());
+        let Some(pod) =
+            object.and_then(|o| serde_json::from_value::<baleen_extender::protocol::Pod>(o).ok())
+        else {
+            continue;
+        };
+        let whole = if cpu_only {
+            judge_cpu_only(&pod, domain)
+        } else {
+            judge(&pod, domain, "baleen-scheduler", Some(140))
+        };
+        assert_eq!(
+            streamed.as_str(),
+            whole.as_str(),
+            "streamed and whole differ (cpu_only {cpu_only})"
+        );
+    }
+}
+
 /// An extender whose cache holds nodes `a` to `e` (`e` with no usable document), for
 /// [`extender_request`].
 fn fuzz_extender() -> &'static baleen_extender::service::Extender {
@@ -185,6 +222,10 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         "proc_cgroup" => vec![
             b"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1a2b3c4d_5e6f_7a8b_9c0d_1e2f3a4b5c6d.slice/cri-containerd-4f2a6b8c9d0e1f2a3b4c5d6e7f8091a2.scope\n",
             b"12:memory:/kubepods/burstable/pod1a2b3c4d-5e6f-7a8b-9c0d-1e2f3a4b5c6d/4f2a6b8c9d0e1f2a3b4c5d6e7f8091a2\n",
+        ],
+        "admission_review" => vec![
+            b"{\"apiVersion\":\"admission.k8s.io/v1\",\"kind\":\"AdmissionReview\",\"request\":{\"uid\":\"u\",\"namespace\":\"team-a\",\"operation\":\"CREATE\",\"object\":{\"metadata\":{\"name\":\"p\"},\"spec\":{\"containers\":[{\"name\":\"c\",\"args\":[\"0\"],\"resources\":{\"limits\":{\"awesome-ai-company.com/gpu-memory\":\"8\",\"cpu\":\"1\"}}}],\"initContainers\":[{\"name\":\"i\",\"resources\":{\"requests\":{\"awesome-ai-company.com/gpu-memory\":8}}}],\"schedulerName\":\"default-scheduler\"}},\"oldObject\":null}}",
+            b"{\"apiVersion\":\"admission.k8s.io/v1\",\"request\":{\"uid\":\"v\",\"object\":{\"spec\":{\"containers\":[{\"name\":\"c\",\"resources\":{\"limits\":{\"awesome-ai-company.com/gpu-memory\":[0],\"awesome-ai-company.com/gpu\":\"1\"},\"requests\":null}}],\"initContainers\":null}}}}",
         ],
         "extender_request" => vec![
             b"{\"Pod\":{\"metadata\":{\"name\":\"p\"},\"spec\":{\"containers\":[{\"name\":\"c\",\"resources\":{\"limits\":{\"awesome-ai-company.com/gpu-memory\":\"8\"}}}],\"initContainers\":[{\"name\":\"i\",\"resources\":{\"requests\":{\"cpu\":\"2\"}}}],\"overhead\":{\"cpu\":\"250m\"}}},\"NodeNames\":[\"a\"]}",

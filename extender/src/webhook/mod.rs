@@ -12,9 +12,11 @@
 //!
 //! A body that is not an AdmissionReview is answered 400; a review the webhook cannot read is
 //! allowed unchanged with a warning (the webhook's `failurePolicy` is Ignore: it never stops
-//! pods it does not understand). [`tls`] serves it over TLS with its own certificate or
-//! cert-manager's.
+//! pods it does not understand). A review is read as it streams, keeping only what is judged
+//! ([`review`]), and at most [`MAX_CONCURRENT_REVIEWS`] are read at once. [`tls`] serves it over
+//! TLS with its own certificate or cert-manager's.
 
+pub mod review;
 pub mod tls;
 
 use std::collections::BTreeMap;
@@ -26,8 +28,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use kube::core::DynamicObject;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
 use prometheus::{IntCounterVec, Opts, Registry};
 use serde_json::Value;
 
@@ -37,6 +37,16 @@ use crate::service::Extender;
 
 /// The largest AdmissionReview read: a Pod is at most about 1.5 MiB (etcd's object limit).
 pub const MAX_REVIEW_BYTES: usize = 3 << 20;
+
+/// The most resources of baleen's domain one container's limits (or requests) may name: a
+/// container asks for gpu-memory, whole GPUs, a MIG profile or an NVLink group; a list naming
+/// more is refused (and a review keeps no more than one past this bound: [`review`]).
+pub const MAX_NAMES: usize = 32;
+
+/// Reviews served at once; more wait for their turn before their body is read, so that at
+/// most this many bodies (and what reading one builds: [`review`]) are in memory. The API
+/// server calls the webhook once per pod created; a review takes well under a millisecond.
+pub const MAX_CONCURRENT_REVIEWS: usize = 4;
 
 /// What the webhook does with a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,27 +73,7 @@ impl Verdict {
 /// The verdict on `pod`: resources in `domain`, baleen's scheduler named `scheduler`, the
 /// largest GPU known with `largest_units` gpu-memory units (`None` before any node is known).
 pub fn judge(pod: &Pod, domain: &str, scheduler: &str, largest_units: Option<u32>) -> Verdict {
-    let prefix = format!("{domain}/");
-    let containers =
-        pod.spec.containers.iter().flatten().chain(pod.spec.init_containers.iter().flatten());
-    let mut asks_ours = false;
-    for c in containers {
-        match container_problem(c, &prefix, largest_units) {
-            Ok(asks) => asks_ours |= asks,
-            Err(why) => return Verdict::Refuse(format!("container {}: {why}", c.name)),
-        }
-    }
-    if !asks_ours {
-        return Verdict::Leave;
-    }
-    match pod.spec.scheduler_name.as_deref() {
-        None | Some("" | "default-scheduler") => Verdict::Send,
-        // Baleen's already, or another scheduler chosen on purpose: not ours to override.
-        Some(s) => {
-            tracing::debug!(scheduler = s, own = scheduler, "a pod that names its scheduler");
-            Verdict::Leave
-        }
-    }
+    judged(pod, domain, largest_units, scheduler, false)
 }
 
 /// The verdict of the opt-in second webhook (`POST /mutate-cpu-only-pods`, called for pods of
@@ -91,20 +81,93 @@ pub fn judge(pod: &Pod, domain: &str, scheduler: &str, largest_units: Option<u32
 /// the policy: `--score-cpu-only-pods`): a pod that asks for no baleen resource and names no
 /// scheduler (or the default one) is sent; every other pod is the first webhook's, or left.
 pub fn judge_cpu_only(pod: &Pod, domain: &str) -> Verdict {
+    judged(pod, domain, None, "", true)
+}
+
+/// A [`Scan`] of `pod`'s containers, then its verdict.
+fn judged(
+    pod: &Pod,
+    domain: &str,
+    largest_units: Option<u32>,
+    scheduler: &str,
+    cpu_only: bool,
+) -> Verdict {
     let prefix = format!("{domain}/");
-    let asks = |m: &Option<BTreeMap<String, Value>>| {
-        m.iter().flatten().any(|(k, _)| k.starts_with(&prefix))
-    };
-    let asks_ours = pod
-        .spec
-        .containers
-        .iter()
-        .flatten()
-        .chain(pod.spec.init_containers.iter().flatten())
-        .any(|c| asks(&c.resources.limits) || asks(&c.resources.requests));
-    match pod.spec.scheduler_name.as_deref() {
-        None | Some("" | "default-scheduler") if !asks_ours => Verdict::Send,
-        _ => Verdict::Leave,
+    let mut scan = Scan::new(&prefix, largest_units);
+    for c in pod.spec.containers.iter().flatten() {
+        scan.container(c, false);
+    }
+    for c in pod.spec.init_containers.iter().flatten() {
+        scan.container(c, true);
+    }
+    scan.verdict(pod.spec.scheduler_name.as_deref(), scheduler, cpu_only)
+}
+
+/// What the webhook has seen of a pod's containers so far: they come one at a time, as a
+/// review streams past ([`review`]), and are judged as they come; the first problem found in
+/// the containers, else the first in the init containers, refuses the pod.
+pub(crate) struct Scan<'p> {
+    /// `<domain>/`.
+    prefix: &'p str,
+    largest: Option<u32>,
+    /// Some container asks a baleen resource in its limits.
+    asks_limits: bool,
+    /// Some container names a baleen resource in its limits or requests.
+    asks_any: bool,
+    refusal: Option<String>,
+    init_refusal: Option<String>,
+}
+
+impl<'p> Scan<'p> {
+    pub(crate) fn new(prefix: &'p str, largest: Option<u32>) -> Self {
+        Self {
+            prefix,
+            largest,
+            asks_limits: false,
+            asks_any: false,
+            refusal: None,
+            init_refusal: None,
+        }
+    }
+
+    /// Judges container `c` (an init container when `init`).
+    pub(crate) fn container(&mut self, c: &Container, init: bool) {
+        let prefix = self.prefix;
+        let names = |m: &Option<BTreeMap<String, Value>>| {
+            m.iter().flatten().any(|(k, _)| k.starts_with(prefix))
+        };
+        self.asks_any |= names(&c.resources.limits) || names(&c.resources.requests);
+        match container_problem(c, prefix, self.largest) {
+            Ok(asks) => self.asks_limits |= asks,
+            Err(why) => {
+                let first = if init { &mut self.init_refusal } else { &mut self.refusal };
+                if first.is_none() {
+                    *first = Some(format!("container {}: {why}", c.name));
+                }
+            }
+        }
+    }
+
+    /// The verdict on the pod whose containers were all given, which names `named` as its
+    /// scheduler; by [`judge_cpu_only`]'s rule when `cpu_only`.
+    pub(crate) fn verdict(self, named: Option<&str>, scheduler: &str, cpu_only: bool) -> Verdict {
+        let unnamed = matches!(named, None | Some("" | "default-scheduler"));
+        if cpu_only {
+            return if unnamed && !self.asks_any { Verdict::Send } else { Verdict::Leave };
+        }
+        if let Some(why) = self.refusal.or(self.init_refusal) {
+            return Verdict::Refuse(why);
+        }
+        if !self.asks_limits {
+            return Verdict::Leave;
+        }
+        if unnamed {
+            Verdict::Send
+        } else {
+            // Baleen's already, or another scheduler chosen on purpose: not ours to override.
+            tracing::debug!(scheduler = named, own = scheduler, "a pod that names its scheduler");
+            Verdict::Leave
+        }
     }
 }
 
@@ -119,6 +182,13 @@ fn container_problem(c: &Container, prefix: &str, largest: Option<u32>) -> Resul
     };
     let limits = ours(&c.resources.limits);
     let requests = ours(&c.resources.requests);
+    if limits.len().max(requests.len()) > MAX_NAMES {
+        return Err(format!(
+            "names more than {MAX_NAMES} resources of {} in its limits or its requests; a \
+             container asks for gpu-memory, whole GPUs, a MIG slice or an NVLink group",
+            prefix.trim_end_matches('/')
+        ));
+    }
     for (name, request) in &requests {
         match limits.get(name) {
             None => {
@@ -224,81 +294,46 @@ impl Webhook {
 
     /// [`Self::review`], judging by [`judge_cpu_only`] when `cpu_only`.
     pub fn review_as(&self, body: &[u8], cpu_only: bool) -> Result<Vec<u8>, String> {
-        let review: AdmissionReview<DynamicObject> =
-            serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
-        let request: AdmissionRequest<DynamicObject> =
-            review.try_into().map_err(|e| format!("an AdmissionReview without a request: {e}"))?;
-        let response = AdmissionResponse::from(&request);
-        let domain = &self.extender.settings().domain;
-        let pod = request
-            .object
-            .as_ref()
-            .ok_or_else(|| "the request has no object".to_owned())
-            .and_then(|o| serde_json::to_value(o).map_err(|e| e.to_string()))
-            .and_then(|v| serde_json::from_value::<Pod>(v).map_err(|e| e.to_string()));
-        let response = match pod {
+        let rule = review::Rule {
+            domain: &self.extender.settings().domain,
+            scheduler: &self.scheduler,
+            largest_units: if cpu_only { None } else { self.largest_units() },
+            cpu_only,
+        };
+        let reviewed = review::read(body, rule)?;
+        match &reviewed.verdict {
             Err(why) => {
                 self.metrics.reviews.with_label_values(&["unreadable"]).inc();
                 tracing::warn!(
-                    uid = request.uid,
+                    uid = reviewed.uid,
                     error = why,
                     "a review whose pod cannot be read: allowed unchanged"
                 );
-                let mut r = response;
-                r.warnings = Some(vec![format!("baleen's webhook could not read the pod: {why}")]);
-                r
             }
-            Ok(pod) => {
-                let verdict = if cpu_only {
-                    judge_cpu_only(&pod, domain)
-                } else {
-                    judge(&pod, domain, &self.scheduler, self.largest_units())
-                };
+            Ok(verdict) => {
                 self.metrics.reviews.with_label_values(&[verdict.as_str()]).inc();
-                match verdict {
-                    Verdict::Leave => response,
-                    Verdict::Refuse(why) => {
-                        tracing::info!(
-                            namespace = request.namespace.as_deref().unwrap_or_default(),
-                            name = request.name,
-                            reason = why,
-                            "refused a pod"
-                        );
-                        response.deny(why)
-                    }
-                    Verdict::Send => {
-                        let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
-                            {"op": "add", "path": "/spec/schedulerName", "value": self.scheduler}
-                        ]))
-                        .map_err(|e| e.to_string())?;
-                        response.with_patch(patch).map_err(|e| e.to_string())?
-                    }
+                if let Verdict::Refuse(why) = verdict {
+                    tracing::info!(
+                        namespace = reviewed.namespace,
+                        name = reviewed.name,
+                        reason = why,
+                        "refused a pod"
+                    );
                 }
             }
-        };
-        // kube writes the patch as an array of byte values; upstream's documents and examples
-        // send it base64-encoded (Go's []byte), which is what is sent here.
-        let mut out = serde_json::to_value(response.into_review()).map_err(|e| e.to_string())?;
-        if let Some(patch) = out.pointer_mut("/response/patch") {
-            let bytes: Vec<u8> =
-                serde_json::from_value(patch.clone()).map_err(|e| e.to_string())?;
-            *patch = Value::String(base64::Engine::encode(
-                &base64::engine::general_purpose::STANDARD,
-                bytes,
-            ));
         }
-        serde_json::to_vec(&out).map_err(|e| e.to_string())
+        Ok(review::answer(&reviewed, &self.scheduler))
     }
 }
 
 /// The webhook's routes: `POST /mutate-pods`, and `/healthz` for the TLS port.
 pub fn router(webhook: Arc<Webhook>) -> Router {
-    Router::new()
+    let reviews = Router::new()
         .route("/mutate-pods", post(mutate))
         .route("/mutate-cpu-only-pods", post(mutate_cpu_only))
-        .route("/healthz", axum::routing::get(|| async { "ok" }))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REVIEW_BYTES))
-        .with_state(webhook)
+        .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_REVIEWS));
+    reviews.route("/healthz", axum::routing::get(|| async { "ok" })).with_state(webhook)
 }
 
 async fn mutate(State(webhook): State<Arc<Webhook>>, body: Bytes) -> Response {

@@ -18,3 +18,4 @@ mod install;
 mod nvml_inventory;
 mod prometheus;
 mod tenant;
+mod webhook_memory;
