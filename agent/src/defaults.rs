@@ -67,6 +67,10 @@ pub const PROC_ROOT: &str = "/proc";
 /// Where the metrics endpoint listens.
 pub const METRICS_ADDRESS: std::net::SocketAddr =
     std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 9477));
+/// Where `/healthz` and `/readyz` are served alone for the kubelet's exec probes: the loopback
+/// address of the agent's own network namespace.
+pub const PROBE_ADDRESS: std::net::SocketAddr =
+    std::net::SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 9476));
 /// Time between two telemetry reads (never on the scrape path).
 pub const METRICS_INTERVAL: Duration = Duration::from_secs(10);
 /// The least time between two writes of the node-state annotation.

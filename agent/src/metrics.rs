@@ -39,6 +39,10 @@ pub struct MetricsConfig {
     pub enabled: bool,
     /// Where (default `0.0.0.0:9477`).
     pub address: SocketAddr,
+    /// Where `/healthz` and `/readyz` are served for the kubelet's exec probes, alone (default
+    /// `127.0.0.1:9476`: the loopback address of the agent's own network namespace, which no
+    /// other pod reaches, so none can fill it).
+    pub probe_address: SocketAddr,
     /// Time between two telemetry reads (default 10 s).
     pub interval: Duration,
 }
@@ -48,6 +52,7 @@ impl Default for MetricsConfig {
         Self {
             enabled: true,
             address: crate::defaults::METRICS_ADDRESS,
+            probe_address: crate::defaults::PROBE_ADDRESS,
             interval: crate::defaults::METRICS_INTERVAL,
         }
     }
@@ -722,9 +727,15 @@ impl Endpoint {
     }
 }
 
-/// The most connections the metrics server holds at once; one more is closed at accept (and
-/// counted). A Prometheus scrape needs one.
-pub const MAX_CONNECTIONS: usize = 128;
+/// What the metrics port admits (`baleen_edge::gate`): at most 128 connections, 32 from one
+/// address; at a cap an idle one (the oldest of the address holding the most) is closed to make
+/// room, and only when every one is busy is a new one refused (and counted). A Prometheus
+/// scrape needs one.
+pub const METRICS_LIMITS: baleen_edge::gate::Limits =
+    baleen_edge::gate::Limits { total: 128, per_peer: 32 };
+/// What the probe port admits: the kubelet's exec probes, from inside the agent's container.
+pub const PROBE_LIMITS: baleen_edge::gate::Limits =
+    baleen_edge::gate::Limits { total: 8, per_peer: 8 };
 /// How long a client has to send a request's headers (at the start and between keep-alive
 /// requests) before its connection is closed.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
@@ -733,39 +744,61 @@ pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
 /// The most bytes buffered per connection (a request's headers included).
 pub const MAX_BUFFER: usize = 16 * 1024;
 
-/// Binds `address` now (readiness by binding, not by sleeping); the bound address and the
-/// server, which serves until `shutdown`. The port is unauthenticated and open to the pod
-/// network, so the server bounds what a client can hold: at most [`MAX_CONNECTIONS`]
-/// connections (more are closed at once and counted in
-/// `baleen_metrics_connections_refused_total`), the headers within [`HEADER_READ_TIMEOUT`],
-/// [`MAX_BUFFER`] bytes buffered, [`CONNECTION_LIFETIME`] per connection.
+/// The bounds of every connection to the agent's ports.
+const BOUNDS: baleen_edge::http::Bounds = baleen_edge::http::Bounds {
+    header_timeout: HEADER_READ_TIMEOUT,
+    lifetime: Some(CONNECTION_LIFETIME),
+    max_buffer: MAX_BUFFER,
+};
+
+/// Where the agent's endpoints were bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bound {
+    /// `/metrics`, `/healthz`, `/readyz`.
+    pub metrics: SocketAddr,
+    /// `/healthz` and `/readyz` alone, for the exec probes.
+    pub probes: SocketAddr,
+}
+
+/// Binds `config`'s two addresses now (readiness by binding, not by sleeping); where they were
+/// bound and the server, which serves until `shutdown`. The metrics port is unauthenticated and
+/// open to the pod network, so its connections are admitted by [`METRICS_LIMITS`] (refusals
+/// counted in `baleen_metrics_connections_refused_total`), their headers within
+/// [`HEADER_READ_TIMEOUT`], [`MAX_BUFFER`] bytes buffered, [`CONNECTION_LIFETIME`] each. The
+/// probe port, on the loopback address by default, serves only `/healthz` and `/readyz`, so a
+/// flood of the metrics port never starves the kubelet's probes.
 pub async fn bind(
-    address: SocketAddr,
+    config: &MetricsConfig,
     endpoint: Arc<Endpoint>,
     shutdown: CancellationToken,
-) -> Result<(SocketAddr, impl Future<Output = Result<(), MetricsError>>), MetricsError> {
+) -> Result<(Bound, impl Future<Output = Result<(), MetricsError>> + use<>), MetricsError> {
     let refused = endpoint.metrics.connections_refused.clone();
-    let app = Router::new()
-        .route("/metrics", get(scrape))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .with_state(endpoint);
-    serve_bounded(address, app, refused, shutdown).await
+    let probes =
+        Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(readyz));
+    let app = probes.clone().route("/metrics", get(scrape));
+    serve_bounded(
+        config,
+        app.with_state(endpoint.clone()),
+        probes.with_state(endpoint),
+        refused,
+        shutdown,
+    )
+    .await
 }
 
 /// What the agent is waiting for before it serves, shown by the start-up endpoint.
 pub type StartPhase = Arc<std::sync::Mutex<String>>;
 
-/// The endpoint of the agent's first seconds, on the metrics address until the full one
-/// replaces it: `/healthz` answers (the agent is alive, so a liveness probe does not kill it while
-/// it waits for the kubelet or the lock), `/readyz` 503 with what it waits for, `/metrics`
+/// The endpoint of the agent's first seconds, on the metrics and probe addresses until the full
+/// one replaces it: `/healthz` answers (the agent is alive, so a liveness probe does not kill it
+/// while it waits for the kubelet or the lock), `/readyz` 503 with what it waits for, `/metrics`
 /// `baleen_agent_starting 1` (node-labelled like every family).
 pub async fn bind_starting(
-    address: SocketAddr,
+    config: &MetricsConfig,
     node: String,
     phase: StartPhase,
     shutdown: CancellationToken,
-) -> Result<(SocketAddr, impl Future<Output = Result<(), MetricsError>>), MetricsError> {
+) -> Result<(Bound, impl Future<Output = Result<(), MetricsError>> + use<>), MetricsError> {
     let refused = IntCounter::new("baleen_metrics_connections_refused_total", "-")
         .map_err(MetricsError::Register)?;
     let text = format!(
@@ -773,84 +806,48 @@ pub async fn bind_starting(
          # TYPE baleen_agent_starting gauge\nbaleen_agent_starting{{node=\"{}\"}} 1\n",
         node.replace('\\', "\\\\").replace('"', "\\\"")
     );
-    let app = Router::new()
-        .route(
-            "/metrics",
-            get(move || {
-                let text = text.clone();
-                async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text) }
-            }),
-        )
-        .route("/healthz", get(|| async { "ok (starting)\n" }))
-        .route(
-            "/readyz",
-            get(move || {
-                let phase = phase.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-                async move { (StatusCode::SERVICE_UNAVAILABLE, format!("starting: {phase}\n")) }
-            }),
-        );
-    serve_bounded(address, app, refused, shutdown).await
+    let probes = Router::new().route("/healthz", get(|| async { "ok (starting)\n" })).route(
+        "/readyz",
+        get(move || {
+            let phase = phase.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            async move { (StatusCode::SERVICE_UNAVAILABLE, format!("starting: {phase}\n")) }
+        }),
+    );
+    let app = probes.clone().route(
+        "/metrics",
+        get(move || {
+            let text = text.clone();
+            async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text) }
+        }),
+    );
+    serve_bounded(config, app, probes, refused, shutdown).await
 }
 
-/// Binds `address` and serves `app` until `shutdown`, within the bounds of [`bind`].
+/// Binds `config`'s addresses and serves `app` on the metrics one and `probes` on the probe
+/// one until `shutdown`, within the bounds of [`bind`].
 async fn serve_bounded(
-    address: SocketAddr,
+    config: &MetricsConfig,
     app: Router,
+    probes: Router,
     refused: IntCounter,
     shutdown: CancellationToken,
-) -> Result<(SocketAddr, impl Future<Output = Result<(), MetricsError>>), MetricsError> {
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .map_err(|source| MetricsError::Bind { address, source })?;
-    let bound = listener.local_addr().map_err(|source| MetricsError::Bind { address, source })?;
+) -> Result<(Bound, impl Future<Output = Result<(), MetricsError>> + use<>), MetricsError> {
+    let bind = |address: SocketAddr| move |source| MetricsError::Bind { address, source };
+    let gate = baleen_edge::gate::Gate::counting("metrics", METRICS_LIMITS, refused);
+    let (metrics, serve_metrics) =
+        baleen_edge::http::bind(config.address, app, gate, BOUNDS, shutdown.clone())
+            .await
+            .map_err(bind(config.address))?;
+    let gate = baleen_edge::gate::Gate::new("probes", PROBE_LIMITS);
+    let (probes, serve_probes) =
+        baleen_edge::http::bind(config.probe_address, probes, gate, BOUNDS, shutdown)
+            .await
+            .map_err(bind(config.probe_address))?;
     let serve = async move {
-        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        let mut connections = tokio::task::JoinSet::new();
-        loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                () = shutdown.cancelled() => break,
-            };
-            while connections.try_join_next().is_some() {}
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    // Out of file descriptors, say: wait a moment rather than spin.
-                    tracing::debug!(error = %e, "metrics accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                refused.inc();
-                drop(stream);
-                continue;
-            };
-            let service = hyper_util::service::TowerToHyperService::new(app.clone());
-            let stop = shutdown.clone();
-            connections.spawn(async move {
-                let _slot = slot;
-                let mut builder = hyper::server::conn::http1::Builder::new();
-                builder
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(HEADER_READ_TIMEOUT)
-                    .max_buf_size(MAX_BUFFER);
-                let connection =
-                    builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-                tokio::pin!(connection);
-                tokio::select! {
-                    _ = connection.as_mut() => return,
-                    () = stop.cancelled() => {}
-                    () = tokio::time::sleep(CONNECTION_LIFETIME) => {}
-                }
-                connection.as_mut().graceful_shutdown();
-                let _ = tokio::time::timeout(Duration::from_secs(2), connection).await;
-            });
-        }
-        connections.shutdown().await;
+        tokio::join!(serve_metrics, serve_probes);
         Ok(())
     };
-    Ok((bound, serve))
+    Ok((Bound { metrics, probes }, serve))
 }
 
 /// A scrape shares the text of a render that started at most this long before it: a flood of

@@ -1,6 +1,7 @@
 //! What one client can hold of a plugin's server: the kubelet dials each plugin socket with one
-//! connection, so a socket takes at most [`MAX_CONNECTIONS`] at once (more are closed at
-//! accept), each with at most [`MAX_STREAMS`] concurrent streams, small HTTP/2 windows (the
+//! connection, so a socket takes at most [`MAX_CONNECTIONS`] at once, admitted by the one policy
+//! of every listener (`baleen_edge::gate`: a gRPC connection is held busy for its life, so more
+//! are closed at accept, counted, and logged once a burst), each with at most [`MAX_STREAMS`] concurrent streams, small HTTP/2 windows (the
 //! memory a peer can make the server buffer) and keep-alive pings that close a dead peer's
 //! connection.
 
@@ -9,9 +10,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use baleen_edge::gate::{Gate, Limits, Peer, Slot};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_stream::{Stream, StreamExt as _};
 
 /// The most connections one plugin socket holds at once.
@@ -42,22 +43,22 @@ pub fn bounded_server() -> tonic::transport::Server {
 /// A connection holding one of its socket's slots while it lives.
 pub struct Slotted {
     stream: UnixStream,
-    _slot: OwnedSemaphorePermit,
+    _slot: Slot,
 }
 
 /// The connections of `listener`, at most [`MAX_CONNECTIONS`] at once: one more is closed as
 /// soon as it is accepted.
 pub fn slotted(listener: UnixListener) -> impl Stream<Item = std::io::Result<Slotted>> {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let gate: Arc<Gate> = Gate::new(
+        "device-plugin socket",
+        Limits { total: MAX_CONNECTIONS, per_peer: MAX_CONNECTIONS },
+    );
     tokio_stream::wrappers::UnixListenerStream::new(listener).filter_map(move |accepted| {
         match accepted {
-            Ok(stream) => match slots.clone().try_acquire_owned() {
-                Ok(slot) => Some(Ok(Slotted { stream, _slot: slot })),
-                Err(_) => {
-                    tracing::warn!(max = MAX_CONNECTIONS, "a device-plugin socket holds its most connections already; closing one more");
-                    None
-                }
-            },
+            // Closed at once when the socket holds its most.
+            Ok(stream) => {
+                gate.admit(Peer::Local).map(|slot| Ok(Slotted { stream, _slot: slot.hold() }))
+            }
             Err(e) => Some(Err(e)),
         }
     })

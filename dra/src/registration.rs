@@ -18,7 +18,8 @@ use crate::h2_unary::{self, Call, Code, Status, Unary};
 /// 1.34 on accept).
 pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
 
-/// Connections served at once; a further one waits for a slot (the kubelet opens one at a time).
+/// Connections served at once; a further one is closed at accept (the kubelet opens one at a
+/// time), by the one policy of every listener (`baleen_edge::gate`).
 const MAX_CONNECTIONS: usize = 8;
 
 /// Where the registration socket of `driver` lies in the kubelet's registry directory.
@@ -99,7 +100,10 @@ pub async fn serve(
 ) -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
     let (socket, listener) = BoundSocket::bind(path)?;
     let service = Arc::new(service);
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let gate = baleen_edge::gate::Gate::new(
+        "DRA registration socket",
+        baleen_edge::gate::Limits { total: MAX_CONNECTIONS, per_peer: MAX_CONNECTIONS },
+    );
     Ok(async move {
         let _socket = socket;
         let mut connections = tokio::task::JoinSet::new();
@@ -116,7 +120,10 @@ pub async fn serve(
                     continue;
                 }
             };
-            let Ok(slot) = slots.clone().acquire_owned().await else { break };
+            // Closed at once when the socket holds its most (waiting here would block every
+            // later caller, the kubelet too, behind clients that never finish).
+            let Some(slot) = gate.admit(baleen_edge::gate::Peer::Local) else { continue };
+            let slot = slot.hold();
             let service = service.clone();
             let token = token.clone();
             connections.spawn(async move {

@@ -145,16 +145,33 @@ impl Metrics {
 /// its 512 MiB limit.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
-/// Verb calls served at once; more wait for their turn before their body is read
-/// (kube-scheduler calls one pod at a time per profile), so that at most this many bodies are
-/// in memory.
+/// Verb calls served at once, once their bodies are read whole ([`whole_body`]); more wait for
+/// their turn (kube-scheduler calls one pod at a time per profile).
 pub const MAX_CONCURRENT_CALLS: usize = 4;
 
-/// Connections held at once per listener; one more is closed at once.
-pub const MAX_CONNECTIONS: usize = 256;
+/// What each of the extender's TCP listeners admits (`baleen_edge::gate`): at most 256
+/// connections, 64 from one address; at a cap an idle one (the oldest of the address holding
+/// the most) is closed to make room, and only when every one is busy is a new one refused.
+pub const LIMITS: baleen_edge::gate::Limits =
+    baleen_edge::gate::Limits { total: 256, per_peer: 64 };
+
+/// What the probe listener admits: the kubelet's exec probes, from inside the container.
+pub const PROBE_LIMITS: baleen_edge::gate::Limits =
+    baleen_edge::gate::Limits { total: 8, per_peer: 8 };
 
 /// Time for a request's headers (and a TLS handshake) to arrive.
 pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Time for a request's body to arrive whole once its headers have: a body begun and never
+/// finished holds one of the [`MAX_BODY_READS`] reads at most this long.
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The bounds of every connection to the extender's ports.
+const BOUNDS: baleen_edge::http::Bounds = baleen_edge::http::Bounds {
+    header_timeout: HEADER_TIMEOUT,
+    lifetime: None,
+    max_buffer: 64 * 1024,
+};
 
 struct App {
     extender: Arc<Extender>,
@@ -171,8 +188,67 @@ pub fn router(extender: Arc<Extender>, metrics: Metrics, prefix: &str) -> Router
         .route(&format!("{prefix}/bind"), post(bind_pod))
         .route(&format!("{prefix}/preempt"), post(preempt))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_CALLS));
+        .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_CALLS))
+        .layer(axum::middleware::from_fn_with_state(BodyReads::new(MAX_BODY_BYTES), whole_body));
     verbs.merge(health_routes()).with_state(app)
+}
+
+/// Bodies read at once per router, before their call takes one of the
+/// [`MAX_CONCURRENT_CALLS`] turns: at most this many bodies are in memory while they arrive,
+/// and a body that never ends holds a read, not a turn.
+pub const MAX_BODY_READS: usize = 16;
+
+/// How a router's bodies are read: at most `max` bytes, [`MAX_BODY_READS`] at once.
+#[derive(Clone)]
+pub struct BodyReads {
+    max: usize,
+    reads: Arc<tokio::sync::Semaphore>,
+}
+
+impl BodyReads {
+    /// Bodies of at most `max` bytes.
+    pub fn new(max: usize) -> Self {
+        Self { max, reads: Arc::new(tokio::sync::Semaphore::new(MAX_BODY_READS)) }
+    }
+}
+
+/// Reads a request's body whole before its handler runs: at most `max` bytes (413 past it,
+/// before it is read whole), within [`BODY_TIMEOUT`] (408 after it), one of
+/// [`MAX_BODY_READS`] at once.
+pub async fn whole_body(
+    State(reads): State<BodyReads>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (parts, body) = request.into_parts();
+    let max = reads.max;
+    let declared = parts
+        .headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let too_large = || {
+        (StatusCode::PAYLOAD_TOO_LARGE, format!("a body of at most {max} bytes is read\n"))
+            .into_response()
+    };
+    if declared.is_some_and(|n| n > max as u64) {
+        return too_large();
+    }
+    let Ok(read) = reads.reads.acquire().await else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response();
+    };
+    let whole = tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, max)).await;
+    drop(read);
+    match whole {
+        Ok(Ok(bytes)) => {
+            next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await
+        }
+        Ok(Err(_)) => too_large(),
+        Err(_) => (
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the body did not arrive within {} s\n", BODY_TIMEOUT.as_secs()),
+        )
+            .into_response(),
+    }
 }
 
 /// `/healthz`, `/readyz` and `/metrics` only: the router of `--metrics-listen`, where probes and
@@ -188,14 +264,38 @@ fn health_routes() -> Router<Arc<App>> {
         .route("/metrics", get(render_metrics))
 }
 
+/// `/healthz` and `/readyz` alone: the router of `--probe-listen`, the loopback address the
+/// kubelet's exec probes reach from inside the container (no other pod can fill it).
+pub fn probe_router(extender: Arc<Extender>, metrics: Metrics) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .with_state(Arc::new(App { extender, metrics }))
+}
+
 /// Binds `address` and serves until `shutdown`; returns the bound address and the server.
-/// Every listener holds at most [`MAX_CONNECTIONS`] and gives headers [`HEADER_TIMEOUT`].
+/// Every listener admits connections within [`LIMITS`] and gives headers [`HEADER_TIMEOUT`].
 pub async fn bind(
     address: SocketAddr,
     router: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
-    bind_with(address, router, None, shutdown).await
+    bind_maybe_tls(address, router, None, shutdown).await
+}
+
+/// [`bind`] within `limits` (the probe listener's).
+pub async fn bind_within(
+    address: SocketAddr,
+    router: Router,
+    limits: baleen_edge::gate::Limits,
+    shutdown: CancellationToken,
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+    let gate = baleen_edge::gate::Gate::new("probes", limits);
+    let (bound, serve) = baleen_edge::http::bind(address, router, gate, BOUNDS, shutdown).await?;
+    Ok((bound, async move {
+        serve.await;
+        Ok(())
+    }))
 }
 
 /// [`bind`] over TLS with `config` (the webhook).
@@ -205,7 +305,7 @@ pub async fn bind_tls(
     config: Arc<rustls::ServerConfig>,
     shutdown: CancellationToken,
 ) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
-    bind_with(address, router, Some(tokio_rustls::TlsAcceptor::from(config)), shutdown).await
+    bind_maybe_tls(address, router, Some(config), shutdown).await
 }
 
 /// [`bind`], over TLS when `config` is given (filter and prioritize behind a Service).
@@ -215,108 +315,24 @@ pub async fn bind_maybe_tls(
     config: Option<Arc<rustls::ServerConfig>>,
     shutdown: CancellationToken,
 ) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
-    bind_with(address, router, config.map(tokio_rustls::TlsAcceptor::from), shutdown).await
-}
-
-async fn bind_with(
-    address: SocketAddr,
-    router: Router,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    shutdown: CancellationToken,
-) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
-    let listener = tokio::net::TcpListener::bind(address).await?;
-    let bound = listener.local_addr()?;
-    Ok((bound, accept(listener, router, tls, shutdown)))
-}
-
-async fn accept(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    shutdown: CancellationToken,
-) -> std::io::Result<()> {
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let mut connections = tokio::task::JoinSet::new();
-    let mut refused_logged = false;
-    loop {
-        let accepted = tokio::select! {
-            () = shutdown.cancelled() => break,
-            a = listener.accept() => a,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of file descriptors and the like: wait, do not spin.
-                tracing::warn!(error = %e, "cannot accept a connection");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            if !refused_logged {
-                refused_logged = true;
-                tracing::warn!(max = MAX_CONNECTIONS, "too many connections: closing new ones");
-            }
-            continue;
-        };
-        refused_logged = false;
-        let router = router.clone();
-        let tls = tls.clone();
-        let shutdown = shutdown.clone();
-        connections.spawn(async move {
-            let _permit = permit;
-            match tls {
-                None => {
-                    serve_connection(hyper_util::rt::TokioIo::new(stream), router, shutdown).await
-                }
-                Some(acceptor) => {
-                    match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
-                        Ok(Ok(stream)) => {
-                            serve_connection(
-                                hyper_util::rt::TokioIo::new(stream),
-                                router,
-                                shutdown,
-                            )
-                            .await;
-                        }
-                        Ok(Err(e)) => tracing::debug!(error = %e, "a TLS handshake failed"),
-                        Err(_) => tracing::debug!("a TLS handshake timed out"),
-                    }
-                }
-            }
-        });
-        while connections.try_join_next().is_some() {}
-    }
-    // Connections finish what they serve, for a while.
-    let drain = async { while connections.join_next().await.is_some() {} };
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
-    Ok(())
-}
-
-async fn serve_connection<I>(
-    io: hyper_util::rt::TokioIo<I>,
-    router: Router,
-    shutdown: CancellationToken,
-) where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let service = hyper_util::service::TowerToHyperService::new(router);
-    let connection = hyper::server::conn::http1::Builder::new()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT)
-        .serve_connection(io, service);
-    tokio::pin!(connection);
-    tokio::select! {
-        r = connection.as_mut() => {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "a connection ended with an error");
-            }
+    let gate = baleen_edge::gate::Gate::new("extender", LIMITS);
+    let (bound, serve) = match config {
+        None => {
+            let (bound, serve) =
+                baleen_edge::http::bind(address, router, gate, BOUNDS, shutdown).await?;
+            (bound, futures::future::Either::Left(serve))
         }
-        () = shutdown.cancelled() => {
-            connection.as_mut().graceful_shutdown();
-            let _ = connection.await;
+        Some(config) => {
+            let (bound, serve) =
+                baleen_edge::http::bind_tls(address, router, gate, BOUNDS, config, shutdown)
+                    .await?;
+            (bound, futures::future::Either::Right(serve))
         }
-    }
+    };
+    Ok((bound, async move {
+        serve.await;
+        Ok(())
+    }))
 }
 
 /// `body` as the protocol's `what` (`ExtenderArgs`, ...), or the 400 answer saying why, counted

@@ -2,15 +2,19 @@
 
 use std::process::ExitCode;
 
-use baleen_extender::run::Args;
-use baleen_extender::run::{Config, start};
+use baleen_extender::run::{Cli, Command, Config, start};
 use baleen_extender::service::Settings;
 use baleen_scheduler_core::policy::PolicyKind;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let cli = Cli::parse();
+    if let Some(Command::Probe { url, timeout_seconds }) = cli.command {
+        let timeout = std::time::Duration::from_secs(timeout_seconds);
+        return ExitCode::from(baleen_edge::probe::run(&url, timeout));
+    }
+    let args = cli.run;
     // Colour only on a terminal; a line that cannot be written (stderr a closed pipe) is
     // dropped, not reported by a panicking eprintln! (see the agent's bootstrap).
     tracing_subscriber::fmt()
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
         prefix: args.url_prefix,
         settings,
         metrics_listen: args.metrics_listen,
+        probe_listen: Some(args.probe_listen),
         tls,
         webhook,
     };

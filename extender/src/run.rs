@@ -24,6 +24,9 @@ pub struct Config {
     pub settings: Settings,
     /// Where `/healthz`, `/readyz` and `/metrics` are served besides `listen`, if anywhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// Where `/healthz` and `/readyz` are served alone for the kubelet's exec probes, if
+    /// anywhere (the loopback address: no other pod can fill it).
+    pub probe_listen: Option<SocketAddr>,
     /// The admission webhook, if it runs.
     pub webhook: Option<WebhookConfig>,
     /// TLS of `listen` (behind a Service), if any: plain HTTP without.
@@ -90,6 +93,12 @@ pub enum StartError {
 pub struct Running {
     /// Where it listens.
     pub address: SocketAddr,
+    /// Where `/healthz`, `/readyz` and `/metrics` are served, if anywhere besides.
+    pub metrics_address: Option<SocketAddr>,
+    /// Where the probes are served alone, if anywhere.
+    pub probe_address: Option<SocketAddr>,
+    /// Where the webhook listens, if it does.
+    pub webhook_address: Option<SocketAddr>,
     /// Its state (tests read the cluster view).
     pub extender: Arc<Extender>,
     tasks: JoinSet<()>,
@@ -122,6 +131,7 @@ pub async fn start(
         .await
         .map_err(|e| StartError::Listen(config.listen, e))?;
     let mut tasks = JoinSet::new();
+    let (mut metrics_address, mut probe_address, mut webhook_address) = (None, None, None);
     if let Some(at) = config.metrics_listen {
         let (bound, serve) = bind(
             at,
@@ -131,9 +141,27 @@ pub async fn start(
         .await
         .map_err(|e| StartError::Listen(at, e))?;
         tracing::info!(address = %bound, "serving /healthz, /readyz and /metrics");
+        metrics_address = Some(bound);
         tasks.spawn(async move {
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "the metrics server stopped");
+            }
+        });
+    }
+    if let Some(at) = config.probe_listen {
+        let (bound, serve) = crate::http::bind_within(
+            at,
+            crate::http::probe_router(extender.clone(), metrics.clone()),
+            crate::http::PROBE_LIMITS,
+            shutdown.clone(),
+        )
+        .await
+        .map_err(|e| StartError::Listen(at, e))?;
+        tracing::info!(address = %bound, "serving /healthz and /readyz for the probes");
+        probe_address = Some(bound);
+        tasks.spawn(async move {
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "the probe server stopped");
             }
         });
     }
@@ -175,6 +203,7 @@ pub async fn start(
         .await
         .map_err(|e| StartError::Listen(webhook.listen, e))?;
         tracing::info!(address = %bound, scheduler = webhook.scheduler_name, "serving the admission webhook");
+        webhook_address = Some(bound);
         tasks.spawn(async move {
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "the webhook server stopped");
@@ -196,7 +225,7 @@ pub async fn start(
         client_certificates = config.tls.as_ref().is_some_and(|t| t.client_ca.is_some()),
         "serving filter and prioritize"
     );
-    Ok(Running { address, extender, tasks })
+    Ok(Running { address, metrics_address, probe_address, webhook_address, extender, tasks })
 }
 
 impl Running {
@@ -210,7 +239,33 @@ impl Running {
 /// one GPU (or MIG profile, or NVLink group) and scores the rest with the placement policy,
 /// reading each node's GPUs from its agent's gpu-state annotation.
 #[derive(Debug, Parser)]
-#[command(name = "baleen-extender", version, about)]
+#[command(name = "baleen-extender", version, about, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// What to do instead of running the extender.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// How to run the extender.
+    #[command(flatten)]
+    pub run: Args,
+}
+
+/// The subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// The kubelet's exec probe: GET a URL of the extender's probe listener (`--probe-listen`,
+    /// on the loopback address) from inside its container; exit 0 for a 2xx answer, 1
+    /// otherwise.
+    Probe {
+        /// e.g. `http://127.0.0.1:9479/healthz`.
+        url: String,
+        /// Seconds for each of connecting, writing and reading.
+        #[arg(long, default_value_t = 2)]
+        timeout_seconds: u64,
+    },
+}
+
+/// How to run the extender (its flags).
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// Where to listen.
     #[arg(long, default_value = "0.0.0.0:8888")]
@@ -237,6 +292,11 @@ pub struct Args {
     /// --listen is 127.0.0.1:8888 beside kube-scheduler.
     #[arg(long)]
     pub metrics_listen: Option<SocketAddr>,
+    /// Where `/healthz` and `/readyz` are served alone for the kubelet's exec probes
+    /// (`baleen-extender probe http://127.0.0.1:9479/healthz`): the loopback address of the
+    /// pod, which no other pod reaches.
+    #[arg(long, default_value = "127.0.0.1:9479")]
+    pub probe_listen: SocketAddr,
     /// The scheduler baleen's pods go to, where it is a second scheduler (the webhook sets it;
     /// the Pod watcher counts and logs GPU pods that name another).
     #[arg(long)]

@@ -676,11 +676,21 @@ async fn behind_a_service_only_the_scheduler_with_its_client_certificate_is_answ
     tokio::spawn(server);
     let args = json!({"Pod": pod(8), "Nodes": {"items": [node("a", &[20, 20])]}}).to_string();
 
+    // Issue 39, item 1: more connections than the port holds, from other addresses, that never
+    // start their handshake (they once locked the scheduler out until 5 s after they stopped):
+    // the scheduler's call is answered at once, an idle one giving way.
+    let mut hoard = Vec::new();
+    for i in 0..baleen_extender::http::LIMITS.total + 40 {
+        hoard.push(connect_from(2 + u8::try_from(i % 6).expect("small"), address).await);
+    }
+    let started = std::time::Instant::now();
     let client = Some((scheduler.0.as_path(), scheduler.1.as_path()));
     let (code, text) = curl_verb(address, dir.path(), host, client, "/filter", &args).await;
     assert_eq!(code, 0, "{text}");
     assert!(text.ends_with("\n200"), "{text}");
     assert!(text.contains("\"a\""), "node a kept: {text}");
+    assert!(started.elapsed() < Duration::from_secs(2), "answered after {:?}", started.elapsed());
+    drop(hoard);
 
     let (code, text) = curl_verb(address, dir.path(), host, None, "/filter", &args).await;
     assert_ne!(code, 0, "no client certificate, no answer: {text}");
@@ -1246,4 +1256,111 @@ async fn interleaved_pods_each_get_their_own_scores_made_ahead() {
     let answered = ahead(&body);
     maker.join().expect("made");
     assert_eq!(answered, fresh(&body));
+}
+
+/// A connection to `to` from the loopback address `127.0.0.<source>` (a peer of its own).
+async fn connect_from(source: u8, to: SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind(SocketAddr::from(([127, 0, 0, source], 0))).expect("bind a loopback source");
+    socket.connect(to).await.expect("connect")
+}
+
+/// Issue 39, item 1: the webhook's port held by keep-alive connections from many addresses
+/// (4 of 57 calls were answered before, and failurePolicy Ignore admitted the rest unrouted)
+/// answers every review; one address holds at most its share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_the_webhooks_port_leaves_the_api_servers_calls_answered() {
+    let extender = Extender::new(Settings::default());
+    set_node(&extender, "a", &[140, 140]);
+    let dir = tempfile::tempdir().expect("dir");
+    let (address, ca) = serve_webhook(extender, dir.path()).await;
+    let host = "baleen-extender.baleen-system.svc";
+    let limits = baleen_extender::http::LIMITS;
+    // More than every slot, from 8 addresses: TLS connections that made their handshake and
+    // then wait, keep-alive (rustls client, as an attacker's would).
+    use rustls_pki_types::pem::PemObject as _;
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(&ca).expect("ca");
+    for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
+        roots.add(cert.expect("a certificate")).expect("add");
+    }
+    let config = Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth(),
+    );
+    let connector = tokio_rustls::TlsConnector::from(config);
+    let name = rustls_pki_types::ServerName::try_from(host).expect("name");
+    let mut hoard = Vec::new();
+    for i in 0..limits.total + 64 {
+        let stream = connect_from(2 + u8::try_from(i % 8).expect("small"), address).await;
+        if let Ok(Ok(tls)) =
+            tokio::time::timeout(WAIT, connector.connect(name.clone(), stream)).await
+        {
+            hoard.push(tls);
+        }
+    }
+    assert!(hoard.len() > limits.total, "the hoard made its handshakes: {}", hoard.len());
+    // The API server's calls (curl, another address): every one answered.
+    let started = std::time::Instant::now();
+    for _ in 0..20 {
+        let (code, text) = curl(address, &ca, host, &review(&pod(8)).to_string()).await;
+        assert_eq!(code, 0, "{text}");
+        assert!(text.ends_with("\n200"), "{text}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
+    // What is left of the hoard is within the caps: a read of each (the server closed the ones
+    // that gave way) finds at most `total` open, at most `per_peer` of one address.
+    let mut open = std::collections::HashMap::<usize, usize>::new();
+    for (i, stream) in hoard.iter_mut().enumerate() {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_millis(20), stream.read(&mut byte)).await;
+        if read.is_err() {
+            *open.entry(i % 8).or_default() += 1;
+        }
+    }
+    let total: usize = open.values().sum();
+    assert!(total <= limits.total, "{total} hoarders still held");
+    assert!(open.values().all(|n| *n <= limits.per_peer), "{open:?}");
+}
+
+/// Issue 39, item 7: bodies begun and never finished (four once blocked every later /filter)
+/// hold a read, not a turn, and are answered 408 after the body timeout; the calls after them
+/// are answered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_never_finished_do_not_block_the_calls_after_them() {
+    let extender = Extender::new(Settings::default());
+    set_node(&extender, "a", &[20, 20]);
+    let (address, _token) = serve(extender).await;
+    let mut slow = Vec::new();
+    for _ in 0..baleen_extender::http::MAX_CONCURRENT_CALLS + 2 {
+        let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+        stream
+            .write_all(
+                b"POST /baleen/filter HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"Pod\":",
+            )
+            .await
+            .expect("write");
+        slow.push(stream);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let args = json!({"Pod": pod(8), "NodeNames": ["a"]});
+    let started = std::time::Instant::now();
+    let (status, body) = call(address, "POST", "/baleen/filter", &args.to_string()).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(started.elapsed() < Duration::from_secs(1), "waited {:?}", started.elapsed());
+    // The slow ones: 408 once the body timeout has passed.
+    let mut answer = vec![0u8; 64];
+    let n = tokio::time::timeout(
+        baleen_extender::http::BODY_TIMEOUT + Duration::from_secs(3),
+        slow[0].read(&mut answer),
+    )
+    .await
+    .expect("answered in time")
+    .expect("read");
+    assert!(answer[..n].starts_with(b"HTTP/1.1 408"), "{}", String::from_utf8_lossy(&answer[..n]));
 }

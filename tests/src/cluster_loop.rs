@@ -295,6 +295,7 @@ pub async fn run_seed(
             prefix: String::new(),
             settings,
             metrics_listen: None,
+            probe_listen: None,
             webhook: None,
             tls: None,
         },

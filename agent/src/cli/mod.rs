@@ -72,6 +72,15 @@ pub enum Command {
         #[arg(long, value_name = "PATH")]
         library: std::path::PathBuf,
     },
+    /// The kubelet's exec probe: GET a URL of the agent's probe listener (`metrics.probeAddress`,
+    /// on the loopback address) from inside its container; exit 0 for a 2xx answer, 1 otherwise.
+    Probe {
+        /// e.g. `http://127.0.0.1:9476/readyz`.
+        url: String,
+        /// Time for each of connecting, writing and reading.
+        #[arg(long, default_value = "2s", value_parser = crate::config::parse_duration)]
+        timeout: std::time::Duration,
+    },
 }
 
 /// Why a command failed.
@@ -98,6 +107,9 @@ pub enum CliError {
     /// The MPS client probe found the GPU not served through MPS.
     #[error("{0}")]
     MpsClientProbe(String),
+    /// The exec probe got no 2xx answer.
+    #[error("{0}")]
+    Probe(String),
 }
 
 impl CliError {
@@ -135,6 +147,14 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
                 Err(why) => Err(CliError::MpsClientProbe(why)),
             }
         }
+        Some(Command::Probe { url, timeout }) => match baleen_edge::probe::get(&url, timeout) {
+            Ok((status, body)) if (200..300).contains(&status) => {
+                writeln!(out, "{status} {}", body.trim_end())?;
+                Ok(())
+            }
+            Ok((status, body)) => Err(CliError::Probe(format!("{status} {}", body.trim_end()))),
+            Err(e) => Err(CliError::Probe(e.to_string())),
+        },
         None => Ok(crate::bootstrap::run_agent(&cli.run)?),
     }
 }

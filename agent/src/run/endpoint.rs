@@ -1,7 +1,6 @@
 //! The metrics endpoint and the telemetry reader it shows (where `metrics.enabled`): the
 //! families (`crate::metrics`) over the readers' published state, never the writer's lock.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use baleen_device_plugin::PluginState;
@@ -37,7 +36,7 @@ pub async fn start(
     instruments: Option<Arc<Instruments>>,
     readers: Readers<'_>,
     shutdown: &CancellationToken,
-) -> Result<Option<SocketAddr>, AgentError> {
+) -> Result<Option<crate::metrics::Bound>, AgentError> {
     let Some(instruments) = instruments else { return Ok(None) };
     let (publish, telemetry) = watch::channel(TelemetryRead::default());
     let sources = StateSources {
@@ -70,9 +69,12 @@ pub async fn start(
         pacer: Default::default(),
         renderer: Renderer::start().map_err(MetricsError::RenderThread)?,
     });
-    let (bound, serve) =
-        crate::metrics::bind(config.metrics.address, endpoint, shutdown.clone()).await?;
-    tracing::info!(address = %bound, "serving /metrics, /healthz and /readyz");
+    let (bound, serve) = crate::metrics::bind(&config.metrics, endpoint, shutdown.clone()).await?;
+    tracing::info!(
+        address = %bound.metrics,
+        probes = %bound.probes,
+        "serving /metrics, /healthz and /readyz, and the probes alone"
+    );
     tasks.spawn("metrics endpoint", async move { Ok(serve.await?) });
     Ok(Some(bound))
 }

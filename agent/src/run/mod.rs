@@ -133,6 +133,7 @@ impl AgentConfig {
             health: health::HealthConfig::default(),
             metrics: MetricsConfig {
                 address: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                probe_address: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 ..MetricsConfig::default()
             },
             annotation: annotation::AnnotationConfig::default(),
@@ -350,7 +351,7 @@ pub struct Agent {
     health_stop: CancellationToken,
     health: Option<std::thread::JoinHandle<()>>,
     watchdog: crate::isolation::watchdog::Published,
-    metrics_address: Option<std::net::SocketAddr>,
+    endpoints: Option<crate::metrics::Bound>,
     /// Held for the agent's life; declared last, so released after everything else is dropped.
     _lock: lock::InstanceLock,
 }
@@ -387,7 +388,7 @@ impl Agent {
         let starting = if config.metrics.enabled {
             let stop = shutdown.child_token();
             let (_, serve) = crate::metrics::bind_starting(
-                config.metrics.address,
+                &config.metrics,
                 config.node_name.clone(),
                 phase.clone(),
                 stop.clone(),
@@ -481,7 +482,7 @@ impl Agent {
             pods,
             &shutdown,
         )?;
-        let metrics_address = endpoint::start(
+        let endpoints = endpoint::start(
             &mut tasks,
             &config,
             &deps,
@@ -507,7 +508,7 @@ impl Agent {
             health_stop,
             health,
             watchdog,
-            metrics_address,
+            endpoints,
             _lock: lock,
         })
     }
@@ -519,7 +520,12 @@ impl Agent {
 
     /// Where the metrics endpoint listens, when it does.
     pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
-        self.metrics_address
+        self.endpoints.map(|b| b.metrics)
+    }
+
+    /// Where the probe endpoint (`/healthz`, `/readyz` alone) listens, when it does.
+    pub fn probe_address(&self) -> Option<std::net::SocketAddr> {
+        self.endpoints.map(|b| b.probes)
     }
 
     /// The containers over their GPU memory grant, as of the watchdog's last round.

@@ -43,8 +43,9 @@ pub const MAX_REVIEW_BYTES: usize = 3 << 20;
 /// more is refused (and a review keeps no more than one past this bound: [`review`]).
 pub const MAX_NAMES: usize = 32;
 
-/// Reviews served at once; more wait for their turn before their body is read, so that at
-/// most this many bodies (and what reading one builds: [`review`]) are in memory. The API
+/// Reviews judged at once, once their bodies are read whole (at most
+/// [`crate::http::MAX_BODY_READS`] at once, within [`crate::http::BODY_TIMEOUT`]); more wait for
+/// their turn, so that at most this many reviews' readings ([`review`]) are in memory. The API
 /// server calls the webhook once per pod created; a review takes well under a millisecond.
 pub const MAX_CONCURRENT_REVIEWS: usize = 4;
 
@@ -332,7 +333,11 @@ pub fn router(webhook: Arc<Webhook>) -> Router {
         .route("/mutate-pods", post(mutate))
         .route("/mutate-cpu-only-pods", post(mutate_cpu_only))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REVIEW_BYTES))
-        .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_REVIEWS));
+        .layer(tower::limit::ConcurrencyLimitLayer::new(MAX_CONCURRENT_REVIEWS))
+        .layer(axum::middleware::from_fn_with_state(
+            crate::http::BodyReads::new(MAX_REVIEW_BYTES),
+            crate::http::whole_body,
+        ));
     reviews.route("/healthz", axum::routing::get(|| async { "ok" })).with_state(webhook)
 }
 

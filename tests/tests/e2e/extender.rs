@@ -59,6 +59,7 @@ async fn extender(api: &FakeApiServer) -> Result<(Running, CancellationToken)> {
         prefix: String::new(),
         settings: Settings::default(),
         metrics_listen: None,
+        probe_listen: None,
         webhook: None,
         tls: None,
     };
@@ -353,5 +354,57 @@ async fn two_bindings_for_the_last_room_bind_one() -> Result<()> {
     api.release_watches();
     token.cancel();
     tokio::time::timeout(WAIT, running.wait()).await?;
+    Ok(())
+}
+
+/// One HTTP/1.1 GET over a keep-alive connection from `127.0.0.<source>`, left open; whether
+/// `200` came back.
+async fn held_get(source: u8, to: std::net::SocketAddr) -> Result<(tokio::net::TcpStream, bool)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(std::net::SocketAddr::from(([127, 0, 0, source], 0)))?;
+    let mut stream = socket.connect(to).await?;
+    stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await?;
+    let mut buf = [0u8; 256];
+    let answered = matches!(
+        tokio::time::timeout(Duration::from_secs(2), stream.read(&mut buf)).await,
+        Ok(Ok(n)) if n > 0 && buf.starts_with(b"HTTP/1.1 200")
+    );
+    Ok((stream, answered))
+}
+
+/// Issue 39, item 1: every slot of the extender's metrics port held by keep-alive connections
+/// from many addresses (its liveness probe there once answered 0 of 60): the probe listener,
+/// on the loopback address the kubelet's exec probe reaches, answers every probe, and a scrape
+/// from another address is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_the_metrics_port_starves_neither_the_probes_nor_a_scrape() -> Result<()> {
+    let api = FakeApiServer::start(&["a"]).await?;
+    let client = kube::Client::try_from(kube::Config::new(api.url().parse()?))?;
+    let token = CancellationToken::new();
+    let config = Config {
+        listen: "127.0.0.1:0".parse()?,
+        prefix: String::new(),
+        settings: Settings::default(),
+        metrics_listen: Some("127.0.0.1:0".parse()?),
+        probe_listen: Some("127.0.0.1:0".parse()?),
+        webhook: None,
+        tls: None,
+    };
+    let running = start(config, client, prometheus::Registry::new(), token.clone()).await?;
+    let metrics = running.metrics_address.context("metrics")?;
+    let probes = running.probe_address.context("probes")?;
+    let mut hoard = Vec::new();
+    for i in 0..baleen_extender::http::LIMITS.total + 64 {
+        hoard.push(held_get(2 + u8::try_from(i % 8)?, metrics).await?.0);
+    }
+    for _ in 0..60 {
+        let (code, body) = baleen_tests::http::request(probes, "GET", "/healthz", "").await?;
+        anyhow::ensure!(code == 200, "a probe: {code} {body}");
+    }
+    let (_, answered) = held_get(40, metrics).await?;
+    anyhow::ensure!(answered, "a scrape from another address was not served");
+    drop(hoard);
+    token.cancel();
     Ok(())
 }

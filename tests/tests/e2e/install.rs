@@ -473,16 +473,21 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
         port.container_port,
         a.metrics.address
     );
+    // Exec probes of the agent's own binary on its loopback probe address (no other pod
+    // reaches it: a flood of the metrics port cannot starve them).
+    ensure!(a.metrics.probe_address.ip().is_loopback(), "the probe address is on loopback");
     for (probe, path) in [(&c.liveness_probe, "/healthz"), (&c.readiness_probe, "/readyz")] {
-        let get = probe.as_ref().and_then(|p| p.http_get.as_ref()).context("an HTTP probe")?;
-        ensure!(get.path.as_deref() == Some(path), "probe {:?} is not {path}", get.path);
+        let probe = probe.as_ref().context("a probe")?;
+        ensure!(probe.http_get.is_none() && probe.grpc.is_none(), "an exec probe");
+        let argv = probe.exec.as_ref().and_then(|e| e.command.clone()).context("exec")?;
+        let cli = baleen_agent::cli::Cli::try_parse_from(&argv)
+            .map_err(|e| anyhow!("the probe {argv:?}: {e}"))?;
+        let url = format!("http://{}{path}", a.metrics.probe_address);
         ensure!(
-            get.port
-                == k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
-                    "metrics".into()
-                ),
-            "probe port"
+            matches!(&cli.command, Some(baleen_agent::cli::Command::Probe { url: u, .. }) if *u == url),
+            "the probe {argv:?} is not the agent's probe of {url}"
         );
+        ensure!(argv.first().is_some_and(|b| b.ends_with("/baleen-agent")), "{argv:?}");
     }
     let resources = c.resources.as_ref().context("resources")?;
     for (what, list) in [("requests", &resources.requests), ("limits", &resources.limits)] {
@@ -901,7 +906,7 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
     );
     argv.extend(c.args.iter().flatten().cloned());
     let args =
-        baleen_extender::run::Args::try_parse_from(&argv).map_err(|e| anyhow!("{argv:?}: {e}"))?;
+        baleen_extender::run::Cli::try_parse_from(&argv).map_err(|e| anyhow!("{argv:?}: {e}"))?.run;
     ensure!(args.policy.parse::<baleen_scheduler_core::policy::PolicyKind>().is_ok(), "policy");
     ensure!(
         args.domain == domain,
@@ -933,15 +938,18 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
         port_named("metrics").map(i64::from) == Some(i64::from(metrics.port())),
         "the metrics port"
     );
+    // Exec probes of the extender's own binary on its loopback probe listener.
+    ensure!(args.probe_listen.ip().is_loopback(), "the probe listener is on loopback");
     for (probe, path) in [(&c.liveness_probe, "/healthz"), (&c.readiness_probe, "/readyz")] {
-        let get = probe.as_ref().and_then(|p| p.http_get.as_ref()).context("an HTTP probe")?;
-        ensure!(get.path.as_deref() == Some(path), "probe path {:?} is not {path}", get.path);
+        let probe = probe.as_ref().context("a probe")?;
+        ensure!(probe.http_get.is_none() && probe.grpc.is_none(), "an exec probe");
+        let argv = probe.exec.as_ref().and_then(|e| e.command.clone()).context("exec")?;
+        let cli = baleen_extender::run::Cli::try_parse_from(&argv)
+            .map_err(|e| anyhow!("the probe {argv:?}: {e}"))?;
+        let url = format!("http://{}{path}", args.probe_listen);
         ensure!(
-            get.port
-                == k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
-                    "metrics".into()
-                ),
-            "probes reach the metrics listener"
+            matches!(&cli.command, Some(baleen_extender::run::Command::Probe { url: u, .. }) if *u == url),
+            "the probe {argv:?} is not the extender's probe of {url}"
         );
     }
     let pod_security = spec.security_context.as_ref().context("pod securityContext")?;
@@ -2088,5 +2096,92 @@ fn the_agents_account_may_write_only_its_own_nodes_slices() -> Result<()> {
             .any(|b| b.metadata.name.as_deref() == Some("baleen-agent-own-slices")),
         "the slices policy is bound"
     );
+    Ok(())
+}
+
+/// Issue 39, item 1: the chart's NetworkPolicies admit only the scrapers to the metrics ports
+/// (the agents' and the extender's) and only the API server's addresses to the webhook when
+/// they are given; with `networkPolicy.enabled: false` there are none.
+#[test]
+fn network_policies_admit_only_the_scrapers_and_the_api_server() -> Result<()> {
+    use k8s_openapi::api::networking::v1::NetworkPolicy;
+    let render_with = |sets: &[&str]| -> Result<Install> {
+        let mut args = vec!["template", "baleen", CHART, "--namespace", "baleen-system"];
+        for set in sets {
+            args.extend(["--set", set]);
+        }
+        Install::parse(&helm(&args)?)
+    };
+    let policy = |install: &Install, name: &str| -> Option<NetworkPolicy> {
+        install.network_policies.iter().find(|p| p.metadata.name.as_deref() == Some(name)).cloned()
+    };
+    // Which peers a policy admits to `port` (None: the port is not opened; Some(empty): anyone).
+    let peers = |p: &NetworkPolicy, port: &str| -> Option<Vec<Value>> {
+        let spec = p.spec.as_ref()?;
+        spec.ingress.iter().flatten().find_map(|rule| {
+            let named = rule.ports.iter().flatten().any(|q| {
+                q.port
+                    == Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                        port.into(),
+                    ))
+            });
+            named.then(|| {
+                rule.from
+                    .iter()
+                    .flatten()
+                    .map(|f| serde_json::to_value(f).unwrap_or_default())
+                    .collect()
+            })
+        })
+    };
+    let install = render_with(&[])?;
+    let agent = policy(&install, "baleen-agent").context("the agents' policy")?;
+    let selector = agent.spec.as_ref().and_then(|s| s.pod_selector.clone()).unwrap_or_default();
+    let selected: Vec<String> = selector
+        .match_expressions
+        .iter()
+        .flatten()
+        .filter(|e| e.key == "app.kubernetes.io/name" && e.operator == "In")
+        .flat_map(|e| e.values.clone().unwrap_or_default())
+        .collect();
+    let scrapers = serde_json::json!([{"namespaceSelector": {"matchLabels": {"awesome-ai-company.com/metrics-scraper": "true"}}}]);
+    ensure!(
+        peers(&agent, "metrics") == Some(scrapers.as_array().cloned().unwrap_or_default()),
+        "{agent:?}"
+    );
+    ensure!(
+        agent.spec.as_ref().and_then(|s| s.ingress.as_ref()).map(Vec::len) == Some(1),
+        "the agent opens nothing else"
+    );
+    let scheduler = policy(&install, "baleen-scheduler").context("the scheduler pod's policy")?;
+    ensure!(peers(&scheduler, "metrics") == Some(scrapers.as_array().cloned().unwrap_or_default()));
+    ensure!(peers(&scheduler, "webhook") == Some(vec![]), "no CIDRs given: the webhook open");
+    // The pods they select carry the labels they name: both agents'.
+    let dra = render_with(&["dra.enabled=true"])?;
+    for (install, name) in [(&install, AGENT), (&dra, DRA_AGENT)] {
+        let ds = install.daemon_set(name).context(name)?;
+        let labels = ds.spec.as_ref().and_then(|s| s.template.metadata.as_ref()?.labels.clone());
+        let label = labels.and_then(|l| l.get("app.kubernetes.io/name").cloned());
+        ensure!(
+            label.as_ref().is_some_and(|l| selected.contains(l)),
+            "{name}'s pods ({label:?}) are not selected by {selected:?}"
+        );
+    }
+    let limited = render_with(&["networkPolicy.apiServerCIDRs={10.0.0.1/32,10.0.0.2/32}"])?;
+    let scheduler = policy(&limited, "baleen-scheduler").context("policy")?;
+    let cidrs: Vec<Value> = peers(&scheduler, "webhook").context("the webhook's port")?;
+    ensure!(
+        cidrs
+            == vec![
+                serde_json::json!({"ipBlock": {"cidr": "10.0.0.1/32"}}),
+                serde_json::json!({"ipBlock": {"cidr": "10.0.0.2/32"}})
+            ],
+        "{cidrs:?}"
+    );
+    let anyone = render_with(&["networkPolicy.scrapers=null"])?;
+    let agent = policy(&anyone, "baleen-agent").context("policy")?;
+    ensure!(peers(&agent, "metrics") == Some(vec![]), "no scrapers given: anyone");
+    let off = render_with(&["networkPolicy.enabled=false"])?;
+    ensure!(policy(&off, "baleen-agent").is_none() && policy(&off, "baleen-scheduler").is_none());
     Ok(())
 }

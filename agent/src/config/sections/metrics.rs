@@ -15,6 +15,8 @@ pub struct MetricsFile {
     pub enabled: Option<bool>,
     /// Where, e.g. `0.0.0.0:9477` (default).
     pub address: Option<String>,
+    /// Where the probes are served alone, e.g. `127.0.0.1:9476` (default).
+    pub probe_address: Option<String>,
     /// Time between two telemetry reads, e.g. `10s` (default).
     pub interval: Option<String>,
 }
@@ -40,5 +42,24 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
             defaults::METRICS_ADDRESS
         }),
     };
-    MetricsConfig { enabled: file.enabled.unwrap_or(true), address, interval }
+    let probe_address = match file.probe_address.as_deref() {
+        None => defaults::PROBE_ADDRESS,
+        Some(text) => text.parse().unwrap_or_else(|e| {
+            problems.add(
+                place(false, &[Seg::Key("metrics"), Seg::Key("probeAddress")]),
+                format!("metrics.probeAddress {text:?} is not an IP address and port: {e}"),
+            );
+            defaults::PROBE_ADDRESS
+        }),
+    };
+    if probe_address == address && address.port() != 0 {
+        problems.add(
+            place(false, &[Seg::Key("metrics"), Seg::Key("probeAddress")]),
+            format!(
+                "metrics.probeAddress {probe_address} is metrics.address: the probes need a \
+                 port of their own (on the loopback address, which no other pod reaches)"
+            ),
+        );
+    }
+    MetricsConfig { enabled: file.enabled.unwrap_or(true), address, probe_address, interval }
 }

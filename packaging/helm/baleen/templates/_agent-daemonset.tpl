@@ -85,20 +85,20 @@ spec:
               containerPort: {{ include "baleen.metricsPort" . }}
               protocol: TCP
           # Served from the agent's first second: alive while it waits for the kubelet, ready
-          # (200) once it serves every resource.
+          # (200) once it serves every resource. Exec probes on the loopback probe address
+          # (metrics.probeAddress): no other pod reaches it, so none can starve them by holding
+          # the metrics port's connections.
           livenessProbe:
-            httpGet:
-              path: /healthz
-              port: metrics
+            exec:
+              command: ["/usr/local/bin/baleen-agent", "probe", "http://{{ include "baleen.probeAddress" . }}/healthz"]
             periodSeconds: 10
-            timeoutSeconds: 2
+            timeoutSeconds: 3
             failureThreshold: 3
           readinessProbe:
-            httpGet:
-              path: /readyz
-              port: metrics
+            exec:
+              command: ["/usr/local/bin/baleen-agent", "probe", "http://{{ include "baleen.probeAddress" . }}/readyz"]
             periodSeconds: 5
-            timeoutSeconds: 2
+            timeoutSeconds: 3
           resources:
             {{- toYaml .Values.agent.resources | nindent 12 }}
           securityContext:

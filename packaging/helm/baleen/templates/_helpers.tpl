@@ -101,6 +101,11 @@ imagePullSecrets:
 {{ splitList ":" $address | last }}
 {{- end }}
 
+{{/* The agent's probe address (host:port), from agent.config.metrics.probeAddress. */}}
+{{- define "baleen.probeAddress" -}}
+{{- dig "metrics" "probeAddress" "127.0.0.1:9476" .Values.agent.config -}}
+{{- end }}
+
 {{/* Whether the MPS daemons run in their own DaemonSet. */}}
 {{- define "baleen.mpsExternal" -}}
 {{- if and .Values.mps.enabled (eq .Values.mps.daemons "external") }}true{{ end }}
@@ -276,6 +281,7 @@ subjects:
   args:
     - --listen={{ .listen }}
     - --metrics-listen=0.0.0.0:9478
+    - --probe-listen=127.0.0.1:9479
     - --policy={{ $v.extender.policy }}
     - --domain={{ $v.domain }}
     - --log-level={{ $v.extender.logLevel }}
@@ -313,17 +319,19 @@ subjects:
       containerPort: 8443
       protocol: TCP
     {{- end }}
+  # Exec probes on the loopback probe listener (--probe-listen): no other pod reaches it, so
+  # none can starve them by holding the metrics or webhook port's connections.
   livenessProbe:
-    httpGet:
-      path: /healthz
-      port: metrics
+    exec:
+      command: ["/usr/local/bin/baleen-extender", "probe", "http://127.0.0.1:9479/healthz"]
     periodSeconds: 10
+    timeoutSeconds: 3
   # Ready once its watchers have listed every node and pod.
   readinessProbe:
-    httpGet:
-      path: /readyz
-      port: metrics
+    exec:
+      command: ["/usr/local/bin/baleen-extender", "probe", "http://127.0.0.1:9479/readyz"]
     periodSeconds: 5
+    timeoutSeconds: 3
   resources:
     {{- toYaml $v.extender.resources | nindent 4 }}
   securityContext:

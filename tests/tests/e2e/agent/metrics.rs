@@ -1,6 +1,7 @@
 //! Issue 13: the metrics endpoint: grants, releases, readiness, telemetry, promtool and a real Prometheus, bounded connections.
 
 use super::*;
+use anyhow::ensure;
 
 #[test]
 fn a_family_missing_from_docs_metrics_md_is_caught() {
@@ -343,37 +344,129 @@ async fn a_real_prometheus_scrapes_the_agent_and_answers_every_dashboard_query()
     stop(agent, token).await
 }
 
-/// Issue 22, item 6: the unauthenticated metrics port bounds what a client can hold: at most
-/// `MAX_CONNECTIONS` connections (one more is closed at once, and counted), headers within
-/// `HEADER_READ_TIMEOUT` (a half-open connection is closed), and it answers again once the
-/// hoarder lets go.
+/// A connection to `to` from the loopback address `127.0.0.<source>` (a peer of its own).
+async fn connect_from(source: u8, to: std::net::SocketAddr) -> Result<tokio::net::TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(std::net::SocketAddr::from(([127, 0, 0, source], 0)))?;
+    Ok(socket.connect(to).await?)
+}
+
+/// Sends `GET /healthz` (keep-alive) on `stream` and reads the answer; whether one came.
+async fn keep_alive_get(stream: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    if stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await.is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 512];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), stream.read(&mut buf)).await,
+        Ok(Ok(n)) if n > 0 && buf.starts_with(b"HTTP/1.1 200")
+    )
+}
+
+/// Issue 39, item 1: keep-alive connections holding every slot of the metrics port, each
+/// sending `GET /healthz` now and then (the attack: 0 of 60 probes answered before) starve
+/// neither the probes (their own listener, on the loopback address, which the kubelet reaches
+/// through `baleen-agent probe`) nor a scrape (an idle connection of the address holding the
+/// most gives way); one address holds at most its share; a half-open connection is closed
+/// after the header timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_metrics_port_bounds_connections_and_half_open_ones() -> Result<()> {
+async fn a_flood_of_the_metrics_port_starves_neither_probes_nor_scrapes() -> Result<()> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let node = TestNode::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
     let (agent, token) = node.start().await?;
     let address = agent.metrics_address().context("metrics")?;
-    let closed = |mut s: tokio::net::TcpStream, within: Duration| async move {
-        let mut byte = [0u8; 1];
-        matches!(tokio::time::timeout(within, s.read(&mut byte)).await, Ok(Ok(0) | Err(_)))
-    };
+    let probes = agent.probe_address().context("probes")?;
+    ensure!(probes != address, "the probes have their own listener");
+    let limits = baleen_agent::metrics::METRICS_LIMITS;
+    // Twice the cap, from 8 addresses: every slot held by keep-alive connections that ask
+    // /healthz now and then.
     let mut hoard = Vec::new();
-    for _ in 0..baleen_agent::metrics::MAX_CONNECTIONS {
-        hoard.push(tokio::net::TcpStream::connect(address).await?);
+    for i in 0..2 * limits.total {
+        let source = 2 + u8::try_from(i % 8)?;
+        let mut stream = connect_from(source, address).await?;
+        let _ = keep_alive_get(&mut stream).await;
+        hoard.push(stream);
     }
-    // Let the server accept them all, then one more: closed at once.
+    let mut alive = 0;
+    for stream in &mut hoard {
+        alive += usize::from(keep_alive_get(stream).await);
+    }
+    ensure!(
+        alive <= limits.total,
+        "{alive} connections held: more than the port's {}",
+        limits.total
+    );
+    // The probes, as the kubelet's exec probe makes them: every one answered, at once.
+    let started = std::time::Instant::now();
+    for _ in 0..60 {
+        let (code, body) = http_get(probes, "/healthz").await?;
+        ensure!(code == 200, "a probe: {code} {body}");
+    }
+    let (code, _) = http_get(probes, "/readyz").await?;
+    ensure!(code == 200, "ready");
+    ensure!(started.elapsed() < Duration::from_secs(10), "60 probes took {:?}", started.elapsed());
+    // The metrics port serves nothing but /metrics, /healthz, /readyz; the probe port no /metrics.
+    ensure!(http_get(probes, "/metrics").await?.0 == 404, "no /metrics on the probe port");
+    // A scraper from another address: answered, an idle hoarder giving way.
+    for _ in 0..10 {
+        let mut scraper = connect_from(20, address).await?;
+        ensure!(keep_alive_get(&mut scraper).await, "a scrape's connection was not served");
+    }
+    // One address holds at most its share, its oldest idle connections giving way.
+    let mut own = Vec::new();
+    for _ in 0..limits.per_peer + 8 {
+        own.push(connect_from(30, address).await?);
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let extra = tokio::net::TcpStream::connect(address).await?;
-    assert!(closed(extra, Duration::from_secs(2)).await, "a connection beyond the cap was kept");
-    drop(hoard);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let text = http_get(address, "/metrics").await?.1;
-    let refused = sample(&text, "baleen_metrics_connections_refused_total", &[]);
-    assert!(refused.is_some_and(|n| n >= 1.0), "counted: {refused:?}");
+    let mut served = 0;
+    for stream in &mut own {
+        served += usize::from(keep_alive_get(stream).await);
+    }
+    ensure!(
+        served <= limits.per_peer,
+        "one address holds {served} connections, more than its {}",
+        limits.per_peer
+    );
+    ensure!(served > 0, "the address's newest connections are served");
+    drop((hoard, own));
     // Half a request line, then nothing: closed after the header timeout.
     let mut half = tokio::net::TcpStream::connect(address).await?;
     half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await?;
     let wait = baleen_agent::metrics::HEADER_READ_TIMEOUT + Duration::from_secs(2);
-    assert!(closed(half, wait).await, "a half-open connection outlived the header timeout");
+    let mut byte = [0u8; 1];
+    let closed =
+        matches!(tokio::time::timeout(wait, half.read(&mut byte)).await, Ok(Ok(0) | Err(_)));
+    ensure!(closed, "a half-open connection outlived the header timeout");
     stop(agent, token).await
+}
+
+/// The exec probe as the kubelet runs it: `baleen-agent probe URL` exits 0 for the probe
+/// listener's 200, 1 for its 503 or no answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exec_probe_reads_the_probe_listener() -> Result<()> {
+    let node = TestNode::new("l4-4x-pcie.yaml", Backend::Simulated).await?;
+    let (agent, token) = node.start().await?;
+    let probes = agent.probe_address().context("probes")?;
+    let binary = super::agent_binary()?;
+    for (path, want) in [("/healthz", 0), ("/readyz", 0), ("/nothing", 1)] {
+        let out = tokio::process::Command::new(&binary)
+            .args(["probe", &format!("http://{probes}{path}")])
+            .output()
+            .await?;
+        ensure!(
+            out.status.code() == Some(want),
+            "{path}: {:?} {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    stop(agent, token).await?;
+    let out = tokio::process::Command::new(&binary)
+        .args(["probe", "--timeout", "500ms", &format!("http://{probes}/healthz")])
+        .output()
+        .await?;
+    ensure!(out.status.code() == Some(1), "no agent, no answer: {:?}", out.status);
+    Ok(())
 }
