@@ -540,15 +540,21 @@ pub fn read_boot_id(path: &Path) -> io::Result<String> {
     Ok(String::from_utf8_lossy(&bytes).trim().to_owned())
 }
 
-/// The most bytes a state file (the checkpoint, the co-location state) may hold: a ledger at
-/// its largest (32,768 devices per resource) writes well under half of it.
-pub const MAX_STATE_FILE_BYTES: u64 = 16 << 20;
-/// The most bytes the journal may hold: it is compacted once it outgrows the snapshot.
-pub const MAX_JOURNAL_BYTES: u64 = 2 * MAX_STATE_FILE_BYTES;
+/// The most bytes a state file (the checkpoint, the co-location state) may hold. Reading one
+/// costs about eleven times its size at its peak (issue 39: 11, 21, 41, 89 MiB at 1, 2, 4, 8
+/// MiB), and the agent's memory limit is 128 MiB: at 16 MiB a 12 MiB snapshot OOM-killed the
+/// agent at every start. The largest ledger of a node (every one of 32,768 units of a resource
+/// held, by 1,024 containers of the longest names) writes 2.1 MiB
+/// (`tests::the_largest_ledger_of_a_node_fits_the_bound`).
+pub const MAX_STATE_FILE_BYTES: u64 = 4 << 20;
+/// The most bytes the journal may hold: it is compacted once it outgrows the snapshot (or 256
+/// KiB), so it holds at most about the snapshot's size and one more change.
+pub const MAX_JOURNAL_BYTES: u64 = MAX_STATE_FILE_BYTES + (1 << 20);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ledger::Holder;
 
     fn record(ids: &[&str]) -> AllocationRecord {
         AllocationRecord {
@@ -587,6 +593,49 @@ mod tests {
         assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
         fs::write(cp.path(), b"").expect("write");
         assert!(matches!(cp.load("n1", "boot-a"), Err(CheckpointError::Corrupt { .. })));
+    }
+
+    /// Issue 39, item 7: the bound fits the largest ledger a node holds, with room: every unit
+    /// of a resource at its most (32,768) held, by 1,024 containers (a node's pods times their
+    /// containers, well past the kubelet's 110 pods) whose names are the longest Kubernetes
+    /// takes (a namespace of 63, a pod of 253, a container of 63 characters).
+    #[test]
+    fn the_largest_ledger_of_a_node_fits_the_bound() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cp = Checkpoint::in_dir(dir.path());
+        let units = usize::try_from(crate::ledger::MAX_DEVICES_PER_RESOURCE).expect("fits");
+        let per = units / 1024;
+        let records: Vec<AllocationRecord> = (0..1024)
+            .map(|r| AllocationRecord {
+                holder: Some(Holder {
+                    namespace: format!("{r:0>63}"),
+                    pod: format!("{r:0>253}"),
+                    container: format!("{r:0>63}"),
+                }),
+                listed: true,
+                ..record(
+                    &(0..per)
+                        .map(|u| {
+                            format!("GPU-0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0::{}", r * per + u)
+                        })
+                        .collect::<Vec<_>>()
+                        .iter()
+                        .map(String::as_str)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        cp.store("n1", "boot-a", &Layout::default(), &records).expect("store");
+        let size = fs::metadata(cp.path()).expect("written").len();
+        eprintln!("the largest ledger of a node: {size} bytes");
+        assert!(size < MAX_STATE_FILE_BYTES * 3 / 4, "{size} bytes: too close to the bound");
+        assert_eq!(cp.load("n1", "boot-a").expect("read").expect("there").allocations, records);
+        // One byte past the bound: refused, not read.
+        fs::write(cp.path(), vec![b' '; usize::try_from(MAX_STATE_FILE_BYTES).expect("fits") + 1])
+            .expect("write");
+        let err = cp.load("n1", "boot-a").expect_err("past the bound");
+        let said = crate::error_chain::Chain(&err).to_string();
+        assert!(said.contains("more than the"), "{said}");
     }
 
     #[test]

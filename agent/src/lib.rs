@@ -32,7 +32,7 @@ pub mod config;
 pub mod defaults;
 pub mod dra;
 pub mod error_chain;
-pub mod files;
+pub use baleen_edge::files;
 pub mod instruments;
 pub mod inventory;
 pub mod isolation;

@@ -108,6 +108,9 @@ pub enum CdiError {
     },
 }
 
+/// The most bytes a claim's spec may hold when read back: the specs written here are a few KiB.
+pub const MAX_SPEC_BYTES: u64 = 1 << 20;
+
 /// The CDI specs of one driver's claims in one directory.
 #[derive(Debug, Clone)]
 pub struct SpecDir {
@@ -198,9 +201,15 @@ impl SpecDir {
     /// Reads the spec of claim `uid`, if there is one.
     pub fn read(&self, uid: &str) -> Result<Option<Spec>, CdiError> {
         let path = self.path_of(uid)?;
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        // Regular files only, bounded, opened non-blocking: a link to /dev/zero or a FIFO
+        // planted at the path is refused, never read without end or waited on.
+        let bytes = match baleen_edge::files::read_bounded(
+            &path,
+            MAX_SPEC_BYTES,
+            baleen_edge::files::Links::Refuse,
+        ) {
+            Ok(Some(b)) => b,
+            Ok(None) => return Ok(None),
             Err(source) => return Err(CdiError::Io { action: "reading", path, source }),
         };
         serde_json::from_slice(&bytes).map(Some).map_err(|e| CdiError::Io {
@@ -269,6 +278,7 @@ fn write_whole(path: &Path, bytes: &[u8]) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use baleen_k8s::error_chain::Chain;
 
     fn edits() -> Edits {
         Edits {
@@ -359,6 +369,33 @@ mod tests {
         let e = specs.write("uid-1", &[("gpu-0".into(), edits())]).expect_err("refused");
         assert!(e.to_string().contains("writing"), "{e}");
         assert_eq!(fs::read_to_string(&victim).expect("victim"), "keep");
+    }
+
+    /// Issue 39, item 7: a link to `/dev/zero` or a FIFO planted at a claim's spec path is
+    /// refused at once (it once filled the memory in 0.1 s, or hung a Prepare for good), and a
+    /// Prepare writes the spec over it.
+    #[test]
+    fn a_device_or_a_fifo_at_a_spec_path_is_refused_and_written_over() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let specs = SpecDir::new(dir.path(), "gpu.example.com/claim");
+        let zero = specs.path_of("uid-z").expect("path");
+        std::os::unix::fs::symlink("/dev/zero", &zero).expect("link");
+        let fifo = specs.path_of("uid-f").expect("path");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.expect("mkfifo (coreutils)").success());
+        let big = specs.path_of("uid-b").expect("path");
+        fs::write(&big, vec![b' '; usize::try_from(MAX_SPEC_BYTES).expect("fits") + 1])
+            .expect("big");
+        let started = std::time::Instant::now();
+        for (uid, says) in
+            [("uid-z", "symbolic link"), ("uid-f", "FIFO"), ("uid-b", "more than the")]
+        {
+            let e = specs.read(uid).expect_err(uid);
+            assert!(Chain(&e).to_string().contains(says), "{uid}: {}", Chain(&e));
+            specs.write(uid, &[("gpu-0".into(), edits())]).expect("written over");
+            assert_eq!(specs.read(uid).expect("read").map(|s| s.devices.len()), Some(1));
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "nothing waited");
     }
 
     #[test]

@@ -126,11 +126,16 @@ impl<S: ClaimSource, B: Bookings> Preparer<S, B> {
     }
 
     /// The answer for claim `uid`'s booked devices: writes its CDI spec (again: a spec lost
-    /// with `/var/run` is written back) and names its devices.
-    fn answer(&self, uid: &str, booked: &[Booked]) -> Result<Vec<PreparedDevice>, String> {
+    /// with `/var/run` is written back) and names its devices. The spec's files are read and
+    /// written on a blocking thread, never on the runtime's.
+    async fn answer(&self, uid: &str, booked: &[Booked]) -> Result<Vec<PreparedDevice>, String> {
         let edits: Vec<(String, Edits)> =
             booked.iter().map(|b| (b.device.clone(), b.edits.clone())).collect();
-        let ours = self.specs.write(uid, &edits).map_err(|e| Chain(&e).to_string())?;
+        let (specs, claim) = (self.specs.clone(), uid.to_owned());
+        let ours = tokio::task::spawn_blocking(move || specs.write(&claim, &edits))
+            .await
+            .map_err(|e| format!("writing the CDI spec of claim {uid}: {e}"))?
+            .map_err(|e| Chain(&e).to_string())?;
         Ok(booked
             .iter()
             .zip(ours)
@@ -153,7 +158,7 @@ impl<S: ClaimSource, B: Bookings> Preparer<S, B> {
         let bookings = self.bookings.clone();
         let uid = claim.uid.clone();
         if let Some(booked) = blocking(move || Ok(bookings.booked(&uid))).await? {
-            return self.answer(&claim.uid, &booked);
+            return self.answer(&claim.uid, &booked).await;
         }
         let found = tokio::time::timeout(GET_TIMEOUT, self.source.get(claim))
             .await
@@ -167,7 +172,7 @@ impl<S: ClaimSource, B: Bookings> Preparer<S, B> {
         let bookings = self.bookings.clone();
         let consumers = allocation.reserved_for.clone();
         let booked = blocking(move || bookings.book(&allocation, &consumers)).await?;
-        match self.answer(&claim.uid, &booked) {
+        match self.answer(&claim.uid, &booked).await {
             Ok(devices) => Ok(devices),
             Err(e) => {
                 // Nothing half-prepared: a booking whose spec cannot be written is given back.

@@ -789,6 +789,14 @@ impl Extender {
             Api::namespaced(client, &args.pod_namespace);
         let known = self.view().pod(&args.pod_uid).cloned();
         let entry = match known {
+            // The pod the UID names must be the pod the name names: the room is checked for
+            // the one and the Binding made for the other otherwise.
+            Some(entry) if entry.key != key => {
+                return Err(BindError::Pod {
+                    pod: key,
+                    why: format!("the UID {} is the pod {}'s", args.pod_uid, entry.key),
+                });
+            }
             Some(entry) => entry,
             // Not seen by the watch yet: the API server's pod (never a call's).
             None => {

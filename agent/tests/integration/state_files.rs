@@ -88,6 +88,8 @@ fn a_fifo_a_link_to_dev_zero_and_a_huge_file_at_the_state_paths_are_refused() {
     let checkpoint = baleen_agent::checkpoint::FILE_NAME;
     /// What a case plants in the state directory.
     type Plant = Box<dyn FnOnce(&Path)>;
+    let past_the_bound =
+        format!("more than the {} accepted", baleen_agent::checkpoint::MAX_STATE_FILE_BYTES);
     let cases: Vec<(&str, Plant, &str)> = vec![
         (
             "a FIFO at the checkpoint",
@@ -109,7 +111,16 @@ fn a_fifo_a_link_to_dev_zero_and_a_huge_file_at_the_state_paths_are_refused() {
             Box::new(move |state: &Path| {
                 std::fs::write(state.join(checkpoint), vec![b'{'; 64 << 20]).expect("write");
             }),
-            "more than the 16777216 accepted",
+            past_the_bound.as_str(),
+        ),
+        (
+            // Issue 39, item 7: under the old bound of 16 MiB, it OOM-killed the agent at its
+            // 128 MiB limit at every start.
+            "a 12 MiB checkpoint",
+            Box::new(move |state: &Path| {
+                std::fs::write(state.join(checkpoint), vec![b' '; 12 << 20]).expect("write");
+            }),
+            past_the_bound.as_str(),
         ),
     ];
     for (what, plant, says) in cases {

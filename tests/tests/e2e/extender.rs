@@ -342,6 +342,15 @@ async fn two_bindings_for_the_last_room_bind_one() -> Result<()> {
             Ok::<String, anyhow::Error>(answer["Error"].as_str().unwrap_or_default().to_owned())
         }
     };
+    // Issue 39, item 7: a UID of one pod with the name of another is refused (the room was
+    // checked for the one, the Binding would be made for the other), and neither is bound.
+    let args = json!({"PodName": "y", "PodNamespace": "ns", "PodUID": "uid-x", "Node": "a"});
+    let (_, text) =
+        baleen_tests::http::request(running.address, "POST", "/bind", &args.to_string()).await?;
+    let answer: Value = serde_json::from_str(&text)?;
+    let error = answer["Error"].as_str().unwrap_or_default();
+    assert!(error.contains("the UID uid-x is the pod ns/x's"), "{text}");
+    assert!(api.pod("ns/y").is_some_and(|p| p["spec"]["nodeName"].is_null()), "y not bound");
     let (x, y) = tokio::join!(bind("x"), bind("y"));
     let mut errors = [x?, y?];
     errors.sort();

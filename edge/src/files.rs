@@ -1,7 +1,8 @@
-//! Reading files the agent does not control the type of: its state files (the checkpoint, the
-//! co-location state), which anyone with the host path could replace, and the files it is
-//! pointed at (configuration, simulated topology, the boot ID). Nothing read here can block
-//! (a FIFO), never end (`/dev/zero`) or fill the memory (a huge file).
+//! Reading files a daemon does not control the type of: the agent's state files (the
+//! checkpoint, the co-location state) and the DRA driver's CDI specs, which anyone with the host
+//! path could replace, and the files it is pointed at (configuration, simulated topology, the
+//! boot ID). Nothing read here can block (a FIFO), never end (`/dev/zero`) or fill the memory
+//! (a huge file).
 
 use std::fs::{self, OpenOptions};
 use std::io;
