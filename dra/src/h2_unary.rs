@@ -11,9 +11,14 @@
 //! literals without indexing, which any decoder reads whatever table size it chose. A request is
 //! one gRPC message (uncompressed); the answer is `:status 200`, the message, and the
 //! `grpc-status` trailer, or a trailers-only error. Bounds: frames of at most 16 KiB (the
-//! default it never raises), 64 KiB of header block, 1 MiB of message, 16 streams at once, an
-//! idle connection closed after [`IDLE`]. Anything it does not accept ends the connection with
-//! GOAWAY and the error code the RFC names.
+//! default it never raises), 64 KiB of header block, a dynamic table of at most 4 KiB (the
+//! default it never raises: a larger table size update is a COMPRESSION_ERROR), 16 KiB of
+//! decoded header list (SETTINGS_MAX_HEADER_LIST_SIZE: a block whose headers decode to more,
+//! through references to one large entry, ends the connection with ENHANCE_YOUR_CALM), 64 KiB
+//! of message (registration messages are a few hundred bytes), 16 streams at once (so at most
+//! 1 MiB of messages buffered per connection), an idle connection closed after [`IDLE`], and a
+//! client that does not read what it is sent dropped after the same time. Anything it does not
+//! accept ends the connection with GOAWAY and the error code the RFC names.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -28,7 +33,11 @@ const MAX_FRAME: usize = 16_384;
 /// The largest header block (HEADERS and its CONTINUATIONs) accepted.
 const MAX_HEADER_BLOCK: usize = 64 << 10;
 /// The largest request message accepted.
-const MAX_MESSAGE: usize = 1 << 20;
+const MAX_MESSAGE: usize = 64 << 10;
+/// The HPACK dynamic table's most (SETTINGS_HEADER_TABLE_SIZE's default, never raised).
+const MAX_TABLE: usize = 4096;
+/// The largest decoded header list (names, values and 32 bytes each, as RFC 9113 counts).
+const MAX_HEADER_LIST: usize = 16 << 10;
 /// Streams open at once (advertised as SETTINGS_MAX_CONCURRENT_STREAMS).
 const MAX_STREAMS: usize = 16;
 /// A connection that sends nothing for this long is closed.
@@ -178,9 +187,11 @@ where
         }
         Ok(Ok(_)) => {}
     }
+    let mut decoder = loona_hpack::Decoder::new();
+    decoder.set_max_allowed_table_size(MAX_TABLE);
     let mut c = Connection {
         handler,
-        decoder: loona_hpack::Decoder::new(),
+        decoder,
         streams: HashMap::new(),
         pending: None,
         send_window: 65_535,
@@ -188,17 +199,24 @@ where
         highest_stream: 0,
         out: Vec::new(),
     };
-    // Our SETTINGS: at most MAX_STREAMS streams; every other setting at its default.
+    // Our SETTINGS: at most MAX_STREAMS streams and MAX_HEADER_LIST of headers; every other
+    // setting at its default.
     let mut settings = Vec::new();
     settings.extend_from_slice(&0x3u16.to_be_bytes());
     settings.extend_from_slice(&u32::try_from(MAX_STREAMS).unwrap_or(16).to_be_bytes());
+    settings.extend_from_slice(&0x6u16.to_be_bytes());
+    settings.extend_from_slice(&u32::try_from(MAX_HEADER_LIST).unwrap_or(16_384).to_be_bytes());
     c.frame(SETTINGS, 0, 0, &settings);
     loop {
         if !c.out.is_empty() {
-            let sent = writer.write_all(&c.out).await;
+            // Within the idle time too: a client that never reads is dropped, not waited on.
+            let send = async { writer.write_all(&c.out).await.and(writer.flush().await) };
+            let sent = tokio::time::timeout(idle, send).await;
             c.out.clear();
-            if let Err(e) = sent.and(writer.flush().await) {
-                return Ended::Io(e.to_string());
+            match sent {
+                Err(_) => return Ended::Io("the client read nothing of the answers".into()),
+                Ok(Err(e)) => return Ended::Io(e.to_string()),
+                Ok(Ok(())) => {}
             }
         }
         let frame = match tokio::time::timeout(idle, read_frame(&mut reader)).await {
@@ -207,7 +225,7 @@ where
             Ok(Err(ReadError::Io(e))) => return Ended::Io(e),
             Ok(Err(ReadError::TooLarge(n))) => {
                 return c
-                    .refuse(&mut writer, H2Error::FrameSize, format!("a frame of {n} bytes"))
+                    .refuse(&mut writer, H2Error::FrameSize, format!("a frame of {n} bytes"), idle)
                     .await;
             }
             Ok(Ok(f)) => f,
@@ -215,11 +233,11 @@ where
         match c.on_frame(frame) {
             Ok(true) => {}
             Ok(false) => {
-                let _ = writer.write_all(&c.out).await;
-                let _ = writer.flush().await;
+                let send = async { writer.write_all(&c.out).await.and(writer.flush().await) };
+                let _ = tokio::time::timeout(idle, send).await;
                 return Ended::Closed;
             }
-            Err((code, why)) => return c.refuse(&mut writer, code, why).await,
+            Err((code, why)) => return c.refuse(&mut writer, code, why, idle).await,
         }
     }
 }
@@ -264,14 +282,15 @@ impl<H: Unary + ?Sized> Connection<'_, H> {
         writer: &mut W,
         code: H2Error,
         why: String,
+        within: Duration,
     ) -> Ended {
         let mut payload = self.highest_stream.to_be_bytes().to_vec();
         payload.extend_from_slice(&(code as u32).to_be_bytes());
         payload.extend_from_slice(why.as_bytes());
         payload.truncate(MAX_FRAME);
         self.frame(GOAWAY, 0, 0, &payload);
-        let _ = writer.write_all(&self.out).await;
-        let _ = writer.flush().await;
+        let send = async { writer.write_all(&self.out).await.and(writer.flush().await) };
+        let _ = tokio::time::timeout(within, send).await;
         Ended::Refused(code, why)
     }
 
@@ -395,17 +414,32 @@ impl<H: Unary + ?Sized> Connection<'_, H> {
         let mut authority = String::new();
         let mut method_post = false;
         let mut grpc = false;
+        // What the block decodes to, counted as RFC 9113 counts a header list; past the bound
+        // nothing more is copied (the decoder still runs, so its table stays right).
+        let mut listed = 0usize;
         self.decoder
-            .decode_with_cb(block, |name, value| match &*name {
-                b":path" => path = Some(String::from_utf8_lossy(&value).into_owned()),
-                b":authority" => authority = String::from_utf8_lossy(&value).into_owned(),
-                b":method" => method_post = &*value == b"POST",
-                b"content-type" => grpc = value.starts_with(b"application/grpc"),
-                _ => {}
+            .decode_with_cb(block, |name, value| {
+                listed = listed.saturating_add(name.len() + value.len() + 32);
+                if listed > MAX_HEADER_LIST {
+                    return;
+                }
+                match &*name {
+                    b":path" => path = Some(String::from_utf8_lossy(&value).into_owned()),
+                    b":authority" => authority = String::from_utf8_lossy(&value).into_owned(),
+                    b":method" => method_post = &*value == b"POST",
+                    b"content-type" => grpc = value.starts_with(b"application/grpc"),
+                    _ => {}
+                }
             })
             .map_err(|e| {
                 (H2Error::Compression, format!("a header block HPACK cannot decode: {e}"))
             })?;
+        if listed > MAX_HEADER_LIST {
+            return Err((
+                H2Error::EnhanceYourCalm,
+                format!("a header list of {listed} bytes decoded, past {MAX_HEADER_LIST}"),
+            ));
+        }
         if self.streams.contains_key(&stream) {
             // Trailers from the client end its message.
             if !end_stream {
@@ -684,7 +718,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_message_past_1_mib_is_refused_and_its_stream_cancelled() {
+    async fn a_message_past_its_bound_is_refused_and_its_stream_cancelled() {
         let mut input = raw_frame(HEADERS, END_HEADERS, 1, &request_headers());
         let chunk = vec![0; MAX_FRAME];
         for _ in 0..=(MAX_MESSAGE / MAX_FRAME) {
@@ -727,6 +761,65 @@ mod tests {
         write.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.expect("write");
         let ended = serve(server, &Echo, Duration::from_secs(5)).await;
         assert!(matches!(ended, Ended::Refused(H2Error::Protocol, _)), "{ended:?}");
+    }
+
+    /// Issue 39, item 7: a table size update past the 4 KiB the server allows (2^28-1 once let
+    /// a client fill 68 MiB of table) ends the connection with COMPRESSION_ERROR; references
+    /// to one large entry decoding past the header list bound (16,000 of a 4 KiB entry once
+    /// decoded to 12 GiB a frame) end it with ENHANCE_YOUR_CALM, at once.
+    #[tokio::test]
+    async fn hpack_tables_and_header_lists_are_bounded() {
+        let mut huge = Vec::new();
+        integer(&mut huge, 0x20, 5, (1 << 28) - 1);
+        huge.extend(request_headers());
+        let (ended, out) = exchange(&raw_frame(HEADERS, END_HEADERS, 1, &huge)).await;
+        assert!(matches!(ended, Ended::Refused(H2Error::Compression, _)), "{ended:?}");
+        assert!(frames(&out).iter().any(|f| f.0 == GOAWAY), "said");
+        // A 4,000-byte entry (it fits the 4 KiB table), then a block of 16,000 references
+        // to it (index 62, one byte each).
+        let mut first = vec![0x40];
+        integer(&mut first, 0, 7, 1);
+        first.push(b'x');
+        integer(&mut first, 0, 7, 4000);
+        first.extend(std::iter::repeat_n(b'v', 4000));
+        first.extend(request_headers());
+        let mut input = raw_frame(HEADERS, END_HEADERS | END_STREAM, 1, &first);
+        let references = vec![0x80 | 62; 16_000];
+        input.extend(raw_frame(HEADERS, END_HEADERS, 3, &references));
+        let started = std::time::Instant::now();
+        let (ended, out) = exchange(&input).await;
+        assert!(matches!(ended, Ended::Refused(H2Error::EnhanceYourCalm, _)), "{ended:?}");
+        assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+        let frames = frames(&out);
+        // The first call (a header list within the bound) was answered.
+        assert!(frames.iter().any(|f| f.0 == HEADERS && f.2 == 1), "stream 1 answered");
+        // The server says its bounds.
+        let settings = frames.iter().find(|f| f.0 == SETTINGS && f.1 == 0).expect("settings");
+        assert!(settings.3.windows(6).any(|w| w == [0, 6, 0, 0, 0x40, 0]), "{:?}", settings.3);
+    }
+
+    /// Issue 39, item 7: a client that sends and never reads (PINGs whose answers fill its
+    /// socket) is dropped after the idle time, not waited on for good.
+    #[tokio::test]
+    async fn a_client_that_never_reads_is_dropped() {
+        let (client, server) = tokio::io::duplex(1024);
+        let (_read, mut write) = tokio::io::split(client);
+        let pings = tokio::spawn(async move {
+            let _ = write.write_all(PREFACE).await;
+            for _ in 0..100_000 {
+                if write.write_all(&raw_frame(PING, 0, 0, &[1; 8])).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let ended = tokio::time::timeout(
+            Duration::from_secs(5),
+            serve(server, &Echo, Duration::from_millis(300)),
+        )
+        .await
+        .expect("dropped in time");
+        assert!(matches!(ended, Ended::Io(ref why) if why.contains("read nothing")), "{ended:?}");
+        pings.abort();
     }
 
     #[tokio::test]
