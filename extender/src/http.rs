@@ -279,7 +279,7 @@ pub async fn bind(
     address: SocketAddr,
     router: Router,
     shutdown: CancellationToken,
-) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = ()> + use<>)> {
     bind_maybe_tls(address, router, None, shutdown).await
 }
 
@@ -289,13 +289,9 @@ pub async fn bind_within(
     router: Router,
     limits: baleen_edge::gate::Limits,
     shutdown: CancellationToken,
-) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = ()> + use<>)> {
     let gate = baleen_edge::gate::Gate::new("probes", limits);
-    let (bound, serve) = baleen_edge::http::bind(address, router, gate, BOUNDS, shutdown).await?;
-    Ok((bound, async move {
-        serve.await;
-        Ok(())
-    }))
+    baleen_edge::http::bind(address, router, gate, BOUNDS, shutdown).await
 }
 
 /// [`bind`] over TLS with `config` (the webhook).
@@ -304,7 +300,7 @@ pub async fn bind_tls(
     router: Router,
     config: Arc<rustls::ServerConfig>,
     shutdown: CancellationToken,
-) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = ()> + use<>)> {
     bind_maybe_tls(address, router, Some(config), shutdown).await
 }
 
@@ -314,9 +310,9 @@ pub async fn bind_maybe_tls(
     router: Router,
     config: Option<Arc<rustls::ServerConfig>>,
     shutdown: CancellationToken,
-) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = ()> + use<>)> {
     let gate = baleen_edge::gate::Gate::new("extender", LIMITS);
-    let (bound, serve) = match config {
+    Ok(match config {
         None => {
             let (bound, serve) =
                 baleen_edge::http::bind(address, router, gate, BOUNDS, shutdown).await?;
@@ -328,11 +324,7 @@ pub async fn bind_maybe_tls(
                     .await?;
             (bound, futures::future::Either::Right(serve))
         }
-    };
-    Ok((bound, async move {
-        serve.await;
-        Ok(())
-    }))
+    })
 }
 
 /// `body` as the protocol's `what` (`ExtenderArgs`, ...), or the 400 answer saying why, counted

@@ -142,11 +142,7 @@ pub async fn start(
         .map_err(|e| StartError::Listen(at, e))?;
         tracing::info!(address = %bound, "serving /healthz, /readyz and /metrics");
         metrics_address = Some(bound);
-        tasks.spawn(async move {
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "the metrics server stopped");
-            }
-        });
+        tasks.spawn(serve);
     }
     if let Some(at) = config.probe_listen {
         let (bound, serve) = crate::http::bind_within(
@@ -159,11 +155,7 @@ pub async fn start(
         .map_err(|e| StartError::Listen(at, e))?;
         tracing::info!(address = %bound, "serving /healthz and /readyz for the probes");
         probe_address = Some(bound);
-        tasks.spawn(async move {
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "the probe server stopped");
-            }
-        });
+        tasks.spawn(serve);
     }
     if let Some(webhook) = config.webhook {
         let resolver = match &webhook.certificates {
@@ -204,20 +196,12 @@ pub async fn start(
         .map_err(|e| StartError::Listen(webhook.listen, e))?;
         tracing::info!(address = %bound, scheduler = webhook.scheduler_name, "serving the admission webhook");
         webhook_address = Some(bound);
-        tasks.spawn(async move {
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "the webhook server stopped");
-            }
-        });
+        tasks.spawn(serve);
     }
     tasks.spawn(crate::watch::nodes(client.clone(), extender.clone(), shutdown.clone()));
     tasks.spawn(crate::watch::pods(client, extender.clone(), shutdown.clone()));
     tasks.spawn(extender.clone().run_rebuilder(shutdown.clone()));
-    tasks.spawn(async move {
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "the HTTP server stopped");
-        }
-    });
+    tasks.spawn(serve);
     tracing::info!(
         %address,
         prefix = config.prefix,

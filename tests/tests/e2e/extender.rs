@@ -52,14 +52,22 @@ fn pod(name: &str, units: u32, node: Option<&str>) -> Value {
 }
 
 async fn extender(api: &FakeApiServer) -> Result<(Running, CancellationToken)> {
+    extender_listening(api, None).await
+}
+
+/// [`extender`], with its metrics and probe listeners at `health` (both), if given.
+async fn extender_listening(
+    api: &FakeApiServer,
+    health: Option<std::net::SocketAddr>,
+) -> Result<(Running, CancellationToken)> {
     let client = kube::Client::try_from(kube::Config::new(api.url().parse()?))?;
     let token = CancellationToken::new();
     let config = Config {
         listen: "127.0.0.1:0".parse()?,
         prefix: String::new(),
         settings: Settings::default(),
-        metrics_listen: None,
-        probe_listen: None,
+        metrics_listen: health,
+        probe_listen: health,
         webhook: None,
         tls: None,
     };
@@ -389,18 +397,7 @@ async fn held_get(source: u8, to: std::net::SocketAddr) -> Result<(tokio::net::T
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_the_metrics_port_starves_neither_the_probes_nor_a_scrape() -> Result<()> {
     let api = FakeApiServer::start(&["a"]).await?;
-    let client = kube::Client::try_from(kube::Config::new(api.url().parse()?))?;
-    let token = CancellationToken::new();
-    let config = Config {
-        listen: "127.0.0.1:0".parse()?,
-        prefix: String::new(),
-        settings: Settings::default(),
-        metrics_listen: Some("127.0.0.1:0".parse()?),
-        probe_listen: Some("127.0.0.1:0".parse()?),
-        webhook: None,
-        tls: None,
-    };
-    let running = start(config, client, prometheus::Registry::new(), token.clone()).await?;
+    let (running, token) = extender_listening(&api, Some("127.0.0.1:0".parse()?)).await?;
     let metrics = running.metrics_address.context("metrics")?;
     let probes = running.probe_address.context("probes")?;
     let mut hoard = Vec::new();

@@ -128,28 +128,12 @@ async fn curl(port: u16, ca: &Path, body: Option<&Path>) -> Result<(String, Stri
     Ok((status.to_owned(), answer.to_owned() + &String::from_utf8_lossy(&out.stderr)))
 }
 
-/// The extender binary beside this test's executable, built by `cargo test --workspace`.
-fn extender_binary() -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let binary = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|profile| profile.join("baleen-extender"))
-        .context("the test's target directory")?;
-    ensure!(
-        binary.is_file(),
-        "{} is missing: build it with `cargo build -p baleen-extender`",
-        binary.display()
-    );
-    Ok(binary)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "host lane (.ci/run): needs root and a writable cgroup v1 memory hierarchy"]
 async fn the_extender_answers_concurrent_worst_case_reviews_within_the_charts_memory_limit()
 -> Result<()> {
     let limit = charts_limit()?;
-    let binary = extender_binary()?;
+    let binary = crate::support::workspace_binary("baleen-extender")?;
     let api = FakeApiServer::start(&[]).await?;
     for i in 0..1000 {
         let name = format!("gpu-{i:04}");

@@ -239,19 +239,7 @@ fn sorted(mut records: Vec<AllocationRecord>) -> Vec<(String, Vec<String>)> {
     records.into_iter().map(|r| (r.resource, r.device_ids)).collect()
 }
 
-/// The agent binary beside this test's executable (`target/<profile>/baleen-agent`), built by
-/// `cargo test --workspace` with the agent's own integration tests.
+/// The agent binary beside this test's executable (`target/<profile>/baleen-agent`).
 fn agent_binary() -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let binary = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|profile| profile.join("baleen-agent"))
-        .context("the test's target directory")?;
-    anyhow::ensure!(
-        binary.is_file(),
-        "{} is missing: build it with `cargo build -p baleen-agent` (or run `cargo test --workspace`, which builds it)",
-        binary.display()
-    );
-    Ok(binary)
+    crate::support::workspace_binary("baleen-agent")
 }
