@@ -136,7 +136,7 @@ fn main() {
         while extender.cluster.read().expect("lock").nodes().count() < NODES {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let weights: Vec<u32> = (0..kinds as u32).map(|k| 16 - k).collect();
+        let weights: Vec<u32> = (0..16u32).take(kinds).map(|k| 16 - k).collect();
         let total: u32 = weights.iter().sum();
         let warm = 300;
         // The client's thread: blocking, as kube-scheduler is another process.
