@@ -3,7 +3,8 @@
 //! each request's headers within [`Bounds::header_timeout`], at most [`Bounds::max_buffer`]
 //! bytes buffered, and a connection's life within [`Bounds::lifetime`]. A connection is busy
 //! from a request's arrival until its answer has been written whole (a client that does not
-//! read its answer holds a busy slot, so it counts against its peer's cap).
+//! read its answer holds a busy slot, so it counts against its peer's cap). Each request carries
+//! when it arrived ([`Arrived`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -18,6 +19,12 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt as _;
 
 use crate::gate::{Busy, Gate, Peer};
+
+/// When a request arrived: its headers read, before its body, a concurrency limit or a
+/// handler (an extension of every request this loop serves). A latency measured from it
+/// counts the time a request waited for its turn, as the client sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrived(pub std::time::Instant);
 
 /// What one connection may take.
 #[derive(Debug, Clone, Copy)]
@@ -159,7 +166,8 @@ async fn serve<I>(
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let closed = slot.closed().clone();
-    let service = tower::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+    let service = tower::service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
+        request.extensions_mut().insert(Arrived(std::time::Instant::now()));
         let busy = slot.busy();
         let router = router.clone();
         async move {

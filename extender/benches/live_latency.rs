@@ -9,20 +9,21 @@
 //! by its agent two pods later and another node's annotation changed (a pod ended there),
 //! both through the Node watcher's path. Nothing waits for a change to land before the next
 //! call: the watchers race the calls as they do in a cluster. The policy is rebuilt every 100
-//! pods beside the calls (the extender's rebuilder, `SCHED_IDLE`).
+//! pods beside the calls (the extender's rebuilder, on its `SCHED_IDLE` thread).
 //!
 //! Printed: each pod's two calls from the first byte sent to the second answer read (p50, p99,
 //! max), each verb's round trips, and what the extender's own latency histogram says of the
 //! same calls (its share of calls within 0.5, 1 and 2 ms, beside the client's), so that a
 //! histogram that misses queueing shows. Run:
-//! `cargo bench -p baleen-extender --bench live_latency` (`LIVE_PODS`: pods timed, 2,000;
-//! `LIVE_SHAPES`: how many of the 16 shapes, 16).
+//! `cargo bench -p baleen-extender --bench live_latency` (`LIVE_PODS`: pods timed, 4,000;
+//! `LIVE_SHAPES`: how many of the 16 shapes, 16; `LIVE_NO_REBUILD=1`: no policy rebuilds, to
+//! see what they cost the tail; `LIVE_FEED_TIMES=1`: how long each watcher's changes took).
 
 use std::time::{Duration, Instant};
 
 use baleen_extender::http::{Metrics, bind, router};
 use baleen_extender::service::{Extender, Settings};
-use baleen_extender::watch::Feed;
+use baleen_extender::watch::{Feed, Object};
 use baleen_k8s::watch::Change;
 use k8s_openapi::api::core::v1::Node as KubeNode;
 use rand::{Rng, SeedableRng};
@@ -82,11 +83,27 @@ fn pod(i: usize, (units, cpu, memory): (u32, u32, u32), node: Option<&str>) -> V
 
 /// A watcher's task: takes each change from its channel and hands it to the watcher's feed,
 /// as `baleen_extender::watch` does with the API server's events.
-fn watcher<K: Send + 'static>(feed: Feed<K>) -> tokio::sync::mpsc::UnboundedSender<Change<K>> {
+fn watcher<K: Object + Send + 'static>(
+    feed: Feed<K>,
+) -> tokio::sync::mpsc::UnboundedSender<Change<K>> {
     let (send, mut changes) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
+        let mut took = Vec::new();
         while let Some(change) = changes.recv().await {
+            let t = Instant::now();
             feed.change(change);
+            took.push(t.elapsed());
+        }
+        took.sort();
+        if std::env::var_os("LIVE_FEED_TIMES").is_some() && !took.is_empty() {
+            println!(
+                "  feed {}: n={} p50={:?} p99={:?} max={:?}",
+                std::any::type_name::<K>(),
+                took.len(),
+                percentile(&took, 500),
+                percentile(&took, 990),
+                took.last().expect("one")
+            );
         }
     });
     send
@@ -109,7 +126,7 @@ fn main() {
     let count = |var: &str, default: usize| {
         std::env::var(var).ok().and_then(|n| n.parse::<usize>().ok()).unwrap_or(default)
     };
-    let timed = count("LIVE_PODS", 2000).max(100);
+    let timed = count("LIVE_PODS", 4000).max(100);
     let kinds = count("LIVE_SHAPES", SHAPES.len()).clamp(1, SHAPES.len());
     runtime.block_on(async move {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
@@ -132,7 +149,9 @@ fn main() {
                 .await
                 .expect("bind");
         tokio::spawn(server);
-        tokio::spawn(extender.clone().run_rebuilder(token.clone()));
+        if std::env::var_os("LIVE_NO_REBUILD").is_none() {
+            tokio::spawn(extender.clone().run_rebuilder(token.clone()));
+        }
         while extender.cluster.read().expect("lock").nodes().count() < NODES {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -147,7 +166,17 @@ fn main() {
                 let all: Vec<&str> = names.iter().map(String::as_str).collect();
                 let mut connection = Connection::open(address);
                 let mut pods_times = Vec::with_capacity(timed);
+                // Per pod, whether a policy rebuild was under way during its calls.
+                let mut during: [Vec<Duration>; 2] = Default::default();
+                // Per pod, whether it came within 16 pods of a new policy (its first pods of
+                // each shape pay for what the rebuild did not warm).
+                let mut after_swap: [Vec<Duration>; 2] = Default::default();
+                let mut policy = std::sync::Arc::as_ptr(&extender.policy());
+                let mut since_swap = usize::MAX;
                 let mut trips: [Vec<Duration>; 2] = Default::default();
+                // Per pod, its two round trips alone (the client's parse and body between them
+                // left out: kube-scheduler's own work, not the extender's).
+                let mut both = Vec::with_capacity(timed);
                 let mut written: std::collections::VecDeque<usize> = Default::default();
                 let mut handler_before = None;
                 let mut started_timed = Instant::now();
@@ -172,6 +201,10 @@ fn main() {
                     pods.send(Change::Applied(serde_json::from_value(created.clone()).expect("pod")))
                         .expect("pod watcher");
                     let body = serde_json::to_vec(&Call { pod: &created, node_names: &all }).expect("json");
+                    let rebuilding = !extender.learning().1;
+                    let now = std::sync::Arc::as_ptr(&extender.policy());
+                    since_swap = if now == policy { since_swap.saturating_add(1) } else { 0 };
+                    policy = now;
                     let started = Instant::now();
                     let text = connection.post("/filter", &body).to_vec();
                     let filtered = started.elapsed();
@@ -185,7 +218,11 @@ fn main() {
                     let elapsed = started.elapsed();
                     let scores: Vec<Score<'_>> = serde_json::from_slice(&scored).expect("json");
                     if i >= warm {
+                        let rebuilding = rebuilding || !extender.learning().1;
+                        during[usize::from(rebuilding)].push(elapsed);
+                        after_swap[usize::from(since_swap < 16)].push(elapsed);
                         pods_times.push(elapsed);
+                        both.push(filtered + prioritized);
                         trips[0].push(filtered);
                         trips[1].push(prioritized);
                     }
@@ -213,19 +250,26 @@ fn main() {
                 }
                 let wall = started_timed.elapsed();
                 let handler_after = histograms(&registry);
-                (pods_times, trips, handler_before.expect("warmed"), handler_after, wall, extender.learning())
+                let made = ["kept", "patched", "afresh"].map(|how| extender.scores_made.with_label_values(&[how]).get())
+                    .into_iter()
+                    .chain([extender.scores_computed.get()])
+                    .collect::<Vec<u64>>();
+                (pods_times, after_swap, made, both, trips, during, handler_before.expect("warmed"), handler_after, wall, extender.learning())
             }
         });
-        let (mut times, mut trips, before, after, wall, learning) =
+        let (mut times, mut after_swap, made, mut both, mut trips, mut during, before, after, wall, learning) =
             tokio::task::spawn_blocking(move || client.join().expect("client")).await.expect("join");
         token.cancel();
+        drop(extender);
+        tokio::time::sleep(Duration::from_millis(100)).await;
         times.sort();
         for t in &mut trips {
             t.sort();
         }
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         println!(
-            "{timed} pods ({kinds} shapes, {NODES} nodes, watch changes and rebuilds running; {} pods learned): filter + prioritize p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms; {:.0} pods/s with the harness's own work",
+            "{timed} pods ({kinds} shapes, {NODES} nodes, watch changes{} running; {} pods learned): filter + prioritize p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms; {:.0} pods/s with the harness's own work",
+            if std::env::var_os("LIVE_NO_REBUILD").is_some() { "" } else { " and rebuilds" },
             learning.0,
             ms(percentile(&times, 500)),
             ms(percentile(&times, 900)),
@@ -233,6 +277,41 @@ fn main() {
             ms(*times.last().expect("times")),
             timed as f64 / wall.as_secs_f64(),
         );
+        println!(
+            "  prioritize answers made ahead: kept {}, patched {}, afresh {}; node scores computed for calls (the first batch's included): {}",
+            made[0], made[1], made[2], made[3]
+        );
+        for (d, when) in after_swap.iter_mut().zip(["16 pods or more", "under 16 pods"]) {
+            d.sort();
+            if !d.is_empty() {
+                println!(
+                    "  pods {when} after a new policy: n={} p50={:.2} ms p99={:.2} ms",
+                    d.len(),
+                    ms(percentile(d, 500)),
+                    ms(percentile(d, 990))
+                );
+            }
+        }
+        both.sort();
+        println!(
+            "  the two round trips alone (the client's parse and prioritize body left out): p50={:.2} ms p90={:.2} ms p99={:.2} ms max={:.2} ms",
+            ms(percentile(&both, 500)),
+            ms(percentile(&both, 900)),
+            ms(percentile(&both, 990)),
+            ms(*both.last().expect("times")),
+        );
+        let rebuilds = if std::env::var_os("LIVE_NO_REBUILD").is_some() { 0 } else { 1 };
+        for (d, when) in during.iter_mut().take(rebuilds + 1).zip(["no rebuild under way", "a rebuild under way"]) {
+            d.sort();
+            if !d.is_empty() {
+                println!(
+                    "  pods with {when}: n={} p50={:.2} ms p99={:.2} ms",
+                    d.len(),
+                    ms(percentile(d, 500)),
+                    ms(percentile(d, 990))
+                );
+            }
+        }
         for (i, verb) in ["filter", "prioritize"].iter().enumerate() {
             let client = shares(&trips[i]);
             let server: Vec<f64> = after[i]

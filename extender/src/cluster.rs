@@ -220,6 +220,52 @@ impl NameIndex {
 /// two pods of a demand at kube-scheduler's pace, few enough to cost nothing (8 KiB).
 const CHANGE_LOG: usize = 1024;
 
+/// The cluster view behind its lock, with a count of the writers waiting for it.
+///
+/// The lock lets no new reader in while a writer waits, so a writer that waits stalls every
+/// call behind it. The policy rebuild reads the view in hundreds of short holds; std's lock
+/// wakes a waiting writer when the last reader leaves, but a reader that comes back within
+/// microseconds takes the lock again before the writer has woken, and the writer sleeps again:
+/// the watchers lost every such race, and calls queued behind them for the whole rebuild (5-35
+/// ms, issue 39, item 6). [`Self::read_after_writers`] is the rebuild's read: it first waits
+/// until no writer is waiting, so a writer waits at most one of its holds.
+#[derive(Debug, Default)]
+pub struct SharedView {
+    lock: std::sync::RwLock<ClusterView>,
+    /// Writers waiting for (or about to take) the lock.
+    writers: std::sync::atomic::AtomicUsize,
+}
+
+/// How long [`SharedView::read_after_writers`] sleeps between looks at the waiting writers.
+const STAND_ASIDE: std::time::Duration = std::time::Duration::from_micros(20);
+
+impl SharedView {
+    /// The view, to read (the verbs: they hold it briefly, and never stand aside).
+    pub fn read(&self) -> std::sync::LockResult<std::sync::RwLockReadGuard<'_, ClusterView>> {
+        self.lock.read()
+    }
+
+    /// The view, to change: counted as waiting until it holds the lock.
+    pub fn write(&self) -> std::sync::LockResult<std::sync::RwLockWriteGuard<'_, ClusterView>> {
+        use std::sync::atomic::Ordering;
+        self.writers.fetch_add(1, Ordering::SeqCst);
+        let guard = self.lock.write();
+        self.writers.fetch_sub(1, Ordering::SeqCst);
+        guard
+    }
+
+    /// The view, to read, once no writer waits: for work that reads in many holds beside the
+    /// calls (the policy rebuild), so that it never keeps a writer, and the calls queued behind
+    /// the writer, waiting for more than one hold. Never poisoned (a panicking writer's view
+    /// is read as it was left, as everywhere in the extender).
+    pub fn read_after_writers(&self) -> std::sync::RwLockReadGuard<'_, ClusterView> {
+        while self.writers.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            std::thread::sleep(STAND_ASIDE);
+        }
+        self.lock.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// Nodes and pods.
 #[derive(Debug, Default)]
 pub struct ClusterView {
@@ -584,5 +630,53 @@ mod believing {
         // Past the agent's own limits.
         let many: Vec<GpuEntry> = (0..65).map(|i| gpu(i, 1, 1)).collect();
         assert!(entry(&node(many, "100000")).is_err());
+    }
+}
+
+#[cfg(test)]
+mod sharing {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    /// Issue 39, item 6: a reader that takes the view again and again (the policy rebuild)
+    /// keeps a writer (a watcher) waiting for at most about one of its holds; with std's lock
+    /// alone the reader won every race and the writer (and every call behind it) waited for
+    /// the whole rebuild.
+    #[test]
+    fn a_writer_waits_for_at_most_one_hold_of_a_busy_reader() {
+        let view = Arc::new(SharedView::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let hold = Duration::from_millis(5);
+        let reader = std::thread::spawn({
+            let (view, stop) = (view.clone(), stop.clone());
+            move || {
+                let mut holds = 0u32;
+                while !stop.load(Ordering::SeqCst) {
+                    let guard = view.read_after_writers();
+                    std::thread::sleep(hold);
+                    drop(guard);
+                    holds += 1;
+                }
+                holds
+            }
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        let mut longest = Duration::ZERO;
+        for _ in 0..20 {
+            let asked = Instant::now();
+            let mut guard = view.write().expect("not poisoned");
+            longest = longest.max(asked.elapsed());
+            guard.updated = Some(Instant::now());
+            drop(guard);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        stop.store(true, Ordering::SeqCst);
+        let holds = reader.join().expect("reader");
+        assert!(holds > 20, "the reader held the view only {holds} times: it must keep it busy");
+        // One hold (5 ms) and the scheduler's latency; a lost race costs another whole hold
+        // each time, and the reader never stops.
+        assert!(longest < Duration::from_millis(100), "a writer waited {longest:?}");
     }
 }

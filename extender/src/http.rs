@@ -7,14 +7,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use tokio_util::sync::CancellationToken;
+
+use baleen_edge::http::Arrived;
 
 use crate::service::{CallError, Extender, Prioritized};
 
@@ -51,7 +53,7 @@ impl Metrics {
             HistogramVec::new(
                 HistogramOpts::new(
                     "baleen_extender_request_seconds",
-                    "Time to answer one kube-scheduler call, by verb.",
+                    "Time to answer one kube-scheduler call, by verb: from its arrival (headers read) to its answer, the wait for its body and its turn included.",
                 )
                 .buckets(vec![0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0]),
                 &["verb"],
@@ -361,10 +363,22 @@ fn json_bytes(body: impl Into<Bytes>) -> Response {
     (StatusCode::OK, [("content-type", "application/json")], body).into_response()
 }
 
+/// When a call arrived (its headers read, `baleen_edge::http`), so that the latency histogram
+/// counts its wait for a turn and for its body as kube-scheduler does (issue 39, item 6: the
+/// handler's own clock saw 999 of 1,000 filters under 0.5 ms where the client saw 35 ms);
+/// now, for a router served another way.
+fn arrival(arrived: Option<Extension<Arrived>>) -> Instant {
+    arrived.map_or_else(Instant::now, |Extension(Arrived(at))| at)
+}
+
 /// One span per call, so that every line it logs names the verb.
 #[tracing::instrument(name = "filter", skip_all, fields(bytes = body.len()))]
-async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let started = Instant::now();
+async fn filter(
+    State(app): State<Arc<App>>,
+    arrived: Option<Extension<Arrived>>,
+    body: Bytes,
+) -> Response {
+    let started = arrival(arrived);
     let answer = match app.extender.filter_call(&body) {
         Ok(a) => a,
         Err(e) => return bad_body(&app, "filter", "ExtenderArgs", &e),
@@ -398,8 +412,12 @@ async fn filter(State(app): State<Arc<App>>, body: Bytes) -> Response {
 }
 
 #[tracing::instrument(name = "prioritize", skip_all, fields(bytes = body.len()))]
-async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let started = Instant::now();
+async fn prioritize(
+    State(app): State<Arc<App>>,
+    arrived: Option<Extension<Arrived>>,
+    body: Bytes,
+) -> Response {
+    let started = arrival(arrived);
     let answered = |how: &str| app.metrics.prioritize_answers.with_label_values(&[how]).inc();
     let answer = match app.extender.prioritize_call(&body) {
         Ok(Prioritized::Ahead(scores)) => {
@@ -418,8 +436,12 @@ async fn prioritize(State(app): State<Arc<App>>, body: Bytes) -> Response {
 }
 
 #[tracing::instrument(name = "preempt", skip_all, fields(bytes = body.len()))]
-async fn preempt(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let started = Instant::now();
+async fn preempt(
+    State(app): State<Arc<App>>,
+    arrived: Option<Extension<Arrived>>,
+    body: Bytes,
+) -> Response {
+    let started = arrival(arrived);
     let args = match parse::<crate::protocol::ExtenderPreemptionArgs>(
         &app,
         "preempt",
@@ -438,8 +460,12 @@ async fn preempt(State(app): State<Arc<App>>, body: Bytes) -> Response {
 }
 
 #[tracing::instrument(name = "bind", skip_all, fields(bytes = body.len()))]
-async fn bind_pod(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let started = Instant::now();
+async fn bind_pod(
+    State(app): State<Arc<App>>,
+    arrived: Option<Extension<Arrived>>,
+    body: Bytes,
+) -> Response {
+    let started = arrival(arrived);
     let args = match parse::<crate::protocol::ExtenderBindingArgs>(
         &app,
         "bind",

@@ -81,11 +81,30 @@ impl FailKind {
 pub const NOT_SYNCED: &str =
     "baleen-extender has not listed the cluster's nodes and pods yet; try again shortly";
 
-/// Nodes a rebuild scores per hold of the view's read lock (about 0.2 ms of 7 demands).
+/// Nodes whose models a rebuild builds per hold of the view's read lock (scored after it is
+/// released): a writer waits at most one hold, and the calls behind it as long.
 const WARM_SLOTS_PER_HOLD: usize = 32;
 
+/// How many times a rebuild scores again the nodes that changed while it scored.
+const WARM_CATCH_UPS: usize = 2;
+
+/// Nodes a rebuild's survey of the cluster reads per hold of the view's read lock.
+const SURVEY_SLOTS_PER_HOLD: usize = 256;
+
+/// What a rebuild reads of the whole cluster ([`Extender::survey`]).
+#[derive(Debug, Default)]
+struct Survey {
+    /// Allocatable CPU of the nodes with a usable document, millicores.
+    cpu: u64,
+    /// Their GPUs.
+    gpus: usize,
+    /// How many nodes have each largest GPU size (units), and one document of each.
+    by_units: BTreeMap<u32, usize>,
+    sample: BTreeMap<u32, NodeGpuState>,
+}
+
 /// How many of the most common recent demands are scored on every node after a rebuild.
-const WARM_DEMANDS: usize = 8;
+const WARM_DEMANDS: usize = 16;
 
 /// Per demand and node, the filter's verdict and the node stamp it holds for.
 type Verdicts = Memo<u64, Verdict>;
@@ -635,7 +654,7 @@ struct Seen {
 pub struct Extender {
     settings: Settings,
     /// Nodes and pods (the watchers write, the verbs read).
-    pub cluster: RwLock<ClusterView>,
+    pub cluster: crate::cluster::SharedView,
     policy: RwLock<Arc<Policy>>,
     /// Rebuilds of the policy so far (what a cached score is valid for).
     epoch: std::sync::atomic::AtomicU64,
@@ -662,6 +681,8 @@ pub struct Extender {
     pub refused_documents: prometheus::IntCounter,
     /// `prioritize` answers made ahead, by how ([`MadeHow`]).
     pub scores_made: prometheus::IntCounterVec,
+    /// Node scores computed for a call (found neither in the memo nor made by a rebuild).
+    pub scores_computed: prometheus::IntCounter,
     /// The API client the `bind` verb binds with (none: the verb answers that it cannot).
     binder: std::sync::OnceLock<kube::Client>,
 }
@@ -731,7 +752,7 @@ impl Extender {
         let policy = Policy::for_requests(settings.policy, none, 0.95, Normalisers::default());
         Arc::new(Self {
             settings,
-            cluster: RwLock::new(ClusterView::default()),
+            cluster: crate::cluster::SharedView::default(),
             policy: RwLock::new(Arc::new(policy)),
             epoch: std::sync::atomic::AtomicU64::new(0),
             verdicts: Mutex::new(Verdicts::new()),
@@ -764,6 +785,11 @@ impl Extender {
                 &["how"],
             )
             .unwrap_or_else(|_| unreachable!("a valid constant name and label")),
+            scores_computed: prometheus::IntCounter::new(
+                "baleen_extender_scores_computed_total",
+                "Node scores computed for a call: found neither in the memo nor made ahead by a policy rebuild (which scores every node for the 16 most common recent demands).",
+            )
+            .unwrap_or_else(|_| unreachable_counter()),
             binder: std::sync::OnceLock::new(),
         })
     }
@@ -863,14 +889,11 @@ impl Extender {
         Ok(())
     }
 
-    /// Counts and logs `pod` if it asks for a baleen resource, is new to the view, pending, and
-    /// names another scheduler than baleen's second scheduler.
-    pub fn note_scheduler(&self, view: &ClusterView, pod: &crate::protocol::Pod, asks: bool) {
+    /// Counts and logs `pod` if it asks for a baleen resource (`asks`), was new to the view
+    /// (`known` false), is pending, and names another scheduler than baleen's second scheduler.
+    pub fn note_scheduler(&self, known: bool, pod: &crate::protocol::Pod, asks: bool) {
         let Some(ours) = self.settings.scheduler_name.as_deref() else { return };
-        if !asks || pod.spec.node_name.as_deref().is_some_and(|n| !n.is_empty()) {
-            return;
-        }
-        if view.has_pod(&pod.metadata.uid) {
+        if known || !asks || pod.spec.node_name.as_deref().is_some_and(|n| !n.is_empty()) {
             return;
         }
         let named = pod.spec.scheduler_name.as_deref().unwrap_or("default-scheduler");
@@ -972,20 +995,9 @@ impl Extender {
             let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
             (seen.recent.iter().cloned().collect(), seen.asked)
         };
-        let requests = self.requests_of(&demands);
-        std::thread::yield_now();
-        let (cpu, gpus) = {
-            let view = self.view();
-            let mut cpu = 0u64;
-            let mut gpus = 0usize;
-            for (_, entry) in view.nodes() {
-                if let Ok(state) = &entry.state {
-                    cpu = cpu.saturating_add(entry.allocatable.0);
-                    gpus += state.gpus.len();
-                }
-            }
-            (cpu, gpus)
-        };
+        let survey = self.survey();
+        let requests = Self::requests_of(&survey, &demands);
+        let (cpu, gpus) = (survey.cpu, survey.gpus);
         std::thread::yield_now();
         let policy =
             Policy::for_requests(self.settings.policy, &requests, 0.95, Normalisers::default());
@@ -1012,35 +1024,27 @@ impl Extender {
         common.truncate(WARM_DEMANDS);
         let epoch = self.epoch.load(std::sync::atomic::Ordering::SeqCst) + 1;
         let mut warm = Scores::new();
-        // A few dozen nodes per hold of the view's read lock, the CPU yielded between holds:
-        // scoring every node takes tens of milliseconds at 5,000 nodes, and a watcher or `bind`
-        // waiting for the write lock would hold up every call behind it (the lock lets no reader
-        // past a waiting writer). A node that changes after its turn has a new stamp, so its
-        // warm score is never used.
-        let mut next = 0;
-        loop {
-            std::thread::yield_now();
-            let view = self.view();
-            let end = (next + WARM_SLOTS_PER_HOLD).min(view.slots());
-            for slot in next..end {
-                let Some((name, found)) = view.at(slot) else { continue };
-                let Some(entry) = found.entry else { continue };
-                let Ok(state) = &entry.state else { continue };
-                let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable))
-                else {
-                    continue;
-                };
-                for other in &view.assumed(name, state, &self.settings.domain) {
-                    model.assume(other, &policy);
-                }
-                for (demand, _) in &common {
-                    let score = model.score(demand, &policy);
-                    let per_node = demand_memo(&mut warm, demand, view.slots());
-                    per_node[slot] = Some(((found.stamp, epoch), score));
-                }
-            }
-            next = end;
-            if next >= view.slots() {
+        // A few dozen nodes' models built per hold of the view's read lock, and scored for the
+        // common demands after it is released, the CPU yielded between holds: scoring every
+        // node takes tens of milliseconds at 5,000 nodes, and a watcher or `bind` waiting for
+        // the write lock would hold up every call behind it (the lock lets no reader past a
+        // waiting writer), the longer if this thread (`SCHED_IDLE`) were preempted while
+        // holding it. A node that changes after its turn has a new stamp, so its warm score is
+        // never used.
+        let (mut todo, mut from) = {
+            let view = self.cluster.read_after_writers();
+            ((0..view.slots()).collect::<Vec<usize>>(), view.changes())
+        };
+        // Then the nodes that changed meanwhile, again, a few times: a rebuild takes a while
+        // beside a busy scheduler, and each node changed since its turn would be scored on a
+        // call's path after the swap.
+        for _ in 0..=WARM_CATCH_UPS {
+            self.warm_scores(&mut warm, &todo, &common, &policy, epoch);
+            let view = self.cluster.read_after_writers();
+            let Some(changed) = view.changed_since(from) else { break };
+            todo = changed.collect::<std::collections::BTreeSet<usize>>().into_iter().collect();
+            from = view.changes();
+            if todo.is_empty() {
                 break;
             }
         }
@@ -1056,6 +1060,52 @@ impl Extender {
         seen.built = seen.built.max(asked);
     }
 
+    /// Scores the nodes of `slots` for the `common` demands with `policy` into `warm`: the
+    /// models of [`WARM_SLOTS_PER_HOLD`] nodes built per hold of the view's read lock (each
+    /// after the waiting writers), scored after it is released, the CPU yielded between holds:
+    /// scoring every node takes tens of milliseconds at 5,000 nodes, and a watcher or `bind`
+    /// waiting for the write lock would hold up every call behind it (the lock lets no reader
+    /// past a waiting writer), the longer if this thread (`SCHED_IDLE`) were preempted while
+    /// holding it. A node that changes after its turn has a new stamp, so its warm score is
+    /// never used.
+    fn warm_scores(
+        &self,
+        warm: &mut Scores,
+        slots: &[usize],
+        common: &[(&Demand, usize)],
+        policy: &Policy,
+        epoch: u64,
+    ) {
+        let mut models = Vec::with_capacity(WARM_SLOTS_PER_HOLD);
+        for chunk in slots.chunks(WARM_SLOTS_PER_HOLD) {
+            std::thread::yield_now();
+            let count = {
+                let view = self.cluster.read_after_writers();
+                for &slot in chunk {
+                    let Some((name, found)) = view.at(slot) else { continue };
+                    let Some(entry) = found.entry else { continue };
+                    let Ok(state) = &entry.state else { continue };
+                    let Some(mut model) = NodeModel::new(state, view.host(name, entry.allocatable))
+                    else {
+                        continue;
+                    };
+                    for other in &view.assumed(name, state, &self.settings.domain) {
+                        model.assume(other, policy);
+                    }
+                    models.push((slot, found.stamp, model));
+                }
+                view.slots()
+            };
+            for (slot, stamp, model) in models.drain(..) {
+                for (demand, _) in common {
+                    let score = model.score(demand, policy);
+                    let per_node = demand_memo(warm, demand, count);
+                    per_node[slot] = Some(((stamp, epoch), score));
+                }
+            }
+        }
+    }
+
     /// How many pods the extender has learned from, and whether every policy rebuild they
     /// asked for has finished: for harnesses that replay a trace and must not depend on how
     /// fast the watcher and the rebuilder run (the cluster loop's CI tests).
@@ -1064,26 +1114,42 @@ impl Extender {
         (seen.learned, seen.built >= seen.asked)
     }
 
+    /// What a rebuild needs of the whole cluster, read in holds of [`SURVEY_SLOTS_PER_HOLD`]
+    /// nodes of the view's read lock (each after the waiting writers): its allocatable CPU, its
+    /// GPUs, and a document of each GPU size with how many nodes have it.
+    fn survey(&self) -> Survey {
+        let mut survey = Survey::default();
+        let mut next = 0;
+        loop {
+            std::thread::yield_now();
+            let view = self.cluster.read_after_writers();
+            let end = (next + SURVEY_SLOTS_PER_HOLD).min(view.slots());
+            for slot in next..end {
+                let Some((_, found)) = view.at(slot) else { continue };
+                let Some(entry) = found.entry else { continue };
+                let Ok(state) = &entry.state else { continue };
+                survey.cpu = survey.cpu.saturating_add(entry.allocatable.0);
+                survey.gpus += state.gpus.len();
+                let units = state.gpus.iter().map(|g| g.units_total).max().unwrap_or(0);
+                *survey.by_units.entry(units).or_default() += 1;
+                survey.sample.entry(units).or_insert_with(|| state.clone());
+            }
+            next = end;
+            if next >= view.slots() {
+                return survey;
+            }
+        }
+    }
+
     /// The demands as placement requests on the cluster's most common GPU (its units).
     /// Each distinct demand is turned into a request once (a few thousand pods ask a handful
-    /// of shapes), the view's lock held only to find the common GPU.
-    fn requests_of(&self, demands: &[Arc<Demand>]) -> Vec<Request> {
-        let model = {
-            let view = self.view();
-            let mut by_units: BTreeMap<u32, usize> = BTreeMap::new();
-            let mut sample: BTreeMap<u32, &NodeGpuState> = BTreeMap::new();
-            for s in view.states() {
-                let units = s.gpus.iter().map(|g| g.units_total).max().unwrap_or(0);
-                *by_units.entry(units).or_default() += 1;
-                sample.entry(units).or_insert(s);
-            }
-            let Some(common) = by_units.iter().max_by_key(|(_, n)| **n).map(|(u, _)| *u) else {
-                return Vec::new();
-            };
-            let Some(model) = NodeModel::new(sample[&common], Default::default()) else {
-                return Vec::new();
-            };
-            model
+    /// of shapes).
+    fn requests_of(survey: &Survey, demands: &[Arc<Demand>]) -> Vec<Request> {
+        let Some(common) = survey.by_units.iter().max_by_key(|(_, n)| **n).map(|(u, _)| *u) else {
+            return Vec::new();
+        };
+        let Some(model) = NodeModel::new(&survey.sample[&common], Default::default()) else {
+            return Vec::new();
         };
         let mut made: HashMap<&Demand, Option<Request>> = HashMap::new();
         demands
@@ -1890,7 +1956,8 @@ impl Extender {
     ) -> Vec<Option<i64>> {
         let mut memo_map = self.scores.lock().unwrap_or_else(PoisonError::into_inner);
         let cache = demand_memo(&mut memo_map, demand, view.slots());
-        slots
+        let mut computed = 0;
+        let scores = slots
             .map(|slot| {
                 let slot = slot?;
                 let (entry, stamp) = view.entry_at(slot);
@@ -1905,9 +1972,12 @@ impl Extender {
                 let name = view.name_of(slot)?;
                 let score = self.score_on(view, name, entry, demand, policy);
                 cache[slot] = Some((key, score));
+                computed += 1;
                 score
             })
-            .collect()
+            .collect();
+        self.scores_computed.inc_by(computed);
+        scores
     }
 
     /// The preempt verb: of the candidate nodes and victims kube-scheduler proposes (it picks

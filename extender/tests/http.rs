@@ -1364,3 +1364,97 @@ async fn bodies_never_finished_do_not_block_the_calls_after_them() {
     .expect("read");
     assert!(answer[..n].starts_with(b"HTTP/1.1 408"), "{}", String::from_utf8_lossy(&answer[..n]));
 }
+
+/// Issue 39, item 6: the latency histogram starts when a call arrives (its headers read), not
+/// when its handler runs, so a call that waited (here for its body, as calls waited behind a
+/// watcher for the view's lock) is counted as the client saw it. The handler's own clock said
+/// under 0.5 ms for 999 of 1,000 filters a client timed at 35 ms.
+#[tokio::test]
+async fn the_latency_histogram_counts_a_call_from_its_arrival() {
+    let extender = Extender::new(Settings::default());
+    set_node(&extender, "node-0", &[140, 140]);
+    let token = CancellationToken::new();
+    let registry = prometheus::Registry::new();
+    let metrics = Metrics::new(registry.clone()).expect("metrics");
+    let (address, server) = bind(
+        "127.0.0.1:0".parse().expect("loopback"),
+        router(extender, metrics, "/baleen"),
+        token.clone(),
+    )
+    .await
+    .expect("bind");
+    tokio::spawn(server);
+    let body =
+        serde_json::to_string(&json!({"Pod": pod(8), "NodeNames": ["node-0"]})).expect("json");
+    let mut stream = tokio::net::TcpStream::connect(address).await.expect("connect");
+    let head = format!(
+        "POST /baleen/filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("headers");
+    let (first, rest) = body.split_at(body.len() / 2);
+    stream.write_all(first.as_bytes()).await.expect("half a body");
+    let held = Duration::from_millis(400);
+    tokio::time::sleep(held).await;
+    stream.write_all(rest.as_bytes()).await.expect("the rest");
+    let mut answer = String::new();
+    tokio::time::timeout(WAIT, stream.read_to_string(&mut answer))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("node-0"), "{answer}");
+    let (sum, count) = registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "baleen_extender_request_seconds")
+        .flat_map(|f| f.get_metric().iter())
+        .find(|m| m.get_label().iter().any(|l| l.value() == "filter"))
+        .map(|m| (m.get_histogram().get_sample_sum(), m.get_histogram().get_sample_count()))
+        .expect("the filter's latency");
+    assert_eq!(count, 1);
+    assert!(
+        sum >= held.as_secs_f64(),
+        "the histogram saw {sum} s of a call that waited {held:?} for its body after arriving"
+    );
+    token.cancel();
+}
+
+/// Issue 39, item 6: a policy rebuild scores every node for the 16 most common recent
+/// demands, so that no call of a workload of 16 shapes computes a score after it (the 9th
+/// shape paid 7-16 ms in `prioritize` when 8 were warmed); the 17th still does.
+#[test]
+fn a_rebuild_warms_sixteen_shapes_and_no_more() {
+    let extender = Extender::new(Settings::default());
+    let names: Vec<String> = (0..30).map(|i| format!("node-{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        set_node(&extender, name, &[[140, 140], [20, 100], [60, 0]][i % 3]);
+    }
+    let shapes: Vec<u32> = (1..=17).map(|k| k * 4).collect();
+    let demand = |units: u32| {
+        let p: Pod = serde_json::from_value(pod(units)).expect("pod");
+        Demand::of(&p, "awesome-ai-company.com").expect("demand")
+    };
+    // Each of the 16 first shapes three times, the 17th once: the least common.
+    for (k, units) in shapes.iter().enumerate() {
+        for n in 0..if k < 16 { 3 } else { 1 } {
+            extender.learn(&format!("uid-{units}-{n}"), &demand(*units));
+        }
+    }
+    extender.rebuild_policy();
+    let computed_for = |units: u32| {
+        let before = extender.scores_computed.get();
+        let body =
+            serde_json::to_vec(&json!({"Pod": pod(units), "NodeNames": names})).expect("json");
+        extender.prioritize_call(&body).expect("scores");
+        extender.scores_computed.get() - before
+    };
+    for units in &shapes[..16] {
+        assert_eq!(
+            computed_for(*units),
+            0,
+            "{units} units: a common shape's scores were not warmed"
+        );
+    }
+    assert_eq!(computed_for(shapes[16]), 30, "the 17th shape is not warmed: each node is scored");
+}
