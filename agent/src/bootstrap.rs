@@ -74,7 +74,11 @@ pub fn run_agent(args: &RunArgs) -> Result<(), RunError> {
             || settings.agent.watchdog.enabled
             || matches!(settings.agent.driver, crate::dra::DriverMode::Dra(_))
         {
-            Some(crate::kube_api::KubeNodeApi::from_environment().await.map_err(RunError::KubeApi)?)
+            Some(
+                crate::kube_api::KubeNodeApi::from_environment(settings.pods_kubeconfig.as_deref())
+                    .await
+                    .map_err(RunError::KubeApi)?,
+            )
         } else {
             None
         };

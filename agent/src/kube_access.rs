@@ -7,7 +7,8 @@
 //! node, not from the API server. It writes one thing: the node-state annotation on its own Node
 //! (`run::annotation`, a JSON merge patch). Co-location (`run::colocation`) reads its Node's
 //! allocatable CPU (get) and follows the pods bound to its node (list and watch with the field
-//! selector `spec.nodeName`; kube-rs's watcher never gets a single pod) and the class labels of
+//! selector `spec.nodeName`; kube-rs's watcher never gets a single pod: [`POD_READS`], with the
+//! agent's account unless `paths.podsKubeconfig` names other credentials) and the class labels of
 //! namespaces (list and watch, label selector `awesome-ai-company.com/workload-class`: a
 //! namespace's class is set by the cluster admin); the memory watchdog
 //! follows the same pods and records Warning Events (`events.k8s.io/v1`, create) about the pods
@@ -17,10 +18,9 @@
 
 pub use baleen_k8s::rbac::ApiRule;
 
-/// What the node agent (and `baleen-agent mps`) call on the Kubernetes API.
+/// What the node agent (and `baleen-agent mps`) call on the Kubernetes API with its account.
 pub const AGENT: &[ApiRule] = &[
     ApiRule { api_group: "", resource: "nodes", verbs: &["get", "patch"] },
-    ApiRule { api_group: "", resource: "pods", verbs: &["list", "watch"] },
     ApiRule { api_group: "", resource: "namespaces", verbs: &["list", "watch"] },
     ApiRule { api_group: "events.k8s.io", resource: "events", verbs: &["create"] },
 ];
@@ -38,6 +38,13 @@ pub const DRA_AGENT: &[ApiRule] = &[
     },
     ApiRule { api_group: "resource.k8s.io", resource: "resourceclaims", verbs: &["get"] },
 ];
+
+/// What the agent calls in addition with its account where it reads its node's pods with it
+/// (no `paths.podsKubeconfig`: the chart's `agent.podReads.with: serviceAccount`). With a pods
+/// kubeconfig (the kubelet's own credentials) these reads are the kubelet's, which the Node
+/// authorizer holds to the pods bound to the node, and the account has no pod rights.
+pub const POD_READS: &[ApiRule] =
+    &[ApiRule { api_group: "", resource: "pods", verbs: &["list", "watch"] }];
 
 /// The `reportingController` of the agent's Events (`reportingInstance` adds the node).
 pub const EVENT_CONTROLLER: &str = "awesome-ai-company.com/baleen-agent";

@@ -111,20 +111,77 @@ pub fn event_of(node: &str, notice: &Notice) -> (String, k8s_openapi::api::event
 pub struct KubeNodeApi {
     client: kube::Client,
     nodes: Api<Node>,
+    /// Where the node's pods are read with other credentials than `client`'s.
+    pod_reads: Option<PodReads>,
+}
+
+/// The node's pods read with the credentials of a kubeconfig of their own (`paths.podsKubeconfig`:
+/// the kubelet's, which the API server's Node authorizer holds to the pods bound to its node),
+/// so that the agent's account needs no pod rights (issue 39, item 5).
+struct PodReads {
+    kubeconfig: std::path::PathBuf,
+    /// The client of the first round, made when the agent started (a bad file stops it there).
+    first: std::sync::Mutex<Option<kube::Client>>,
+}
+
+/// How often the pod reads' client is made again from its kubeconfig (the pods listed again):
+/// the kubelet rotates its client certificate in place (`kubelet-client-current.pem`), and a
+/// client keeps the certificate it was made with.
+pub const POD_CREDENTIALS_REFRESH: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// The most bytes a pod-reads kubeconfig may hold.
+const MAX_KUBECONFIG_BYTES: u64 = 1 << 20;
+
+/// A client from the kubeconfig at `path` (its current context), read bounded.
+pub async fn client_from_kubeconfig(path: &std::path::Path) -> Result<kube::Client, ApiError> {
+    use crate::files::{Links, read_bounded};
+    let named = |e: String| ApiError::Config(format!("{}: {e}", path.display()).into());
+    let bytes = read_bounded(path, MAX_KUBECONFIG_BYTES, Links::Follow)
+        .map_err(|e| named(e.to_string()))?
+        .ok_or_else(|| named("no such file".into()))?;
+    let text = String::from_utf8(bytes).map_err(|e| named(e.to_string()))?;
+    let kubeconfig =
+        kube::config::Kubeconfig::from_yaml(&text).map_err(|e| named(e.to_string()))?;
+    let config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .map_err(|e| named(e.to_string()))?;
+    kube::Client::try_from(config).map_err(|e| named(e.to_string()))
 }
 
 impl KubeNodeApi {
     /// A client from the environment: the pod's service account in a cluster, else KUBECONFIG
-    /// or `~/.kube/config`.
-    pub async fn from_environment() -> Result<Arc<Self>, ApiError> {
+    /// or `~/.kube/config`; the node's pods read with `pods_kubeconfig`'s credentials where it
+    /// is given (a file that makes no client is an error now, not at the first read).
+    pub async fn from_environment(
+        pods_kubeconfig: Option<&std::path::Path>,
+    ) -> Result<Arc<Self>, ApiError> {
         let client =
             kube::Client::try_default().await.map_err(|e| ApiError::Config(Box::new(e)))?;
-        Ok(Arc::new(Self::new(client)))
+        Ok(Arc::new(Self::reading_pods_with(client, pods_kubeconfig).await?))
     }
 
     /// Over `client`.
     pub fn new(client: kube::Client) -> Self {
-        Self { nodes: Api::all(client.clone()), client }
+        Self { nodes: Api::all(client.clone()), client, pod_reads: None }
+    }
+
+    /// Over `client`, the node's pods read with `pods_kubeconfig`'s credentials where given.
+    pub async fn reading_pods_with(
+        client: kube::Client,
+        pods_kubeconfig: Option<&std::path::Path>,
+    ) -> Result<Self, ApiError> {
+        let mut api = Self::new(client);
+        if let Some(path) = pods_kubeconfig {
+            let first = client_from_kubeconfig(path).await?;
+            api.pod_reads = Some(PodReads {
+                kubeconfig: path.to_owned(),
+                first: std::sync::Mutex::new(Some(first)),
+            });
+        }
+        Ok(api)
     }
 
     /// A client of the API server at `url` without credentials (tests, and `kubectl proxy`).
@@ -225,33 +282,79 @@ impl NodeApi for KubeNodeApi {
         view: watch::Sender<NodePods>,
         shutdown: CancellationToken,
     ) {
-        let pods: Api<Pod> = Api::all(self.client.clone());
-        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        follow(pods, config, "the node's pods", &shutdown, |change| match change {
-            Change::Listed(list) => {
-                let pods =
-                    list.iter().filter_map(PodInfo::of).map(|p| (p.uid.clone(), p)).collect();
-                // The namespaces' labels, followed by another watcher, stay.
+        let Some(reads) = &self.pod_reads else {
+            follow_node_pods(self.client.clone(), node, &view, &shutdown).await;
+            return;
+        };
+        // The client made again from the kubeconfig every POD_CREDENTIALS_REFRESH (the pods
+        // listed again), and after a failure to make one, with backoff.
+        let mut backoff = std::time::Duration::from_secs(1);
+        while !shutdown.is_cancelled() {
+            let made = reads.first.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            let client = match made {
+                Some(client) => Ok(client),
+                None => client_from_kubeconfig(&reads.kubeconfig).await,
+            };
+            match client {
+                Ok(client) => {
+                    backoff = std::time::Duration::from_secs(1);
+                    let round = shutdown.child_token();
+                    let ends = round.clone();
+                    let timer = tokio::spawn(async move {
+                        tokio::time::sleep(POD_CREDENTIALS_REFRESH).await;
+                        ends.cancel();
+                    });
+                    follow_node_pods(client, node, &view, &round).await;
+                    timer.abort();
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        error = %crate::error_chain::Chain(&e),
+                        "cannot make the client that reads the node's pods (paths.podsKubeconfig): trying again"
+                    );
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(std::time::Duration::from_secs(60));
+                }
+            }
+        }
+    }
+}
+
+/// Follows the pods bound to `node` with `client` into `view` until `shutdown`.
+async fn follow_node_pods(
+    client: kube::Client,
+    node: &str,
+    view: &watch::Sender<NodePods>,
+    shutdown: &CancellationToken,
+) {
+    let pods: Api<Pod> = Api::all(client);
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    follow(pods, config, "the node's pods", shutdown, |change| match change {
+        Change::Listed(list) => {
+            let pods = list.iter().filter_map(PodInfo::of).map(|p| (p.uid.clone(), p)).collect();
+            // The namespaces' labels, followed by another watcher, stay.
+            view.send_modify(|v| {
+                v.synced = true;
+                v.pods = pods;
+            });
+        }
+        Change::Applied(pod) => {
+            if let Some(p) = PodInfo::of(&pod) {
                 view.send_modify(|v| {
-                    v.synced = true;
-                    v.pods = pods;
+                    v.pods.insert(p.uid.clone(), p);
                 });
             }
-            Change::Applied(pod) => {
-                if let Some(p) = PodInfo::of(&pod) {
-                    view.send_modify(|v| {
-                        v.pods.insert(p.uid.clone(), p);
-                    });
-                }
+        }
+        Change::Deleted(pod) => {
+            if let Some(uid) = pod.metadata.uid {
+                view.send_modify(|v| {
+                    v.pods.remove(&uid);
+                });
             }
-            Change::Deleted(pod) => {
-                if let Some(uid) = pod.metadata.uid {
-                    view.send_modify(|v| {
-                        v.pods.remove(&uid);
-                    });
-                }
-            }
-        })
-        .await;
-    }
+        }
+    })
+    .await;
 }

@@ -68,6 +68,8 @@ pub struct Recorded {
     pub body: Value,
     /// When it came.
     pub at: std::time::Instant,
+    /// The `Authorization` header (whose credentials made the request).
+    pub authorization: Option<String>,
 }
 
 /// Which collection.
@@ -551,6 +553,10 @@ fn record(shared: &Shared, method: &str, path: String, headers: &HeaderMap, body
         content_type,
         body,
         at: std::time::Instant::now(),
+        authorization: headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
     });
     let n = world.requests.len() as u64;
     drop(world);

@@ -79,6 +79,9 @@ pub struct Settings {
     pub log_format: LogFormat,
     /// Log filter.
     pub log_level: String,
+    /// The kubeconfig whose credentials read the node's pods (`paths.podsKubeconfig`); none:
+    /// the agent's own account reads them.
+    pub pods_kubeconfig: Option<PathBuf>,
 }
 
 /// Every configuration problem found, each on its own line.
@@ -240,7 +243,7 @@ fn resolve_with(
         reconcile_settle: reconcile.settle,
         driver,
     };
-    Ok(Settings { agent, inventory, log_format, log_level })
+    Ok(Settings { agent, inventory, log_format, log_level, pods_kubeconfig: paths.pods_kubeconfig })
 }
 
 /// The most bytes a configuration file may hold.
@@ -378,6 +381,34 @@ mod tests {
         let flag = RunArgs { device_plugin_dir: Some(not_a_dir.clone()), ..args };
         let text = resolve(&flag, &Environment::default()).expect_err("two").to_string();
         assert!(text.contains(&format!("paths.devicePluginDir {at} is not a directory")), "{text}");
+    }
+
+    /// Issue 39, item 5: `paths.podsKubeconfig` is taken as given, and a directory there is a
+    /// problem at its key (a missing file stops the agent when it makes the client from it).
+    #[test]
+    fn the_pods_kubeconfig_is_taken_and_a_directory_there_is_a_problem() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let kubeconfig = dir.path().join("kubelet.conf");
+        std::fs::write(&kubeconfig, "kind: Config\n").expect("write");
+        let file = dir.path().join("agent.yaml");
+        let write = |at: &Path| {
+            std::fs::write(
+                &file,
+                format!("nodeName: n\npaths:\n  podsKubeconfig: {}\n", at.display()),
+            )
+            .expect("write");
+        };
+        let args = RunArgs { config: Some(file.clone()), ..RunArgs::default() };
+        write(&kubeconfig);
+        let settings = resolve(&args, &Environment::default()).expect("valid");
+        assert_eq!(settings.pods_kubeconfig.as_deref(), Some(kubeconfig.as_path()));
+        write(dir.path());
+        let text = resolve(&args, &Environment::default()).expect_err("a directory").to_string();
+        assert!(text.contains("agent.yaml:3:3: paths.podsKubeconfig"), "{text}");
+        assert!(text.contains("is not a file"), "{text}");
+        std::fs::write(&file, "nodeName: n\n").expect("write");
+        let settings = resolve(&args, &Environment::default()).expect("valid");
+        assert_eq!(settings.pods_kubeconfig, None, "the agent's own account by default");
     }
 
     #[test]

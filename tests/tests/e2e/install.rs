@@ -33,8 +33,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The values the chart is checked with: its defaults, and each file under its `ci/`.
-const VALUES: [&str; 9] = [
+const VALUES: [&str; 10] = [
     "default",
+    "kubelet-pod-reads",
     "dra",
     "cpu-only-pods",
     "mig",
@@ -457,6 +458,26 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     } else {
         used.push(a.watchdog.proc_root.clone());
     }
+    // The kubelet's credentials where the node's pods are read with them: read-only, the
+    // kubeconfig and the directories of the files it names (its client certificate).
+    if let Some(kubeconfig) = &settings.pods_kubeconfig {
+        used.push(kubeconfig.clone());
+        for m in c.volume_mounts.iter().flatten() {
+            if m.name.starts_with("kubelet-credentials") {
+                ensure!(
+                    m.read_only == Some(true),
+                    "{}: the kubelet's credentials, writable",
+                    m.name
+                );
+                used.push(PathBuf::from(&m.mount_path));
+            }
+        }
+    } else {
+        ensure!(
+            !c.volume_mounts.iter().flatten().any(|m| m.name.starts_with("kubelet-credentials")),
+            "the kubelet's credentials mounted, and not used"
+        );
+    }
     let (host, _) = mounts(spec, c)?;
     check_host_paths("the agent", &host, &used)?;
     // Probes and the Service reach the metrics endpoint where the configuration puts it.
@@ -575,10 +596,14 @@ fn check_overlay(overlay: &str, scratch: &Path) -> Result<Install> {
     } else {
         &[]
     };
+    // Its node's pods with its own account, unless it reads them with the kubelet's.
+    let pods: &[baleen_agent::kube_access::ApiRule] =
+        if settings.pods_kubeconfig.is_some() { &[] } else { baleen_agent::kube_access::POD_READS };
     let called = calls(
         baleen_agent::kube_access::AGENT
             .iter()
             .chain(dra)
+            .chain(pods)
             .map(|r| (r.api_group, r.resource, r.verbs)),
     );
     ensure!(granted == called, "RBAC grants {granted:?}, the agent calls {called:?}");

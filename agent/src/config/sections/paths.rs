@@ -26,6 +26,10 @@ pub struct PathsFile {
     pub proc_root: Option<PathBuf>,
     /// The NVIDIA container toolkit's settings.
     pub toolkit_config: Option<PathBuf>,
+    /// A kubeconfig whose credentials read the pods of the node (the kubelet's own, e.g.
+    /// `/etc/kubernetes/kubelet.conf`): the agent's account then reads no pod (docs/agent.md,
+    /// "What an agent's token can read").
+    pub pods_kubeconfig: Option<PathBuf>,
 }
 
 /// The host paths, resolved.
@@ -36,6 +40,7 @@ pub(in crate::config) struct Paths {
     pub(in crate::config) boot_id_file: PathBuf,
     pub(in crate::config) mps_root: PathBuf,
     pub(in crate::config) proc_root: PathBuf,
+    pub(in crate::config) pods_kubeconfig: Option<PathBuf>,
 }
 
 /// Flag < file < default, per path. A directory setting that names something other than a
@@ -61,7 +66,20 @@ pub(in crate::config) fn resolve(src: &Sources<'_>, problems: &mut Problems) -> 
         boot_id_file: pick(&args.boot_id_file, &paths.boot_id_file, defaults::BOOT_ID_FILE),
         mps_root: pick(&args.mps_root, &paths.mps_root, defaults::MPS_ROOT),
         proc_root: pick(&None, &paths.proc_root, defaults::PROC_ROOT),
+        pods_kubeconfig: paths.pods_kubeconfig.clone(),
     };
+    if let Some(file) = &resolved.pods_kubeconfig
+        && file.exists()
+        && !file.is_file()
+    {
+        problems.add(
+            place(false, &[Seg::Key("paths"), Seg::Key("podsKubeconfig")]),
+            format!(
+                "paths.podsKubeconfig {} is not a file: the pods of the node are read with its credentials, and there are none",
+                file.display()
+            ),
+        );
+    }
     for (dir, flag, key) in [
         (&resolved.state_dir, args.state_dir.is_some(), "stateDir"),
         (&resolved.device_plugin_dir, args.device_plugin_dir.is_some(), "devicePluginDir"),

@@ -167,6 +167,17 @@ spec:
             - name: toolkit-config
               mountPath: {{ dir $paths.toolkitConfig }}
               readOnly: true
+            {{- if eq .Values.agent.podReads.with "kubelet" }}
+            # The kubelet's own credentials, read-only: the node's pods are read with them.
+            - name: kubelet-credentials
+              mountPath: {{ .Values.agent.podReads.kubeconfig }}
+              readOnly: true
+            {{- range $i, $d := .Values.agent.podReads.credentialDirs }}
+            - name: kubelet-credentials-{{ $i }}
+              mountPath: {{ $d }}
+              readOnly: true
+            {{- end }}
+            {{- end }}
       volumes:
         {{- if $dra }}
         - name: plugins-registry
@@ -229,5 +240,17 @@ spec:
           hostPath:
             path: {{ dir $paths.toolkitConfig }}
             type: DirectoryOrCreate
+        {{- if eq .Values.agent.podReads.with "kubelet" }}
+        - name: kubelet-credentials
+          hostPath:
+            path: {{ .Values.agent.podReads.kubeconfig }}
+            type: File
+        {{- range $i, $d := .Values.agent.podReads.credentialDirs }}
+        - name: kubelet-credentials-{{ $i }}
+          hostPath:
+            path: {{ $d }}
+            type: Directory
+        {{- end }}
+        {{- end }}
 {{- end }}
 {{- end }}

@@ -32,6 +32,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := unset $paths "mpsRoot" -}}
 {{- end }}
 {{- $_ := set $config "mps" $mps -}}
+{{- if eq .Values.agent.podReads.with "kubelet" }}
+{{- $paths := default dict (get $config "paths") -}}
+{{- $_ := set $paths "podsKubeconfig" .Values.agent.podReads.kubeconfig -}}
+{{- $_ := set $config "paths" $paths -}}
+{{- end }}
 {{ toYaml $config }}
 {{- end }}
 

@@ -365,3 +365,80 @@ async fn a_colocation_state_that_cannot_be_read_stops_colocation_not_the_agent()
     assert!(!api.requests().iter().any(|r| r.path == "/api/v1/namespaces"), "no namespace watch");
     stop(agent, token).await
 }
+
+/// Issue 39, item 5: with `paths.podsKubeconfig` (the chart's `agent.podReads.with: kubelet`)
+/// the node's pods are listed and watched with that kubeconfig's credentials (the kubelet's,
+/// which the API server's Node authorizer holds to the pods of its node) and every other call
+/// with the agent's own: the agent's account then needs no pod rights. A kubeconfig that makes
+/// no client stops the agent at its start, naming the file.
+#[tokio::test]
+async fn the_node_pods_are_read_with_the_pods_kubeconfig_and_nothing_else_is() -> Result<()> {
+    use baleen_agent::kube_api::{KubeNodeApi, NodeApi, client_from_kubeconfig};
+    let api = baleen_tests::fake_apiserver::FakeApiServer::start(&["node-a", "node-b"]).await?;
+    api.put_pod(api_pod("serve", "node-a", "Guaranteed", None, "Running", 4));
+    api.put_pod(api_pod("other", "node-b", "Guaranteed", None, "Running", 4));
+    let class = baleen_agent::isolation::colocation::CLASS_LABEL;
+    api.put_namespace(
+        serde_json::json!({"metadata": {"name": "serving", "labels": {class: "inference"}}}),
+    );
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = |name: &str, token: &str| -> Result<PathBuf> {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: k\n  cluster:\n    server: {}\ncontexts:\n- name: c\n  context:\n    cluster: k\n    user: u\nusers:\n- name: u\n  user:\n    token: {token}\n",
+                api.url()
+            ),
+        )?;
+        Ok(path)
+    };
+    let own = client_from_kubeconfig(&kubeconfig("agent.conf", "agent-token")?).await?;
+    let kubelet = kubeconfig("kubelet.conf", "kubelet-token")?;
+    let node_api = Arc::new(KubeNodeApi::reading_pods_with(own, Some(&kubelet)).await?);
+    let (view, seen) = tokio::sync::watch::channel(Default::default());
+    let token = CancellationToken::new();
+    tokio::spawn({
+        let (node_api, view, token) = (node_api.clone(), view.clone(), token.clone());
+        async move { node_api.follow_pods("node-a", view, token).await }
+    });
+    tokio::spawn({
+        let (node_api, token) = (node_api.clone(), token.clone());
+        async move { node_api.follow_namespaces(view, token).await }
+    });
+    node_api.annotate("node-a", "awesome-ai-company.com/gpu-state", "{}").await?;
+    eventually("the node's pods and the namespaces' classes listed", || {
+        let v = seen.borrow();
+        v.synced && v.namespaces_synced && !v.pods.is_empty()
+    })
+    .await?;
+    let names: Vec<String> = seen.borrow().pods.values().map(|p| p.name.clone()).collect();
+    assert_eq!(names, ["serve"], "only the pods bound to node-a");
+    token.cancel();
+    let requests = api.requests();
+    let bearer = |t: &str| Some(format!("Bearer {t}"));
+    let (pods, others): (Vec<_>, Vec<_>) = requests.iter().partition(|r| r.path.ends_with("/pods"));
+    assert!(!pods.is_empty() && !others.is_empty(), "{requests:?}");
+    for r in &pods {
+        assert_eq!(r.authorization, bearer("kubelet-token"), "{} {}", r.method, r.path);
+    }
+    for r in &others {
+        assert_eq!(r.authorization, bearer("agent-token"), "{} {}", r.method, r.path);
+    }
+    // No such file, or one that makes no client: an error naming it, before anything runs.
+    let own = client_from_kubeconfig(&kubeconfig("agent2.conf", "agent-token")?).await?;
+    let missing = dir.path().join("missing.conf");
+    let Err(e) = KubeNodeApi::reading_pods_with(own.clone(), Some(&missing)).await else {
+        panic!("a missing kubeconfig was taken");
+    };
+    let said = format!("{:#}", anyhow::Error::from(e));
+    assert!(said.contains("missing.conf"), "{said}");
+    let garbage = dir.path().join("garbage.conf");
+    std::fs::write(&garbage, "users: [")?;
+    let Err(e) = KubeNodeApi::reading_pods_with(own, Some(&garbage)).await else {
+        panic!("a kubeconfig that is not one was taken");
+    };
+    let said = format!("{:#}", anyhow::Error::from(e));
+    assert!(said.contains("garbage.conf"), "{said}");
+    Ok(())
+}
