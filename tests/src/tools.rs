@@ -46,3 +46,20 @@ pub fn on_path(name: &str) -> Option<PathBuf> {
     let paths = std::env::var_os("PATH")?;
     std::env::split_paths(&paths).map(|p| p.join(name)).find(|p| p.is_file())
 }
+
+/// A binary of the workspace beside the running test's (`target/<profile>/<name>`), or an
+/// error saying how to build it.
+pub fn workspace_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let binary = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|profile| profile.join(name))
+        .context("the test's target directory")?;
+    ensure!(
+        binary.is_file(),
+        "{} is missing: build it with `cargo build -p {name}` (or run `cargo test --workspace`, which builds it)",
+        binary.display()
+    );
+    Ok(binary)
+}

@@ -199,19 +199,4 @@ pub(crate) async fn stop(agent: Agent, token: CancellationToken) -> Result<()> {
     Ok(())
 }
 
-/// The workspace binary `name` beside this test's executable (`target/<profile>/<name>`), built
-/// by `cargo test --workspace` with its package's own integration tests.
-pub(crate) fn workspace_binary(name: &str) -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let binary = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|profile| profile.join(name))
-        .context("the test's target directory")?;
-    anyhow::ensure!(
-        binary.is_file(),
-        "{} is missing: build it with `cargo build -p {name}` (or run `cargo test --workspace`, which builds it)",
-        binary.display()
-    );
-    Ok(binary)
-}
+pub(crate) use baleen_tests::tools::workspace_binary;

@@ -128,7 +128,9 @@ impl ControlPlane {
             format!("--service-account-private-key-file={}", p("sa.key")),
             format!("--root-ca-file={}", p("ca.crt")),
             "--leader-elect=false".to_owned(),
-            "--controllers=*".to_owned(),
+            // No kubelet runs in this lane: the node lifecycle controller would mark every Node
+            // unreachable (and taint it) after its grace period.
+            "--controllers=*,-node-lifecycle-controller".to_owned(),
             // Each controller with its own account and bootstrap role, as kubeadm runs it: the
             // manager's own user may do little more than that.
             "--use-service-account-credentials=true".to_owned(),

@@ -14,3 +14,4 @@
 mod chart;
 mod control_plane;
 mod rights;
+mod scheduling;
