@@ -33,7 +33,7 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 started=$(date +%s)
 echo "building Kubernetes v$version's control plane and etcd (cold: about 15 minutes on 2 cores)" >&2
-go build -trimpath -ldflags "-s -w$stamp" -o "$out/kube.partial" .
+go build -buildvcs=false -trimpath -ldflags "-s -w$stamp" -o "$out/kube.partial" .
 mv "$out/kube.partial" "$out/kube"
 echo "built in $(( $(date +%s) - started )) s: $out/kube" >&2
 echo "$out/kube"
