@@ -13,5 +13,6 @@
 
 mod chart;
 mod control_plane;
+mod dra;
 mod rights;
 mod scheduling;

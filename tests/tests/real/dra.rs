@@ -1,0 +1,131 @@
+//! Issue 40, item 4 (in part): the agent in `driver: dra` mode (the workspace's binary, its
+//! calls made with a real token of its account bound to a pod on its node) publishes
+//! ResourceSlices the real API server accepts, with the shared GPUs' consumable memory (on by
+//! default in 1.37) surviving the round trip, and the slices' policy holding it to its node
+//! (the install is a second old by then: the policy is in force).
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use serde_json::{Value, json};
+
+use crate::control_plane::{repo, with_control_plane};
+
+const CHART: &str = "packaging/helm/baleen";
+const NAMESPACE: &str = "baleen-system";
+const DRIVER: &str = "gpu.awesome-ai-company.com";
+
+#[tokio::test]
+#[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
+async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory() {
+    with_control_plane(async |plane| {
+        plane.helm(&[
+            "install", "baleen", CHART, "-n", NAMESPACE, "--create-namespace", "-f",
+            &format!("{CHART}/ci/dra-values.yaml"), "--set", "webhook.enabled=false",
+        ])?;
+        let write = |name: &str, value: &Value| -> Result<String> {
+            let file = plane.path(name);
+            std::fs::write(&file, serde_json::to_vec(value)?)?;
+            Ok(file.display().to_string())
+        };
+        plane.kubectl(&["create", "-f", &write("node.json", &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}))?])?;
+        plane.kubectl(&["create", "-f", &write("pod.json", &json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "agent-a", "namespace": NAMESPACE},
+            "spec": {"nodeName": "node-a", "serviceAccountName": "baleen-agent",
+                     "containers": [{"name": "agent", "image": "baleen:test"}]}}))?])?;
+        let token = plane.kubectl(&[
+            "create", "token", "baleen-agent", "-n", NAMESPACE, "--bound-object-kind", "Pod",
+            "--bound-object-name", "agent-a", "--duration", "1h",
+        ])?;
+        let kubeconfig = plane.kubeconfig_with_token("agent-a", token.trim())?;
+        let root = plane.path("node-a");
+        for dir in ["registry", "plugins", "cdi", "state", "device-plugins"] {
+            std::fs::create_dir_all(root.join(dir))?;
+        }
+        let config = format!(
+            "nodeName: node-a\ndriver: dra\ndra:\n  driverName: {DRIVER}\n  registryDir: {r}/registry\n  pluginDir: {r}/plugins/{DRIVER}\n  cdiDir: {r}/cdi\npaths:\n  stateDir: {r}/state\n  devicePluginDir: {r}/device-plugins\n  podResourcesSocket: {r}/pod-resources.sock\nmetrics:\n  address: 127.0.0.1:0\n  probeAddress: 127.0.0.1:0\ncolocation:\n  enabled: false\nwatchdog:\n  enabled: false\nannotation:\n  enabled: false\n",
+            r = root.display()
+        );
+        std::fs::write(root.join("agent.yaml"), config)?;
+        let log_path = plane.path("baleen-agent-dra.log");
+        let log = std::fs::File::create(&log_path)?;
+        let mut agent = Command::new(baleen_tests::tools::workspace_binary("baleen-agent")?)
+            .args(["--config", &root.join("agent.yaml").display().to_string(), "--simulated"])
+            .arg(repo().join("packaging/examples/h200-8x-nvswitch.yaml"))
+            .arg("--no-mps")
+            .env("KUBECONFIG", &kubeconfig)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("cannot start baleen-agent")?;
+        let result = async {
+            let started = Instant::now();
+            let slices = loop {
+                if let Some(status) = agent.try_wait()? {
+                    bail!("the agent exited ({status})");
+                }
+                let list: Value = serde_json::from_str(&plane.kubectl(&[
+                    "get", "resourceslices.v1.resource.k8s.io", "-o", "json",
+                ])?)?;
+                let slices: Vec<Value> = list["items"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|s| s["spec"]["nodeName"] == "node-a" && s["spec"]["driver"] == DRIVER)
+                    .cloned()
+                    .collect();
+                let devices: usize = slices.iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum();
+                if devices >= 8 {
+                    break slices;
+                }
+                if started.elapsed() > Duration::from_secs(60) {
+                    bail!("no slices of node-a's 8 GPUs within 60 s: {slices:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            };
+            let devices: Vec<&Value> = slices.iter().flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten()).collect();
+            let shared: Vec<&&Value> = devices.iter().filter(|d| d["allowMultipleAllocations"] == true).collect();
+            ensure!(!shared.is_empty(), "no shared GPU published: {devices:?}");
+            for d in &shared {
+                ensure!(
+                    d["capacity"]["memory"]["requestPolicy"]["validRange"]["step"].is_string(),
+                    "a shared GPU's consumable memory did not survive the API server: {d}"
+                );
+            }
+            let node_uid = plane.kubectl(&["get", "node", "node-a", "-o", "jsonpath={.metadata.uid}"])?;
+            ensure!(
+                slices.iter().all(|s| s["metadata"]["ownerReferences"][0]["uid"] == node_uid.trim()),
+                "the slices' owner is not node-a"
+            );
+            // With the same token, a slice of another node: refused by the slices' policy (it
+            // may take a second after the install to be in force).
+            let slice = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                "metadata": {"name": "node-b-forged"},
+                "spec": {"driver": DRIVER, "nodeName": "node-b",
+                         "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
+                         "devices": [{"name": "gpu-0"}]}});
+            let file = write("forged-slice.json", &slice)?;
+            let forged = std::process::Command::new("kubectl")
+                .args(["--kubeconfig", &kubeconfig.display().to_string(), "create", "-f", &file])
+                .output()?;
+            let said = String::from_utf8_lossy(&forged.stderr);
+            ensure!(
+                !forged.status.success()
+                    && said.contains("the baleen agent may write only the ResourceSlices of the Node it runs on"),
+                "node-a's agent wrote node-b's slice: {said}"
+            );
+            Ok(())
+        }
+        .await;
+        let _ = agent.kill();
+        let _ = agent.wait();
+        result.map_err(|e| {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            e.context(format!("the DRA agent's log, last lines:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n")))
+        })
+    })
+    .await;
+}
