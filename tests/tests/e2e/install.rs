@@ -2034,6 +2034,12 @@ fn check_dra_agent(install: &Install, scratch: &Path) -> Result<()> {
         let other = if kind == "gpu" { "mig" } else { "gpu" };
         ensure!(!eval(device("gpu.awesome-ai-company.com", other))?, "{kind}: not {other}s");
         ensure!(!eval(device("gpu.nvidia.com", kind))?, "{kind}: not another driver's");
+        // DRA for extended resources (KEP-5004, GA in 1.37) is not served: a count of a
+        // shareable device would be a default share, not a GPU (docs/dra.md).
+        ensure!(
+            class.spec.extended_resource_name.is_none(),
+            "{kind}: the class backs an extended resource"
+        );
     }
     Ok(())
 }
