@@ -19,6 +19,9 @@
 //! - [`fake_cuda`]: a CUDA driver library for the agent's MPS client probe, without a GPU;
 //! - [`http`]: a plain HTTP/1.1 client for the tests;
 //! - [`memory_backend`]: an in-memory device-plugin backend for tests and benchmarks;
+//! - [`real`](mod@real): the upstream control plane (etcd, kube-apiserver,
+//!   kube-controller-manager, kube-scheduler built by `scripts/build-control-plane.sh`) on
+//!   loopback, for the real-control-plane lane (`tests/tests/real/`) and its benchmark;
 //! - [`tools`]: outside programs the tests use (promtool), or how to install them;
 //! - the `fake-mps-control` binary: a fake `nvidia-cuda-mps-control`.
 //!
@@ -37,4 +40,5 @@ pub mod fake_nvml;
 pub mod fuzz;
 pub mod http;
 pub mod memory_backend;
+pub mod real;
 pub mod tools;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail, ensure};
 use serde_json::Value;
 
-use crate::control_plane::{ControlPlane, repo, with_control_plane};
+use baleen_tests::real::{ControlPlane, repo, with_control_plane};
 
 const CHART: &str = "packaging/helm/baleen";
 const NAMESPACE: &str = "baleen-system";
@@ -225,19 +225,9 @@ async fn every_values_file_installs_upgrades_and_uninstalls_server_side() {
 /// The scheduler's configuration as the chart renders it (its ConfigMap), with the client's
 /// kubeconfig added (in the chart's pod it is the in-cluster account).
 fn scheduler_config(plane: &ControlPlane) -> Result<String> {
-    let text = plane.helm(&["template", RELEASE, CHART, "-n", NAMESPACE])?;
-    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
-        let value: Value = serde::Deserialize::deserialize(doc)?;
-        if value["kind"] == "ConfigMap" && value["metadata"]["name"] == "baleen-scheduler-config" {
-            let config = value["data"]["config.yaml"].as_str().context("config.yaml")?;
-            let kubeconfig = plane.kubeconfig(crate::control_plane::ADMIN)?;
-            return Ok(format!(
-                "{config}clientConnection:\n  kubeconfig: {}\n",
-                kubeconfig.display()
-            ));
-        }
-    }
-    bail!("the chart renders no baleen-scheduler-config")
+    let config = baleen_tests::real::scheduling::rendered_scheduler_config_text(plane)?;
+    let kubeconfig = plane.kubeconfig(baleen_tests::real::ADMIN)?;
+    Ok(format!("{config}clientConnection:\n  kubeconfig: {}\n", kubeconfig.display()))
 }
 
 #[tokio::test]

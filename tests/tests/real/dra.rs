@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail, ensure};
 use serde_json::{Value, json};
 
-use crate::control_plane::{repo, with_control_plane};
+use baleen_tests::real::{repo, with_control_plane};
 
 const CHART: &str = "packaging/helm/baleen";
 const NAMESPACE: &str = "baleen-system";

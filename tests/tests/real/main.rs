@@ -12,7 +12,7 @@
 //! last lines of every component's log.
 
 mod chart;
-mod control_plane;
 mod dra;
 mod rights;
 mod scheduling;
+mod webhook;

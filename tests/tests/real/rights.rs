@@ -12,7 +12,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use baleen_agent::kube_api::{KubeNodeApi, NodeApi, client_from_kubeconfig};
 use serde_json::json;
 
-use crate::control_plane::{ControlPlane, NODE_A, with_control_plane};
+use baleen_tests::real::{ControlPlane, NODE_A, with_control_plane};
 
 const CHART: &str = "packaging/helm/baleen";
 const NAMESPACE: &str = "baleen-system";
@@ -73,7 +73,7 @@ async fn pods_seen(api: &Arc<KubeNodeApi>, node: &str, pod: &str) -> Result<Vec<
         let (api, token, node) = (api.clone(), token.clone(), node.to_owned());
         async move { api.follow_pods(&node, view, token).await }
     });
-    let found = crate::control_plane::eventually(pod, Duration::from_secs(30), || {
+    let found = baleen_tests::real::eventually(pod, Duration::from_secs(30), || {
         let v = seen.borrow();
         v.synced && v.pods.values().any(|p| p.name == pod)
     })

@@ -10,13 +10,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
 
+pub mod scheduling;
+
 /// The repository's root.
-pub(crate) fn repo() -> PathBuf {
+pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 /// The upstream binary (`BALEEN_KUBE`), or an error that says how to build it.
-pub(crate) fn kube_binary() -> Result<PathBuf> {
+pub fn kube_binary() -> Result<PathBuf> {
     let path = std::env::var_os("BALEEN_KUBE").map(PathBuf::from).ok_or_else(|| {
         anyhow!(
             "the real-control-plane lane needs the upstream components: build them with \
@@ -29,7 +31,7 @@ pub(crate) fn kube_binary() -> Result<PathBuf> {
 }
 
 /// A free port on loopback (bound and let go: another process may take it first, rarely).
-fn free_port() -> Result<u16> {
+pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
@@ -41,27 +43,27 @@ struct Component {
 }
 
 /// The users the tests act as: static tokens (`--token-auth-file`).
-pub(crate) const ADMIN: &str = "admin";
+pub const ADMIN: &str = "admin";
 /// kube-scheduler's identity (the built-in `system:kube-scheduler` roles).
-pub(crate) const SCHEDULER: &str = "scheduler";
+pub const SCHEDULER: &str = "scheduler";
 /// kube-controller-manager's.
-pub(crate) const CONTROLLER_MANAGER: &str = "controller-manager";
+pub const CONTROLLER_MANAGER: &str = "controller-manager";
 /// A kubelet's identity (`system:node:node-a`, group `system:nodes`): what the Node authorizer
 /// allows a node.
-pub(crate) const NODE_A: &str = "node-a";
+pub const NODE_A: &str = "node-a";
 
 /// The running control plane; stopped when dropped.
-pub(crate) struct ControlPlane {
+pub struct ControlPlane {
     dir: tempfile::TempDir,
     kube: PathBuf,
     /// `https://127.0.0.1:<port>`.
-    pub(crate) url: String,
+    pub url: String,
     components: Vec<Component>,
 }
 
 impl ControlPlane {
     /// etcd, kube-apiserver and kube-controller-manager, started and ready.
-    pub(crate) async fn start() -> Result<Self> {
+    pub async fn start() -> Result<Self> {
         let kube = kube_binary()?;
         let dir = tempfile::Builder::new().prefix("baleen-real-").tempdir()?;
         let api_port = free_port()?;
@@ -141,7 +143,7 @@ impl ControlPlane {
     }
 
     /// A path in the run's directory.
-    pub(crate) fn path(&self, name: &str) -> PathBuf {
+    pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
 
@@ -182,12 +184,12 @@ impl ControlPlane {
     }
 
     /// A kubeconfig acting as `user` (one of [`ADMIN`], [`SCHEDULER`], [`CONTROLLER_MANAGER`]).
-    pub(crate) fn kubeconfig(&self, user: &str) -> Result<PathBuf> {
+    pub fn kubeconfig(&self, user: &str) -> Result<PathBuf> {
         self.kubeconfig_with_token(user, &format!("{user}-token"))
     }
 
     /// A kubeconfig presenting `token`.
-    pub(crate) fn kubeconfig_with_token(&self, name: &str, token: &str) -> Result<PathBuf> {
+    pub fn kubeconfig_with_token(&self, name: &str, token: &str) -> Result<PathBuf> {
         let path = self.path(&format!("{name}.kubeconfig"));
         let ca = self.path("ca.crt");
         std::fs::write(
@@ -202,23 +204,29 @@ impl ControlPlane {
     }
 
     /// Starts `name` (a command of the upstream binary) with `args`, its output to its log.
-    pub(crate) fn spawn(&mut self, name: &str, args: &[&str]) -> Result<()> {
+    pub fn spawn(&mut self, name: &str, args: &[&str]) -> Result<()> {
+        self.spawn_named(name, name, args)
+    }
+
+    /// Starts `command` of the upstream binary with `args` as the component `name` (its log
+    /// `<name>.log`): two of one command, such as two kube-schedulers, told apart.
+    pub fn spawn_named(&mut self, name: &str, command: &str, args: &[&str]) -> Result<()> {
         let log = self.path(&format!("{name}.log"));
         let out = std::fs::File::create(&log)?;
         let child = Command::new(&self.kube)
-            .arg(name)
+            .arg(command)
             .args(args)
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)
             .spawn()
-            .with_context(|| format!("cannot start {name}"))?;
+            .with_context(|| format!("cannot start {command}"))?;
         self.components.push(Component { name: name.to_owned(), child, log });
         Ok(())
     }
 
     /// Runs `name` to its end with `args`: its exit status and output.
-    pub(crate) fn run(
+    pub fn run(
         &self,
         name: &str,
         args: &[&str],
@@ -251,7 +259,7 @@ impl ControlPlane {
     }
 
     /// Waits until `path` of the API server answers `ok` to the admin, or a component exits.
-    pub(crate) async fn ready(&mut self, path: &str, within: Duration) -> Result<()> {
+    pub async fn ready(&mut self, path: &str, within: Duration) -> Result<()> {
         let kubeconfig = self.kubeconfig(ADMIN)?;
         let started = Instant::now();
         loop {
@@ -278,19 +286,19 @@ impl ControlPlane {
     }
 
     /// `kubectl` as the admin; its standard output, or an error with its standard error.
-    pub(crate) fn kubectl(&self, args: &[&str]) -> Result<String> {
+    pub fn kubectl(&self, args: &[&str]) -> Result<String> {
         let kubeconfig = self.kubeconfig(ADMIN)?;
         tool("kubectl", &kubeconfig, args)
     }
 
     /// `helm` as the admin, in the repository.
-    pub(crate) fn helm(&self, args: &[&str]) -> Result<String> {
+    pub fn helm(&self, args: &[&str]) -> Result<String> {
         let kubeconfig = self.kubeconfig(ADMIN)?;
         tool("helm", &kubeconfig, args)
     }
 
     /// The last lines of every component's log.
-    pub(crate) fn logs(&self) -> String {
+    pub fn logs(&self) -> String {
         let mut text = String::new();
         for c in &self.components {
             let log = std::fs::read_to_string(&c.log).unwrap_or_default();
@@ -340,7 +348,7 @@ impl Drop for ControlPlane {
 }
 
 /// Waits until `ok`, at most `within`.
-pub(crate) async fn eventually(what: &str, within: Duration, ok: impl Fn() -> bool) -> Result<()> {
+pub async fn eventually(what: &str, within: Duration, ok: impl Fn() -> bool) -> Result<()> {
     let started = Instant::now();
     while !ok() {
         if started.elapsed() > within {
@@ -352,7 +360,7 @@ pub(crate) async fn eventually(what: &str, within: Duration, ok: impl Fn() -> bo
 }
 
 /// Runs `test` against a fresh control plane; on failure, the error and every component's log.
-pub(crate) async fn with_control_plane<F>(test: F)
+pub async fn with_control_plane<F>(test: F)
 where
     F: AsyncFnOnce(&mut ControlPlane) -> Result<()>,
 {
