@@ -1,9 +1,8 @@
-//! Issue 40, item 3 (in part): the real kube-scheduler, configured as the chart configures it,
-//! calls baleen's extender (the release binary's verbs, its real watches of the API server, run
-//! with a real token of the chart's scheduler account) and binds GPU pods where the extender
-//! chooses. The Nodes are API objects with the capacity a kubelet would set and the gpu-state
-//! an agent would publish (written here; real agents publishing it are the rest of the item).
-
+//! Issue 40, item 3: the real kube-scheduler, configured as the chart configures it, calls
+//! baleen's extender (the workspace's binary with the chart's arguments, its real watches of the
+//! API server, run with a real token of the chart's scheduler account): it binds GPU pods where
+//! the extender chooses, and preempts through its preempt verb. The Nodes are API objects with
+//! the capacity a kubelet would set and the gpu-state an agent would publish (written here).
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
@@ -84,7 +83,7 @@ async fn bound(plane: &ControlPlane, pod: &str, within: Duration) -> Result<Stri
 
 #[tokio::test]
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
-async fn the_real_scheduler_binds_gpu_pods_where_the_extender_chooses() {
+async fn the_real_scheduler_binds_and_preempts_where_the_extender_chooses() {
     with_control_plane(async |plane| {
         // No webhook: the API server would call it at the Service's cluster IP, which is not on
         // this machine (the lane stays on loopback); the pods name baleen's scheduler themselves.
@@ -171,10 +170,65 @@ async fn the_real_scheduler_binds_gpu_pods_where_the_extender_chooses() {
             kubectl_json(plane, &["create"], &gpu_pod("small", 20))?;
             let node = bound(plane, "small", Duration::from_secs(60)).await?;
             ensure!(node != "node-1", "the 20-unit pod went to node-1, whose GPU is taken");
-            // The extender bound both (its bind verb): its counter says so.
+            // Preemption. node-p has one GPU, all of it taken by a pod of no priority: a pod of
+            // a higher priority asking for the whole GPU fits nowhere; kube-scheduler finds
+            // the victim by node-p's totals and asks the extender's preempt verb, which keeps
+            // it (its eviction frees the GPU); the victim is deleted, the pod bound there.
+            plane.kubectl(&["delete", "pod", "large-2", "-n", "team-a", "--wait=false"])?;
+            add_node(plane, "node-p", &[140])?;
+            kubectl_json(plane, &["create"], &gpu_pod("low", 140))?;
+            let node = bound(plane, "low", Duration::from_secs(60)).await?;
+            ensure!(node == "node-p", "the 140-unit pod went to {node}, not node-p");
+            kubectl_json(
+                plane,
+                &["create"],
+                &json!({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                        "metadata": {"name": "urgent"}, "value": 1000}),
+            )?;
+            let mut high = gpu_pod("high", 140);
+            high["spec"]["priorityClassName"] = "urgent".into();
+            kubectl_json(plane, &["create"], &high)?;
+            // No kubelet ends the victim's graceful deletion: the test does, as one would.
+            let started = Instant::now();
+            loop {
+                let deleting = plane.kubectl(&[
+                    "get",
+                    "pod",
+                    "low",
+                    "-n",
+                    "team-a",
+                    "--ignore-not-found",
+                    "-o",
+                    "jsonpath={.metadata.deletionTimestamp}",
+                ])?;
+                if !deleting.trim().is_empty() {
+                    break;
+                }
+                if started.elapsed() > Duration::from_secs(60) {
+                    let events = plane.kubectl(&["get", "events", "-n", "team-a"])?;
+                    bail!("the low pod was not preempted in 60 s:\n{events}");
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            plane.kubectl(&[
+                "delete",
+                "pod",
+                "low",
+                "-n",
+                "team-a",
+                "--grace-period=0",
+                "--force",
+            ])?;
+            let node = bound(plane, "high", Duration::from_secs(60)).await?;
+            ensure!(node == "node-p", "the preempting pod went to {node}, not node-p");
+            let preempts = extender
+                .sample("baleen_extender_request_seconds_count", "verb=\"preempt\"")
+                .await?;
+            ensure!(preempts >= 1.0, "kube-scheduler never called the preempt verb");
+            // The extender bound every pod (its bind verb): its counter says so.
             let bound_count =
                 extender.sample("baleen_extender_bindings_total", "result=\"bound\"").await?;
-            ensure!(bound_count >= 2.0, "the extender bound {bound_count} pods");
+            ensure!(bound_count >= 4.0, "the extender bound {bound_count} pods");
             Ok(())
         }
         .await;
