@@ -120,11 +120,11 @@ async fn burst(
                             let _ = tx.send(());
                         }
                     }
-                    watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
-                        if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
-                            let name = p.metadata.name.unwrap_or_default();
-                            bound.lock().expect("bound").entry(name).or_insert(seen);
-                        }
+                    watcher::Event::Apply(p) | watcher::Event::InitApply(p)
+                        if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() =>
+                    {
+                        let name = p.metadata.name.unwrap_or_default();
+                        bound.lock().expect("bound").entry(name).or_insert(seen);
                     }
                     _ => {}
                 }
@@ -171,15 +171,16 @@ async fn burst(
         })
         .collect();
     latencies.sort();
-    let quantile =
-        |q: f64| latencies[((latencies.len() as f64 * q).ceil() as usize).saturating_sub(1)];
+    // The nearest-rank quantile: the smallest latency with at least `per_mille` of them at or
+    // below it.
+    let quantile = |per_mille: usize| latencies[(latencies.len() * per_mille).div_ceil(1000) - 1];
     Ok(Burst {
         scheduler,
         pods: count,
         created_per_s: count as f64 / all_created.as_secs_f64(),
         bound_per_s: count as f64 / (last - started).as_secs_f64(),
-        p50: quantile(0.50),
-        p99: quantile(0.99),
+        p50: quantile(500),
+        p99: quantile(990),
         max: *latencies.last().context("no pods")?,
     })
 }
@@ -254,16 +255,43 @@ async fn run(plan: &Plan, nodes: usize) -> Result<Vec<Burst>> {
                 burst(&client, &format!("warm-{}", &scheduler[..5]), scheduler, 20).await?;
             }
             let mut bursts = Vec::new();
+            let cpu = |plane: &ControlPlane| {
+                let mut times = plane.cpu_times();
+                times.push(("baleen-extender".to_owned(), extender.cpu_time().unwrap_or_default()));
+                times
+            };
             for round in 0..plan.rounds {
                 for scheduler in ["plain-scheduler", "baleen-scheduler"] {
                     let id = format!("r{round}-{}", &scheduler[..5]);
+                    let before = cpu(&plane);
                     let figures = burst(&client, &id, scheduler, plan.pods).await?;
+                    let used: Vec<String> = cpu(&plane)
+                        .iter()
+                        .zip(&before)
+                        .map(|((name, after), (_, before))| {
+                            format!("{name} {:.1}", (*after - *before).as_secs_f64())
+                        })
+                        .collect();
+                    eprintln!("{nodes} nodes, {id}: CPU s: {}", used.join(", "));
                     eprintln!(
                         "{nodes} nodes, {id}: {:.1} pods/s bound, p99 {:.0} ms",
                         figures.bound_per_s,
                         figures.p99.as_secs_f64() * 1e3
                     );
                     bursts.push(figures);
+                }
+            }
+            // Where the extender's time went: its answers by verb, from each call's arrival.
+            for verb in ["filter", "prioritize", "bind", "preempt"] {
+                let labels = format!("verb=\"{verb}\"");
+                let count =
+                    extender.sample("baleen_extender_request_seconds_count", &labels).await?;
+                let sum = extender.sample("baleen_extender_request_seconds_sum", &labels).await?;
+                if count > 0.0 {
+                    eprintln!(
+                        "{nodes} nodes: extender {verb}: {count} calls, mean {:.2} ms",
+                        sum / count * 1e3
+                    );
                 }
             }
             anyhow::Ok(bursts)

@@ -150,6 +150,8 @@ struct World {
     events: broadcast::Sender<Event>,
     /// While held ([`FakeApiServer::hold_watches`]): the events open watches have not been sent.
     held: Option<Vec<Event>>,
+    /// How long each Binding waits before it is made and answered.
+    binding_delay: std::time::Duration,
     /// Whether the `DRAConsumableCapacity` gate is off ([`FakeApiServer::without_consumable_capacity`]):
     /// ResourceSlices are stored without the fields it serves.
     no_consumable_capacity: bool,
@@ -306,6 +308,7 @@ impl FakeApiServer {
             requests: Vec::new(),
             events: broadcast::channel(4096).0,
             held: None,
+            binding_delay: std::time::Duration::ZERO,
             no_consumable_capacity: false,
         };
         let shared: Shared = Arc::new((Mutex::new(world), watch::channel(0).0));
@@ -331,6 +334,12 @@ impl FakeApiServer {
     pub fn hold_watches(&self) {
         let mut world = self.shared.0.lock().unwrap_or_else(PoisonError::into_inner);
         world.held.get_or_insert_with(Vec::new);
+    }
+
+    /// From now on each Binding waits `delay` before it is made and answered, as a loaded API
+    /// server answers late.
+    pub fn slow_bindings(&self, delay: std::time::Duration) {
+        self.world().binding_delay = delay;
     }
 
     /// Sends open watches every event held since [`Self::hold_watches`], in order.
@@ -984,6 +993,8 @@ async fn bind_pod(
 ) -> Response {
     let path = format!("/api/v1/namespaces/{ns}/pods/{name}/binding");
     record(&app.shared, "POST", path, &headers, &body);
+    let delay = app.shared.0.lock().unwrap_or_else(PoisonError::into_inner).binding_delay;
+    tokio::time::sleep(delay).await;
     let Ok(binding) = serde_json::from_slice::<Value>(&body) else {
         return status(StatusCode::BAD_REQUEST, "BadRequest", "invalid JSON".into());
     };

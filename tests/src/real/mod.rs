@@ -297,6 +297,14 @@ impl ControlPlane {
         tool("helm", &kubeconfig, args)
     }
 
+    /// The CPU time each running component has used so far (user and system), by name.
+    pub fn cpu_times(&self) -> Vec<(String, Duration)> {
+        self.components
+            .iter()
+            .filter_map(|c| Some((c.name.clone(), cpu_time(c.child.id())?)))
+            .collect()
+    }
+
     /// The last lines of every component's log.
     pub fn logs(&self) -> String {
         let mut text = String::new();
@@ -317,6 +325,16 @@ impl ControlPlane {
         }
         text
     }
+}
+
+/// The CPU time process `pid` has used (`/proc/<pid>/stat`'s utime and stime, in clock ticks
+/// of 1/100 s, as Linux counts them for user space).
+pub fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command's name, in parentheses, may hold spaces: the fields after its last ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 10))
 }
 
 /// Runs `program` (kubectl or helm) with `kubeconfig` and `args` in the repository.

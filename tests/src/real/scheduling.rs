@@ -132,6 +132,11 @@ impl Extender {
         }
     }
 
+    /// The CPU time it has used so far.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        super::cpu_time(self._process.0.id())
+    }
+
     /// Its metrics, scraped.
     pub async fn scrape(&self) -> Result<String> {
         let address = std::net::SocketAddr::from(([127, 0, 0, 1], self.metrics));
