@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
 
+pub mod agent;
 pub mod scheduling;
 
 /// The repository's root.

@@ -4,13 +4,13 @@
 //! default in 1.37) surviving the round trip, and the slices' policy holding it to its node
 //! (the install is a second old by then: the policy is in force).
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Result, bail, ensure};
 use serde_json::{Value, json};
 
-use baleen_tests::real::{repo, with_control_plane};
+use baleen_tests::real::agent::SimulatedAgent;
+use baleen_tests::real::with_control_plane;
 
 const CHART: &str = "packaging/helm/baleen";
 const NAMESPACE: &str = "baleen-system";
@@ -30,40 +30,21 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
             Ok(file.display().to_string())
         };
         plane.kubectl(&["create", "-f", &write("node.json", &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}))?])?;
-        plane.kubectl(&["create", "-f", &write("pod.json", &json!({"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "agent-a", "namespace": NAMESPACE},
-            "spec": {"nodeName": "node-a", "serviceAccountName": "baleen-agent",
-                     "containers": [{"name": "agent", "image": "baleen:test"}]}}))?])?;
-        let token = plane.kubectl(&[
-            "create", "token", "baleen-agent", "-n", NAMESPACE, "--bound-object-kind", "Pod",
-            "--bound-object-name", "agent-a", "--duration", "1h",
-        ])?;
-        let kubeconfig = plane.kubeconfig_with_token("agent-a", token.trim())?;
-        let root = plane.path("node-a");
-        for dir in ["registry", "plugins", "cdi", "state", "device-plugins"] {
-            std::fs::create_dir_all(root.join(dir))?;
-        }
-        let config = format!(
-            "nodeName: node-a\ndriver: dra\ndra:\n  driverName: {DRIVER}\n  registryDir: {r}/registry\n  pluginDir: {r}/plugins/{DRIVER}\n  cdiDir: {r}/cdi\npaths:\n  stateDir: {r}/state\n  devicePluginDir: {r}/device-plugins\n  podResourcesSocket: {r}/pod-resources.sock\nmetrics:\n  address: 127.0.0.1:0\n  probeAddress: 127.0.0.1:0\ncolocation:\n  enabled: false\nwatchdog:\n  enabled: false\nannotation:\n  enabled: false\n",
-            r = root.display()
-        );
-        std::fs::write(root.join("agent.yaml"), config)?;
-        let log_path = plane.path("baleen-agent-dra.log");
-        let log = std::fs::File::create(&log_path)?;
-        let mut agent = Command::new(baleen_tests::tools::workspace_binary("baleen-agent")?)
-            .args(["--config", &root.join("agent.yaml").display().to_string(), "--simulated"])
-            .arg(repo().join("packaging/examples/h200-8x-nvswitch.yaml"))
-            .arg("--no-mps")
-            .env("KUBECONFIG", &kubeconfig)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("cannot start baleen-agent")?;
+        let root = SimulatedAgent::node_dir(plane, "node-a");
+        let mut agent = SimulatedAgent::start(
+            plane,
+            "node-a",
+            "h200-8x-nvswitch.yaml",
+            &format!(
+                "driver: dra\ndra:\n  driverName: {DRIVER}\n  registryDir: {r}/registry\n  pluginDir: {r}/plugins/{DRIVER}\n  cdiDir: {r}/cdi\nannotation:\n  enabled: false\n",
+                r = root.display()
+            ),
+        )?;
+        let kubeconfig = plane.path("agent-node-a.kubeconfig");
         let result = async {
             let started = Instant::now();
             let slices = loop {
-                if let Some(status) = agent.try_wait()? {
+                if let Some(status) = agent.exited()? {
                     bail!("the agent exited ({status})");
                 }
                 let list: Value = serde_json::from_str(&plane.kubectl(&[
@@ -119,13 +100,7 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
             Ok(())
         }
         .await;
-        let _ = agent.kill();
-        let _ = agent.wait();
-        result.map_err(|e| {
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(30).collect();
-            e.context(format!("the DRA agent's log, last lines:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n")))
-        })
+        result.map_err(|e| e.context(agent.log_tail(30)))
     })
     .await;
 }

@@ -11,6 +11,7 @@
 //! Everything listens on loopback, in directories of the test's own; a failing test prints the
 //! last lines of every component's log.
 
+mod agents;
 mod chart;
 mod dra;
 mod rights;
