@@ -108,7 +108,8 @@ struct State {
 pub struct FakeDraKubelet {
     registry: PathBuf,
     node: String,
-    api: SocketAddr,
+    /// The fake API server whose slices of the node it deletes at its start, if any.
+    api: Option<SocketAddr>,
     state: Arc<Mutex<State>>,
     stop: CancellationToken,
 }
@@ -117,16 +118,28 @@ impl FakeDraKubelet {
     /// Starts on `node`: deletes the node's slices on the API server at `api`, then watches
     /// `registry` for plugins.
     pub async fn start(registry: &Path, node: &str, api: SocketAddr) -> Result<Self> {
-        let kubelet = Self {
+        let kubelet = Self::new(registry, node, Some(api));
+        kubelet.wipe_slices().await?;
+        kubelet.watch();
+        Ok(kubelet)
+    }
+
+    /// Starts on `node` beside a real API server (the real-control-plane lane): a node of a
+    /// new cluster has no slices to delete, and the plugin writes its own with its token.
+    pub fn start_beside(registry: &Path, node: &str) -> Self {
+        let kubelet = Self::new(registry, node, None);
+        kubelet.watch();
+        kubelet
+    }
+
+    fn new(registry: &Path, node: &str, api: Option<SocketAddr>) -> Self {
+        Self {
             registry: registry.to_path_buf(),
             node: node.to_owned(),
             api,
             state: Arc::default(),
             stop: CancellationToken::new(),
-        };
-        kubelet.wipe_slices().await?;
-        kubelet.watch();
-        Ok(kubelet)
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -139,7 +152,8 @@ impl FakeDraKubelet {
             "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3D{}",
             self.node
         );
-        let (status, body) = crate::http::request(self.api, "DELETE", &path, "").await?;
+        let Some(api) = self.api else { return Ok(()) };
+        let (status, body) = crate::http::request(api, "DELETE", &path, "").await?;
         ensure!(status == 200, "deleting the node's slices: {status}: {body}");
         Ok(())
     }

@@ -79,6 +79,15 @@ impl SimulatedAgent {
         plane.path(node)
     }
 
+    /// The agent.yaml lines of `driver: dra` mode for `node` (its registry, plugin and CDI
+    /// directories in the node's directory), driver `driver`, no gpu-state annotation.
+    pub fn dra_config(plane: &ControlPlane, node: &str, driver: &str) -> String {
+        format!(
+            "driver: dra\ndra:\n  driverName: {driver}\n  registryDir: {r}/registry\n  pluginDir: {r}/plugins/{driver}\n  cdiDir: {r}/cdi\nannotation:\n  enabled: false\n",
+            r = Self::node_dir(plane, node).display()
+        )
+    }
+
     /// Whether it has exited, and how.
     pub fn exited(&mut self) -> Result<Option<std::process::ExitStatus>> {
         Ok(self.process.0.try_wait()?)

@@ -21,24 +21,35 @@ const DRIVER: &str = "gpu.awesome-ai-company.com";
 async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory() {
     with_control_plane(async |plane| {
         plane.helm(&[
-            "install", "baleen", CHART, "-n", NAMESPACE, "--create-namespace", "-f",
-            &format!("{CHART}/ci/dra-values.yaml"), "--set", "webhook.enabled=false",
+            "install",
+            "baleen",
+            CHART,
+            "-n",
+            NAMESPACE,
+            "--create-namespace",
+            "-f",
+            &format!("{CHART}/ci/dra-values.yaml"),
+            "--set",
+            "webhook.enabled=false",
         ])?;
         let write = |name: &str, value: &Value| -> Result<String> {
             let file = plane.path(name);
             std::fs::write(&file, serde_json::to_vec(value)?)?;
             Ok(file.display().to_string())
         };
-        plane.kubectl(&["create", "-f", &write("node.json", &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}))?])?;
-        let root = SimulatedAgent::node_dir(plane, "node-a");
+        plane.kubectl(&[
+            "create",
+            "-f",
+            &write(
+                "node.json",
+                &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}),
+            )?,
+        ])?;
         let mut agent = SimulatedAgent::start(
             plane,
             "node-a",
             "h200-8x-nvswitch.yaml",
-            &format!(
-                "driver: dra\ndra:\n  driverName: {DRIVER}\n  registryDir: {r}/registry\n  pluginDir: {r}/plugins/{DRIVER}\n  cdiDir: {r}/cdi\nannotation:\n  enabled: false\n",
-                r = root.display()
-            ),
+            &SimulatedAgent::dra_config(plane, "node-a", DRIVER),
         )?;
         let kubeconfig = plane.path("agent-node-a.kubeconfig");
         let result = async {
@@ -48,7 +59,10 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
                     bail!("the agent exited ({status})");
                 }
                 let list: Value = serde_json::from_str(&plane.kubectl(&[
-                    "get", "resourceslices.v1.resource.k8s.io", "-o", "json",
+                    "get",
+                    "resourceslices.v1.resource.k8s.io",
+                    "-o",
+                    "json",
                 ])?)?;
                 let slices: Vec<Value> = list["items"]
                     .as_array()
@@ -57,7 +71,10 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
                     .filter(|s| s["spec"]["nodeName"] == "node-a" && s["spec"]["driver"] == DRIVER)
                     .cloned()
                     .collect();
-                let devices: usize = slices.iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum();
+                let devices: usize = slices
+                    .iter()
+                    .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+                    .sum();
                 if devices >= 8 {
                     break slices;
                 }
@@ -66,8 +83,12 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
             };
-            let devices: Vec<&Value> = slices.iter().flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten()).collect();
-            let shared: Vec<&&Value> = devices.iter().filter(|d| d["allowMultipleAllocations"] == true).collect();
+            let devices: Vec<&Value> = slices
+                .iter()
+                .flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten())
+                .collect();
+            let shared: Vec<&&Value> =
+                devices.iter().filter(|d| d["allowMultipleAllocations"] == true).collect();
             ensure!(!shared.is_empty(), "no shared GPU published: {devices:?}");
             for d in &shared {
                 ensure!(
@@ -75,9 +96,12 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
                     "a shared GPU's consumable memory did not survive the API server: {d}"
                 );
             }
-            let node_uid = plane.kubectl(&["get", "node", "node-a", "-o", "jsonpath={.metadata.uid}"])?;
+            let node_uid =
+                plane.kubectl(&["get", "node", "node-a", "-o", "jsonpath={.metadata.uid}"])?;
             ensure!(
-                slices.iter().all(|s| s["metadata"]["ownerReferences"][0]["uid"] == node_uid.trim()),
+                slices
+                    .iter()
+                    .all(|s| s["metadata"]["ownerReferences"][0]["uid"] == node_uid.trim()),
                 "the slices' owner is not node-a"
             );
             // With the same token, a slice of another node: refused by the slices' policy (it
@@ -94,7 +118,9 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
             let said = String::from_utf8_lossy(&forged.stderr);
             ensure!(
                 !forged.status.success()
-                    && said.contains("the baleen agent may write only the ResourceSlices of the Node it runs on"),
+                    && said.contains(
+                        "the baleen agent may write only the ResourceSlices of the Node it runs on"
+                    ),
                 "node-a's agent wrote node-b's slice: {said}"
             );
             Ok(())

@@ -12,6 +12,7 @@
 //! last lines of every component's log.
 
 mod agents;
+mod allocation;
 mod chart;
 mod dra;
 mod rights;

@@ -1,0 +1,237 @@
+//! Issue 40, item 4: claims of baleen's DeviceClass, made from ResourceClaimTemplates by the real
+//! kube-controller-manager, allocated by the real kube-scheduler's DRA allocator from the slices
+//! a real agent (`driver: dra`, simulated 8x H200) published, and prepared by that agent when a
+//! kubelet asks (the fake DRA kubelet: the real one is issue 41's). The tenant rule of DRA pods
+//! (issue 39, item 4) on the real API server: a claim template of the class is refused in a
+//! namespace that does not enforce Pod Security `restricted`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use serde_json::{Value, json};
+
+use baleen_tests::fake_dra_kubelet::{Claim, FakeDraKubelet};
+use baleen_tests::real::agent::SimulatedAgent;
+use baleen_tests::real::scheduling::{CHART, NAMESPACE, SchedulerConfig, scheduler_kubeconfig};
+use baleen_tests::real::{ControlPlane, with_control_plane};
+
+const DRIVER: &str = "gpu.awesome-ai-company.com";
+
+fn apply(plane: &ControlPlane, object: &Value) -> Result<String> {
+    let file = plane.path(&format!("object-{}.json", rand::random::<u64>()));
+    std::fs::write(&file, serde_json::to_vec(object)?)?;
+    plane.kubectl(&["create", "-f", &file.display().to_string()])
+}
+
+/// A template of one request of baleen's GPU class: `memory` of a shared GPU, or a whole one.
+fn template(name: &str, memory: Option<&str>) -> Value {
+    let mut exactly = json!({"deviceClassName": DRIVER});
+    if let Some(memory) = memory {
+        exactly["capacity"] = json!({"requests": {"memory": memory}});
+    }
+    json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+           "metadata": {"name": name, "namespace": "team-a"},
+           "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}})
+}
+
+/// A pod of the `restricted` profile holding a claim from `template`.
+fn pod(name: &str, template: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": "team-a"},
+           "spec": {"schedulerName": "baleen-scheduler",
+                    "securityContext": {"runAsNonRoot": true, "runAsUser": 65534,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+                    "containers": [{"name": "c", "image": "x",
+                        "securityContext": {"allowPrivilegeEscalation": false,
+                                            "capabilities": {"drop": ["ALL"]}},
+                        "resources": {"claims": [{"name": "gpu"}]}}]}})
+}
+
+/// Pod `name` once bound (at most a minute): the pod.
+async fn bound_pod(plane: &ControlPlane, name: &str) -> Result<Value> {
+    let started = Instant::now();
+    loop {
+        let pod: Value = serde_json::from_str(
+            &plane.kubectl(&["get", "pod", name, "-n", "team-a", "-o", "json"])?,
+        )?;
+        if pod["spec"]["nodeName"].as_str().is_some_and(|n| !n.is_empty()) {
+            return Ok(pod);
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let events = plane.kubectl(&["get", "events", "-n", "team-a"]).unwrap_or_default();
+            bail!("pod {name} not bound within 60 s; events:\n{events}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// The claim `pod` holds, as the API server has it.
+fn claim_of(plane: &ControlPlane, pod: &Value) -> Result<Value> {
+    let name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .context("the pod's claim status")?;
+    Ok(serde_json::from_str(&plane.kubectl(&[
+        "get",
+        "resourceclaims.v1.resource.k8s.io",
+        name,
+        "-n",
+        "team-a",
+        "-o",
+        "json",
+    ])?)?)
+}
+
+#[tokio::test]
+#[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
+async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them() {
+    with_control_plane(async |plane| {
+        plane.helm(&[
+            "install",
+            "baleen",
+            CHART,
+            "-n",
+            NAMESPACE,
+            "--create-namespace",
+            "-f",
+            &format!("{CHART}/ci/dra-values.yaml"),
+            "--set",
+            "webhook.enabled=false",
+        ])?;
+        apply(
+            plane,
+            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a",
+            "labels": {"kubernetes.io/hostname": "node-a"}}}),
+        )?;
+        let resources = json!({"cpu": "96", "memory": "1000Gi", "pods": "110"});
+        let status = json!({"status": {"capacity": resources, "allocatable": resources,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "a Node object of the real-control-plane lane",
+                            "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                            "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+        plane.kubectl(&[
+            "patch",
+            "node",
+            "node-a",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &status.to_string(),
+        ])?;
+        plane.kubectl(&["taint", "node", "node-a", "node.kubernetes.io/not-ready:NoSchedule-"])?;
+        let registry = SimulatedAgent::node_dir(plane, "node-a").join("registry");
+        std::fs::create_dir_all(&registry)?;
+        let kubelet = FakeDraKubelet::start_beside(&registry, "node-a");
+        let mut agent = SimulatedAgent::start(
+            plane,
+            "node-a",
+            "h200-8x-nvswitch.yaml",
+            &SimulatedAgent::dra_config(plane, "node-a", DRIVER),
+        )?;
+        let result = async {
+            kubelet.registered(DRIVER, 1, Duration::from_secs(60)).await?;
+            let started = Instant::now();
+            loop {
+                if let Some(status) = agent.exited()? {
+                    bail!("the agent exited ({status})");
+                }
+                let slices = plane.kubectl(&[
+                    "get",
+                    "resourceslices.v1.resource.k8s.io",
+                    "-o",
+                    "jsonpath={.items[*].spec.devices[*].name}",
+                ])?;
+                if slices.split_whitespace().count() >= 8 {
+                    break;
+                }
+                ensure!(started.elapsed() < Duration::from_secs(60), "no slices in 60 s");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            // The tenant rule: not in a namespace that lets pods run as root.
+            plane.kubectl(&["create", "namespace", "team-a"])?;
+            match apply(plane, &template("whole", None)) {
+                Ok(out) => bail!("a claim template of {DRIVER} in an open namespace: {out}"),
+                Err(e) => ensure!(
+                    format!("{e:#}").contains("pod-security.kubernetes.io/enforce=restricted"),
+                    "refused, but not by baleen-gpu-claims-restricted: {e:#}"
+                ),
+            }
+            plane.kubectl(&[
+                "label",
+                "namespace",
+                "team-a",
+                "pod-security.kubernetes.io/enforce=restricted",
+            ])?;
+            apply(plane, &template("whole", None))?;
+            apply(plane, &template("share-20", Some("20Gi")))?;
+            apply(plane, &template("share-30", Some("30Gi")))?;
+            SchedulerConfig {
+                extender: None,
+                scheduler_name: "baleen-scheduler".to_owned(),
+                qps: None,
+                leader_elect: true,
+            }
+            .spawn(plane, &scheduler_kubeconfig(plane)?)?;
+            while plane.kubectl(&["get", "serviceaccount", "default", "-n", "team-a"]).is_err() {
+                ensure!(started.elapsed() < Duration::from_secs(120), "no default account");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            for (name, template) in
+                [("p-whole", "whole"), ("p-20", "share-20"), ("p-30", "share-30")]
+            {
+                apply(plane, &pod(name, template))?;
+            }
+            let mut allocated = Vec::new();
+            for name in ["p-whole", "p-20", "p-30"] {
+                let pod = bound_pod(plane, name).await?;
+                ensure!(pod["spec"]["nodeName"] == "node-a", "{name} bound elsewhere");
+                let claim = claim_of(plane, &pod)?;
+                let result = &claim["status"]["allocation"]["devices"]["results"][0];
+                ensure!(
+                    result["driver"] == DRIVER
+                        && result["pool"].is_string()
+                        && result["device"].is_string(),
+                    "{name}'s claim is not allocated from {DRIVER}: {claim}"
+                );
+                allocated.push((name, claim.clone(), result.clone()));
+            }
+            // The whole GPU is no shared GPU's; the shares carry their memory and a share ID.
+            let (_, _, whole) = &allocated[0];
+            for (name, claim, share) in &allocated[1..] {
+                ensure!(share["shareID"].is_string(), "{name}: no share ID: {claim}");
+                let memory = share["consumedCapacity"]["memory"].as_str().unwrap_or_default();
+                let asked = if *name == "p-20" { "20Gi" } else { "30Gi" };
+                ensure!(memory == asked, "{name}: consumed memory {memory:?}, asked {asked}");
+                ensure!(share["device"] != whole["device"], "a share of the whole GPU: {claim}");
+            }
+            // The kubelet's prepare of each real claim: the agent reads it from the API server
+            // with its token and answers its device with CDI names.
+            for (name, claim, result) in &allocated {
+                let claim = Claim {
+                    namespace: "team-a".to_owned(),
+                    name: claim["metadata"]["name"].as_str().context("name")?.to_owned(),
+                    uid: claim["metadata"]["uid"].as_str().context("uid")?.to_owned(),
+                };
+                let prepared = kubelet.run_pod(DRIVER, name, std::slice::from_ref(&claim)).await?;
+                let devices = prepared.get(&claim.uid).context("prepared")?;
+                ensure!(
+                    devices.len() == 1
+                        && devices[0].device == result["device"].as_str().unwrap_or_default()
+                        && !devices[0].cdi_ids.is_empty(),
+                    "{name}: prepared {devices:?} for the allocation {result}"
+                );
+                if let Some(share) = result["shareID"].as_str() {
+                    ensure!(
+                        devices[0].share_id.as_deref() == Some(share),
+                        "{name}: prepared share {:?}, allocated {share}",
+                        devices[0].share_id
+                    );
+                }
+            }
+            Ok(())
+        }
+        .await;
+        result.map_err(|e| e.context(agent.log_tail(30)))
+    })
+    .await;
+}
