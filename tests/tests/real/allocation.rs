@@ -1,6 +1,6 @@
 //! Issue 40, item 4: claims of baleen's DeviceClass, made from ResourceClaimTemplates by the real
 //! kube-controller-manager, allocated by the real kube-scheduler's DRA allocator from the slices
-//! a real agent (`driver: dra`, simulated 8x H200) published, and prepared by that agent when a
+//! real agents (`driver: dra`, simulated 8x H200 and 4x A100 with MIG) published, and prepared by that agent when a
 //! kubelet asks (the fake DRA kubelet: the real one is issue 41's). The tenant rule of DRA pods
 //! (issue 39, item 4) on the real API server: a claim template of the class is refused in a
 //! namespace that does not enforce Pod Security `restricted`.
@@ -82,6 +82,50 @@ fn claim_of(plane: &ControlPlane, pod: &Value) -> Result<Value> {
     ])?)?)
 }
 
+/// Node `node` (Ready, as its kubelet would leave it) with the fake DRA kubelet and the agent
+/// (`driver: dra`) on `topology`.
+fn dra_node(
+    plane: &ControlPlane,
+    node: &str,
+    topology: &str,
+) -> Result<(FakeDraKubelet, SimulatedAgent)> {
+    apply(
+        plane,
+        &json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}),
+    )?;
+    let resources = json!({"cpu": "96", "memory": "1000Gi", "pods": "110"});
+    let status = json!({"status": {"capacity": resources, "allocatable": resources,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                        "message": "a Node object of the real-control-plane lane",
+                        "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                        "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+    plane.kubectl(&[
+        "patch",
+        "node",
+        node,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &status.to_string(),
+    ])?;
+    plane.kubectl(&["taint", "node", node, "node.kubernetes.io/not-ready:NoSchedule-"])?;
+    let registry = SimulatedAgent::node_dir(plane, node).join("registry");
+    std::fs::create_dir_all(&registry)?;
+    let kubelet = FakeDraKubelet::start_beside(&registry, node);
+    let config = SimulatedAgent::dra_config(plane, node, DRIVER);
+    let agent = SimulatedAgent::start(plane, node, topology, &config)?;
+    Ok((kubelet, agent))
+}
+
+/// The node pod `name` is bound to.
+fn claim_node(plane: &ControlPlane, name: &str) -> Result<String> {
+    Ok(plane
+        .kubectl(&["get", "pod", name, "-n", "team-a", "-o", "jsonpath={.spec.nodeName}"])?
+        .trim()
+        .to_owned())
+}
+
 #[tokio::test]
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them() {
@@ -98,42 +142,23 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
             "--set",
             "webhook.enabled=false",
         ])?;
-        apply(
-            plane,
-            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a",
-            "labels": {"kubernetes.io/hostname": "node-a"}}}),
-        )?;
-        let resources = json!({"cpu": "96", "memory": "1000Gi", "pods": "110"});
-        let status = json!({"status": {"capacity": resources, "allocatable": resources,
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                            "message": "a Node object of the real-control-plane lane",
-                            "lastHeartbeatTime": "2026-01-01T00:00:00Z",
-                            "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
-        plane.kubectl(&[
-            "patch",
-            "node",
-            "node-a",
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            &status.to_string(),
-        ])?;
-        plane.kubectl(&["taint", "node", "node-a", "node.kubernetes.io/not-ready:NoSchedule-"])?;
-        let registry = SimulatedAgent::node_dir(plane, "node-a").join("registry");
-        std::fs::create_dir_all(&registry)?;
-        let kubelet = FakeDraKubelet::start_beside(&registry, "node-a");
-        let mut agent = SimulatedAgent::start(
-            plane,
-            "node-a",
-            "h200-8x-nvswitch.yaml",
-            &SimulatedAgent::dra_config(plane, "node-a", DRIVER),
-        )?;
+        // node-a: 8x H200 (whole GPUs and shares); node-m: 4x A100, two in MIG mode.
+        let mut nodes = Vec::new();
+        for (node, topology) in
+            [("node-a", "h200-8x-nvswitch.yaml"), ("node-m", "a100-4x-mig.yaml")]
+        {
+            nodes.push(dra_node(plane, node, topology)?);
+        }
         let result = async {
-            kubelet.registered(DRIVER, 1, Duration::from_secs(60)).await?;
+            for (kubelet, _) in &nodes {
+                kubelet.registered(DRIVER, 1, Duration::from_secs(60)).await?;
+            }
             let started = Instant::now();
             loop {
-                if let Some(status) = agent.exited()? {
-                    bail!("the agent exited ({status})");
+                for (_, agent) in &mut nodes {
+                    if let Some(status) = agent.exited()? {
+                        bail!("an agent exited ({status})\n{}", agent.log_tail(30));
+                    }
                 }
                 let slices = plane.kubectl(&[
                     "get",
@@ -141,7 +166,7 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                     "-o",
                     "jsonpath={.items[*].spec.devices[*].name}",
                 ])?;
-                if slices.split_whitespace().count() >= 8 {
+                if slices.split_whitespace().count() >= 12 {
                     break;
                 }
                 ensure!(started.elapsed() < Duration::from_secs(60), "no slices in 60 s");
@@ -165,6 +190,10 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
             apply(plane, &template("whole", None))?;
             apply(plane, &template("share-20", Some("20Gi")))?;
             apply(plane, &template("share-30", Some("30Gi")))?;
+            let mut mig = template("mig", None);
+            mig["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] =
+                format!("mig.{DRIVER}").into();
+            apply(plane, &mig)?;
             SchedulerConfig {
                 extender: None,
                 scheduler_name: "baleen-scheduler".to_owned(),
@@ -176,15 +205,25 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                 ensure!(started.elapsed() < Duration::from_secs(120), "no default account");
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            for (name, template) in
-                [("p-whole", "whole"), ("p-20", "share-20"), ("p-30", "share-30")]
-            {
+            let pods = [
+                ("p-whole", "whole"),
+                ("p-20", "share-20"),
+                ("p-30", "share-30"),
+                ("p-mig", "mig"),
+            ];
+            for (name, template) in pods {
                 apply(plane, &pod(name, template))?;
             }
             let mut allocated = Vec::new();
-            for name in ["p-whole", "p-20", "p-30"] {
+            for (name, _) in pods {
                 let pod = bound_pod(plane, name).await?;
-                ensure!(pod["spec"]["nodeName"] == "node-a", "{name} bound elsewhere");
+                // Only the A100 node has MIG instances; the shares and the whole GPU may go to
+                // either node (no preference asked).
+                ensure!(
+                    name != "p-mig" || pod["spec"]["nodeName"] == "node-m",
+                    "the MIG pod went to {}",
+                    pod["spec"]["nodeName"]
+                );
                 let claim = claim_of(plane, &pod)?;
                 let result = &claim["status"]["allocation"]["devices"]["results"][0];
                 ensure!(
@@ -195,14 +234,23 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                 );
                 allocated.push((name, claim.clone(), result.clone()));
             }
-            // The whole GPU is no shared GPU's; the shares carry their memory and a share ID.
+            // The whole GPU is no shared GPU's; the shares carry their memory and a share ID;
+            // the MIG instance is a device of node-m's pool.
             let (_, _, whole) = &allocated[0];
-            for (name, claim, share) in &allocated[1..] {
+            let (_, mig_claim, mig) = &allocated[3];
+            ensure!(
+                mig["pool"] == "node-m" && mig["shareID"].is_null(),
+                "the MIG claim: {mig_claim}"
+            );
+            for (name, claim, share) in &allocated[1..3] {
                 ensure!(share["shareID"].is_string(), "{name}: no share ID: {claim}");
                 let memory = share["consumedCapacity"]["memory"].as_str().unwrap_or_default();
                 let asked = if *name == "p-20" { "20Gi" } else { "30Gi" };
                 ensure!(memory == asked, "{name}: consumed memory {memory:?}, asked {asked}");
-                ensure!(share["device"] != whole["device"], "a share of the whole GPU: {claim}");
+                ensure!(
+                    (&share["pool"], &share["device"]) != (&whole["pool"], &whole["device"]),
+                    "a share of the whole GPU: {claim}"
+                );
             }
             // The kubelet's prepare of each real claim: the agent reads it from the API server
             // with its token and answers its device with CDI names.
@@ -212,6 +260,8 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                     name: claim["metadata"]["name"].as_str().context("name")?.to_owned(),
                     uid: claim["metadata"]["uid"].as_str().context("uid")?.to_owned(),
                 };
+                let node = claim_node(plane, name)?;
+                let (kubelet, _) = &nodes[usize::from(node == "node-m")];
                 let prepared = kubelet.run_pod(DRIVER, name, std::slice::from_ref(&claim)).await?;
                 let devices = prepared.get(&claim.uid).context("prepared")?;
                 ensure!(
@@ -231,7 +281,10 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
             Ok(())
         }
         .await;
-        result.map_err(|e| e.context(agent.log_tail(30)))
+        result.map_err(|e| {
+            let logs: Vec<String> = nodes.iter().map(|(_, a)| a.log_tail(20)).collect();
+            e.context(logs.join("\n"))
+        })
     })
     .await;
 }
