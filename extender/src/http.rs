@@ -64,7 +64,7 @@ impl Metrics {
             IntCounterVec::new(
                 Opts::new(
                     "baleen_extender_filtered_nodes_total",
-                    "Nodes the filter removed, by reason: full (preemption might help), never (no such GPU, profile or group), no_state (no usable gpu-state annotation).",
+                    "Nodes the filter removed, by reason: full (preemption might help), never (no such GPU, profile or group), no_state (no usable gpu-state annotation), not_best (they fit, but more than --filter-keep-best did and scored better).",
                 ),
                 &["reason"],
             ),
@@ -398,9 +398,12 @@ async fn filter(
 ) -> Response {
     let started = arrival(arrived);
     let answer = match app.extender.filter_call(&body) {
-        Ok(a) => a,
+        Ok(a) => app.extender.keep_best(a),
         Err(e) => return bad_body(&app, "filter", "ExtenderArgs", &e),
     };
+    if answer.cut > 0 {
+        app.metrics.filtered.with_label_values(&["not_best"]).inc_by(answer.cut as u64);
+    }
     app.metrics.filter_names.with_label_values(&[answer.how.as_str()]).inc();
     for (kind, n) in answer.removed.by_kind() {
         if n > 0 {
@@ -493,7 +496,16 @@ async fn bind_pod(
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let error = match app.extender.bind(&args).await {
+    // In a task of its own: kube-scheduler gives up on a call after its httpTimeout and closes
+    // the connection, which drops this handler; a bind dropped between counting the pod on its
+    // node and the API server's answer would leave the pod counted there and not bound, and
+    // every later bind of it refused ("already bound"), for good. The task ends the bind
+    // either way: bound, or the count taken back.
+    let extender = app.extender.clone();
+    let task_args = args.clone();
+    let outcome = tokio::spawn(async move { extender.bind(&task_args).await }).await;
+    let outcome = outcome.unwrap_or_else(|e| Err(crate::service::BindError::Task(e.to_string())));
+    let error = match outcome {
         Ok(()) => {
             app.metrics.bindings.with_label_values(&["bound"]).inc();
             String::new()

@@ -49,6 +49,7 @@ fn main() -> ExitCode {
         rebuild_every: args.rebuild_every,
         scheduler_name: args.scheduler_name.clone(),
         score_cpu_only: args.score_cpu_only_pods,
+        filter_keep_best: args.filter_keep_best,
     };
     let config = Config {
         listen: args.listen,

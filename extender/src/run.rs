@@ -305,6 +305,10 @@ pub struct Args {
     /// score 0 everywhere.
     #[arg(long)]
     pub score_cpu_only_pods: bool,
+    /// Pass at most this many nodes in a filter answer, those of the best scores (0: every
+    /// node that fits). kube-scheduler then scores and prioritizes only these.
+    #[arg(long, default_value_t = 0)]
+    pub filter_keep_best: usize,
     /// Serve filter and prioritize over TLS (kube-scheduler's enableHTTPS) with tls.crt and
     /// tls.key here, read again when they change: for the extender behind a Service.
     #[arg(long)]

@@ -33,6 +33,11 @@ pub struct Settings {
     /// policy, as the replay places every task; off: every node scores 0 for them. Only pods
     /// kube-scheduler sends are scored: with `managedResources` set, it sends none of them.
     pub score_cpu_only: bool,
+    /// The most nodes a filter answer passes (0: every node that fits): of more, those of the
+    /// best scores, in the call's order. kube-scheduler scores and prioritizes only these (at
+    /// 5,000 nodes it sends 500: scoring and decoding them was most of what the extender cost
+    /// it, docs/benchmarks.md).
+    pub filter_keep_best: usize,
 }
 
 impl Default for Settings {
@@ -44,6 +49,7 @@ impl Default for Settings {
             rebuild_every: 100,
             scheduler_name: None,
             score_cpu_only: false,
+            filter_keep_best: 0,
         }
     }
 }
@@ -321,6 +327,8 @@ pub struct FilterAnswer {
     pub judge: Option<JudgeAhead>,
     /// How the call's names were judged.
     pub how: FilterHow,
+    /// Nodes that fit but were left out, not among the best ([`Settings::filter_keep_best`]).
+    pub cut: usize,
 }
 
 /// The answers kept for one call's names for the demands last asked over them, but one (the
@@ -370,6 +378,7 @@ impl FilterAnswer {
             ahead: None,
             judge: None,
             how: FilterHow::Read,
+            cut: 0,
         }
     }
 }
@@ -723,6 +732,9 @@ pub enum BindError {
         #[source]
         source: kube::Error,
     },
+    /// The bind's task ended without an answer (it panicked).
+    #[error("the bind did not finish: {0}")]
+    Task(String),
 }
 
 impl BindError {
@@ -731,7 +743,7 @@ impl BindError {
         match self {
             BindError::NoRoom { .. } => "no_room",
             BindError::Pod { .. } | BindError::NoClient | BindError::NotSynced => "refused",
-            BindError::Api { .. } => "failed",
+            BindError::Api { .. } | BindError::Task(_) => "failed",
         }
     }
 }
@@ -1472,7 +1484,45 @@ impl Extender {
             ahead,
             judge: None,
             how: FilterHow::Read,
+            cut: 0,
         }
+    }
+
+    /// `answer` with at most [`Settings::filter_keep_best`] of the nodes it passed: where it
+    /// passed more, the ones of the best scores (the answer `prioritize` would give them,
+    /// made now instead of ahead), in the call's order; ties kept in that order too. The
+    /// failed nodes are as they were.
+    pub fn keep_best(&self, answer: FilterAnswer) -> FilterAnswer {
+        let keep = self.settings.filter_keep_best;
+        let Some(ahead) = answer.ahead.as_ref() else { return answer };
+        if keep == 0 || ahead.slots.len() <= keep {
+            return answer;
+        }
+        let made = self.made(ahead);
+        let Ok(scores) = serde_json::from_slice::<Vec<HostPriority>>(&made.body) else {
+            return answer;
+        };
+        // The answer's `NodeNames` array, replaced in place: node names hold no `]`.
+        let start = b"\"NodeNames\":[";
+        let Some(open) = answer.body.windows(start.len()).position(|w| w == start) else {
+            return answer;
+        };
+        let open = open + start.len() - 1;
+        let Some(close) = answer.body[open..].iter().position(|&b| b == b']') else {
+            return answer;
+        };
+        let mut best: Vec<usize> = (0..scores.len()).collect();
+        // Stable: among equal scores, the call's order (kube-scheduler's rotating start).
+        best.sort_by_key(|&i| std::cmp::Reverse(scores[i].score));
+        best.truncate(keep);
+        best.sort_unstable();
+        let names: Vec<&str> = best.iter().map(|&i| scores[i].host.as_str()).collect();
+        let Ok(array) = serde_json::to_vec(&names) else { return answer };
+        let mut body = Vec::with_capacity(answer.body.len());
+        body.extend_from_slice(&answer.body[..open]);
+        body.extend_from_slice(&array);
+        body.extend_from_slice(&answer.body[open + close + 1..]);
+        FilterAnswer { body: body.into(), cut: scores.len() - best.len(), ..answer }
     }
 
     /// The latest answer for `r`'s names and `demand` again, where it still holds: every node
@@ -1629,6 +1679,7 @@ impl Extender {
                 ahead,
                 judge: None,
                 how: FilterHow::Read,
+                cut: 0,
             }
         });
         self.keep_ahead(answer.ahead.as_ref());

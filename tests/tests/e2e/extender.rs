@@ -438,6 +438,55 @@ async fn binds_waiting_for_the_api_server_hold_back_neither_each_other_nor_a_fil
     Ok(())
 }
 
+/// Found by the real kube-scheduler (issue 40, item 5): it gives up on a bind after its
+/// httpTimeout and closes the connection. A bind dropped then, between counting the pod on its
+/// node and the API server's answer, left the pod counted there and never bound, and every
+/// later bind of it refused as "already bound" (one pod of a 1,000-pod burst, for good). Here
+/// the Binding is answered a second late and the caller hangs up after 200 ms: the pod is
+/// bound all the same, and kube-scheduler's retry to that node is answered as done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_whose_caller_hangs_up_still_ends() -> Result<()> {
+    use tokio::io::AsyncWriteExt as _;
+    let api = FakeApiServer::start(&[]).await?;
+    api.put_node(node("eight", &[140; 8]));
+    api.put_pod(pod("late", 10, None));
+    let (running, token) = extender(&api).await?;
+    let extender = running.extender.clone();
+    poll_within(WAIT, "listed", async || {
+        let view = extender.cluster.read().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        Ok((extender.synced() && view.has_pod("uid-late")).then_some(()))
+    })
+    .await?;
+    api.slow_bindings(Duration::from_secs(1));
+    let args =
+        json!({"PodName": "late", "PodNamespace": "ns", "PodUID": "uid-late", "Node": "eight"})
+            .to_string();
+    let mut stream = tokio::net::TcpStream::connect(running.address).await?;
+    stream
+        .write_all(
+            format!(
+                "POST /bind HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{args}",
+                args.len()
+            )
+            .as_bytes(),
+        )
+        .await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(stream);
+    poll_within(WAIT, "the pod bound after its caller left", async || {
+        Ok(api.pod("ns/late").is_some_and(|p| p["spec"]["nodeName"] == "eight").then_some(()))
+    })
+    .await?;
+    api.slow_bindings(Duration::ZERO);
+    let (status, text) =
+        baleen_tests::http::request(running.address, "POST", "/bind", &args).await?;
+    let answer: Value = serde_json::from_str(&text)?;
+    anyhow::ensure!(status == 200 && answer["Error"] == "", "the retry: {status} {text}");
+    token.cancel();
+    tokio::time::timeout(WAIT, running.wait()).await?;
+    Ok(())
+}
+
 /// One HTTP/1.1 GET over a keep-alive connection from `127.0.0.<source>`, left open; whether
 /// `200` came back.
 async fn held_get(source: u8, to: std::net::SocketAddr) -> Result<(tokio::net::TcpStream, bool)> {

@@ -306,6 +306,9 @@ subjects:
     {{- if include "baleen.cpuOnlyPods" $root }}
     - --score-cpu-only-pods
     {{- end }}
+    {{- if $v.extender.filterKeepBest }}
+    - --filter-keep-best={{ $v.extender.filterKeepBest }}
+    {{- end }}
     {{- if $tls }}
     - --tls-cert-dir=/etc/baleen-extender-tls
     - --client-ca=/etc/baleen-extender-tls/ca.crt
