@@ -1462,7 +1462,7 @@ fn a_rebuild_warms_sixteen_shapes_and_no_more() {
 /// `--filter-keep-best`: a filter answer passes at most that many of the nodes that fit, those
 /// the prioritize would score best, in the call's order (ties too); the nodes cut are counted
 /// as `not_best`. At 5,000 nodes kube-scheduler sends 500 names a pod; keeping 50 brought its
-/// throughput with the extender from 0.68x to 0.95x of its own (docs/benchmarks.md).
+/// throughput with the extender from 0.68x to 0.82x of its own (docs/benchmarks.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filter_keeps_only_the_best_nodes_when_asked() {
     let nodes: [(&str, [u32; 2]); 6] = [
