@@ -28,7 +28,7 @@ use serde_json::json;
 
 use baleen_tests::real::ControlPlane;
 use baleen_tests::real::scheduling::{
-    CHART, DOMAIN, Extender, NAMESPACE, SchedulerConfig, node_objects, scheduler_kubeconfig,
+    DOMAIN, Extender, SchedulerConfig, node_objects, scheduler_kubeconfig,
 };
 
 /// What one run does.
@@ -193,7 +193,8 @@ async fn add_nodes(client: &kube::Client, count: usize) -> Result<()> {
             let nodes = nodes.clone();
             async move {
                 let name = format!("node-{i:05}");
-                let (node, status) = node_objects(&name, &[140; 8]);
+                let (node, resources) = node_objects(&name, &[140; 8]);
+                let status = baleen_tests::real::ready_status(&resources, &resources);
                 nodes.create(&PostParams::default(), &serde_json::from_value(node)?).await?;
                 nodes.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status)).await?;
                 anyhow::Ok(())
@@ -208,16 +209,7 @@ async fn add_nodes(client: &kube::Client, count: usize) -> Result<()> {
 async fn run(plan: &Plan, nodes: usize) -> Result<Vec<Burst>> {
     let mut plane = ControlPlane::start().await?;
     let result = async {
-        plane.helm(&[
-            "install",
-            "baleen",
-            CHART,
-            "-n",
-            NAMESPACE,
-            "--create-namespace",
-            "--set",
-            "webhook.enabled=false",
-        ])?;
+        plane.install(&["--set", "webhook.enabled=false"])?;
         plane.kubectl(&["create", "namespace", "bench"])?;
         let admin = plane.kubeconfig(baleen_tests::real::ADMIN)?;
         let kubeconfig = kube::config::Kubeconfig::read_from(&admin)?;
@@ -247,9 +239,7 @@ async fn run(plan: &Plan, nodes: usize) -> Result<Vec<Burst>> {
                 };
                 config.spawn(&mut plane, &account)?;
             }
-            while plane.kubectl(&["get", "serviceaccount", "default", "-n", "bench"]).is_err() {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+            plane.default_account("bench", Duration::from_secs(60)).await?;
             // Warm-up, not counted: each scheduler's caches filled, the first calls made.
             for scheduler in ["plain-scheduler", "baleen-scheduler"] {
                 burst(&client, &format!("warm-{}", &scheduler[..5]), scheduler, 20).await?;

@@ -12,6 +12,25 @@ use serde_json::json;
 use super::scheduling::{NAMESPACE, Running};
 use super::{ControlPlane, repo};
 
+/// A kubeconfig with a token of the chart's `baleen-agent` account bound to pod `pod` of it
+/// (so naming the pod's node, as the kubelet's projected token does): `<pod>.kubeconfig`.
+pub fn agent_kubeconfig(plane: &ControlPlane, pod: &str) -> Result<PathBuf> {
+    let token = plane.kubectl(&[
+        "create",
+        "token",
+        "baleen-agent",
+        "-n",
+        NAMESPACE,
+        "--bound-object-kind",
+        "Pod",
+        "--bound-object-name",
+        pod,
+        "--duration",
+        "1h",
+    ])?;
+    plane.kubeconfig_with_token(pod, token.trim())
+}
+
 /// The agent of one simulated node, stopped when dropped.
 pub struct SimulatedAgent {
     process: Running,
@@ -32,20 +51,7 @@ impl SimulatedAgent {
         let file = plane.path(&format!("{pod}.json"));
         std::fs::write(&file, serde_json::to_vec(&object)?)?;
         plane.kubectl(&["create", "-f", &file.display().to_string()])?;
-        let token = plane.kubectl(&[
-            "create",
-            "token",
-            "baleen-agent",
-            "-n",
-            NAMESPACE,
-            "--bound-object-kind",
-            "Pod",
-            "--bound-object-name",
-            &pod,
-            "--duration",
-            "1h",
-        ])?;
-        let kubeconfig = plane.kubeconfig_with_token(&pod, token.trim())?;
+        let kubeconfig = agent_kubeconfig(plane, &pod)?;
         let root = plane.path(node);
         for dir in ["registry", "plugins", "cdi", "state", "device-plugins"] {
             std::fs::create_dir_all(root.join(dir))?;

@@ -298,6 +298,82 @@ impl ControlPlane {
         tool("helm", &kubeconfig, args)
     }
 
+    /// `helm install` of the chart as release `baleen` in [`scheduling::NAMESPACE`] (made),
+    /// with `extra` arguments (`--set`, `-f`).
+    pub fn install(&self, extra: &[&str]) -> Result<String> {
+        let mut args = vec![
+            "install",
+            "baleen",
+            scheduling::CHART,
+            "-n",
+            scheduling::NAMESPACE,
+            "--create-namespace",
+        ];
+        args.extend(extra);
+        self.helm(&args)
+    }
+
+    /// `kubectl create` of `object` as the admin: the output, or the error kubectl printed
+    /// (the API server's refusal).
+    pub fn create(&self, object: &serde_json::Value) -> Result<String> {
+        let file = self.path(&format!("object-{}.json", rand::random::<u64>()));
+        std::fs::write(&file, serde_json::to_vec(object)?)?;
+        self.kubectl(&["create", "-f", &file.display().to_string()])
+    }
+
+    /// Node `name`'s status as its kubelet sets it once its device plugins registered:
+    /// `capacity` and `allocatable`, Ready; and its not-ready taint (the `TaintNodesByCondition`
+    /// admission plugin's) taken off as the node lifecycle controller would, which does not
+    /// run in the lane (no kubelet heartbeats).
+    pub fn node_ready(
+        &self,
+        name: &str,
+        capacity: &serde_json::Value,
+        allocatable: &serde_json::Value,
+    ) -> Result<()> {
+        let status = ready_status(capacity, allocatable).to_string();
+        let patch = ["patch", "node", name, "--subresource=status", "--type=merge", "-p", &status];
+        self.kubectl(&patch)?;
+        self.kubectl(&["taint", "node", name, "node.kubernetes.io/not-ready:NoSchedule-"])?;
+        Ok(())
+    }
+
+    /// Waits until `namespace` has its default ServiceAccount (kube-controller-manager makes
+    /// it; pods are refused before), at most `within`.
+    pub async fn default_account(&self, namespace: &str, within: Duration) -> Result<()> {
+        let started = Instant::now();
+        while self.kubectl(&["get", "serviceaccount", "default", "-n", namespace]).is_err() {
+            ensure!(started.elapsed() < within, "no default account in {namespace} in {within:?}");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        Ok(())
+    }
+
+    /// The node pod `namespace/pod` is bound to, once it is (at most `within`; the error holds
+    /// the namespace's events).
+    pub async fn bound(&self, namespace: &str, pod: &str, within: Duration) -> Result<String> {
+        let started = Instant::now();
+        loop {
+            let node = self.kubectl(&[
+                "get",
+                "pod",
+                pod,
+                "-n",
+                namespace,
+                "-o",
+                "jsonpath={.spec.nodeName}",
+            ])?;
+            if !node.trim().is_empty() {
+                return Ok(node.trim().to_owned());
+            }
+            if started.elapsed() > within {
+                let events = self.kubectl(&["get", "events", "-n", namespace]).unwrap_or_default();
+                bail!("pod {pod} not bound within {within:?}; events:\n{events}");
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// The CPU time each running component has used so far (user and system), by name.
     pub fn cpu_times(&self) -> Vec<(String, Duration)> {
         self.components
@@ -326,6 +402,18 @@ impl ControlPlane {
         }
         text
     }
+}
+
+/// A Node's status as its kubelet sets it: `capacity`, `allocatable` and Ready.
+pub fn ready_status(
+    capacity: &serde_json::Value,
+    allocatable: &serde_json::Value,
+) -> serde_json::Value {
+    serde_json::json!({"status": {"capacity": capacity, "allocatable": allocatable,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                        "message": "a Node object of the real-control-plane lane",
+                        "lastHeartbeatTime": "2026-01-01T00:00:00Z",
+                        "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
 }
 
 /// The CPU time process `pid` has used (`/proc/<pid>/stat`'s utime and stime, in clock ticks

@@ -21,9 +21,9 @@ pub const DOMAIN: &str = "awesome-ai-company.com";
 /// The extender's address in the rendered scheduler configuration (the chart's default port).
 const RENDERED_EXTENDER: &str = "http://127.0.0.1:8888";
 
-/// Node `name` as a kubelet and its agent leave it: the Node (its gpu-state annotation saying
-/// `free` units on each of its H200s) and the status a kubelet sets (the device plugins'
-/// counts in its capacity, Ready).
+/// Node `name` as its agent leaves it (its gpu-state annotation saying `free` units on each of
+/// its H200s), and the resources its kubelet counts from the device plugins (capacity and
+/// allocatable alike: [`ControlPlane::node_ready`]).
 pub fn node_objects(name: &str, free: &[u32]) -> (Value, Value) {
     let state = baleen_k8s::fixtures::h200_state(name, free);
     let node = json!({"apiVersion": "v1", "kind": "Node",
@@ -33,12 +33,7 @@ pub fn node_objects(name: &str, free: &[u32]) -> (Value, Value) {
     let resources = json!({"cpu": "96", "memory": "1000Gi", "pods": "110",
                            format!("{DOMAIN}/gpu-memory"): units,
                            format!("{DOMAIN}/gpu"): free.len().to_string()});
-    let status = json!({"status": {"capacity": resources, "allocatable": resources,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                        "message": "a Node object of the real-control-plane lane",
-                        "lastHeartbeatTime": "2026-01-01T00:00:00Z",
-                        "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
-    (node, status)
+    (node, resources)
 }
 
 /// A process killed when dropped.

@@ -16,9 +16,7 @@ use baleen_k8s::gpu_state::NodeGpuState;
 use baleen_proto::deviceplugin::v1beta1 as api;
 use baleen_tests::fake_kubelet::FakeKubelet;
 use baleen_tests::real::agent::SimulatedAgent;
-use baleen_tests::real::scheduling::{
-    CHART, DOMAIN, Extender, NAMESPACE, SchedulerConfig, scheduler_kubeconfig,
-};
+use baleen_tests::real::scheduling::{DOMAIN, Extender, SchedulerConfig, scheduler_kubeconfig};
 use baleen_tests::real::{ControlPlane, with_control_plane};
 
 /// The simulated nodes: name, topology and the resources (of `DOMAIN`) its agent registers at
@@ -28,26 +26,6 @@ const NODES: [(&str, &str, &[&str]); 3] = [
     ("node-l4", "l4-4x-pcie.yaml", &["gpu-memory", "gpu"]),
     ("node-a100", "a100-4x-mig.yaml", &["gpu-memory", "gpu", "mig-1g.10gb"]),
 ];
-
-fn apply(plane: &ControlPlane, verb: &[&str], object: &Value) -> Result<String> {
-    let file = plane.path(&format!("object-{}.json", rand::random::<u64>()));
-    std::fs::write(&file, serde_json::to_vec(object)?)?;
-    let mut args = verb.to_vec();
-    let path = file.display().to_string();
-    args.extend(["-f", &path]);
-    plane.kubectl(&args)
-}
-
-/// Node `name` with no gpu-state (its agent writes it) and no capacity yet.
-fn add_node(plane: &ControlPlane, name: &str) -> Result<()> {
-    apply(
-        plane,
-        &["create"],
-        &json!({"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}}),
-    )?;
-    Ok(())
-}
 
 /// Sets Node `name`'s status as its kubelet would once the agent registered `resources` with
 /// `kubelet`:
@@ -73,21 +51,7 @@ async fn set_status(
         capacity[resource] = devices.len().to_string().into();
         allocatable[resource] = healthy.to_string().into();
     }
-    let status = json!({"status": {"capacity": capacity, "allocatable": allocatable,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                        "message": "a Node object of the real-control-plane lane",
-                        "lastHeartbeatTime": "2026-01-01T00:00:00Z",
-                        "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
-    plane.kubectl(&[
-        "patch",
-        "node",
-        name,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        &status.to_string(),
-    ])?;
-    plane.kubectl(&["taint", "node", name, "node.kubernetes.io/not-ready:NoSchedule-"])?;
+    plane.node_ready(name, &capacity, &allocatable)?;
     Ok(())
 }
 
@@ -131,48 +95,17 @@ fn pod(name: &str, resource: &str, count: u32) -> Value {
                         "resources": {"limits": {format!("{DOMAIN}/{resource}"): count.to_string()}}}]}})
 }
 
-async fn bound(plane: &ControlPlane, pod: &str) -> Result<String> {
-    let started = Instant::now();
-    loop {
-        let node = plane.kubectl(&[
-            "get",
-            "pod",
-            pod,
-            "-n",
-            "team-a",
-            "-o",
-            "jsonpath={.spec.nodeName}",
-        ])?;
-        if !node.trim().is_empty() {
-            return Ok(node.trim().to_owned());
-        }
-        if started.elapsed() > Duration::from_secs(60) {
-            let events = plane.kubectl(&["get", "events", "-n", "team-a"]).unwrap_or_default();
-            bail!("pod {pod} not bound within 60 s; events:\n{events}");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 #[tokio::test]
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn the_scheduler_places_by_the_gpu_state_real_agents_publish() {
     with_control_plane(async |plane| {
-        plane.helm(&[
-            "install",
-            "baleen",
-            CHART,
-            "-n",
-            NAMESPACE,
-            "--create-namespace",
-            "--set",
-            "webhook.enabled=false",
-        ])?;
+        plane.install(&["--set", "webhook.enabled=false"])?;
         plane.kubectl(&["create", "namespace", "team-a"])?;
         let mut agents = Vec::new();
         let mut kubelets = Vec::new();
         for (name, topology, _) in NODES {
-            add_node(plane, name)?;
+            plane.create(&json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}}))?;
             let dir = SimulatedAgent::node_dir(plane, name);
             let mut kubelet = FakeKubelet::start(&dir.join("device-plugins")).await?;
             kubelet.serve_pod_resources(&dir.join("pod-resources.sock"))?;
@@ -221,16 +154,12 @@ async fn the_scheduler_places_by_the_gpu_state_real_agents_publish() {
                 leader_elect: true,
             }
             .spawn(plane, &kubeconfig)?;
-            let started = Instant::now();
-            while plane.kubectl(&["get", "serviceaccount", "default", "-n", "team-a"]).is_err() {
-                ensure!(started.elapsed() < Duration::from_secs(30), "no default account");
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            apply(plane, &["create"], &pod("large", "gpu-memory", 100))?;
-            let node = bound(plane, "large").await?;
+            plane.default_account("team-a", Duration::from_secs(30)).await?;
+            plane.create(&pod("large", "gpu-memory", 100))?;
+            let node = plane.bound("team-a", "large", Duration::from_secs(60)).await?;
             ensure!(node == "node-h200", "a 100-unit pod went to {node}: only an H200 has room");
-            apply(plane, &["create"], &pod("slice", "mig-1g.10gb", 1))?;
-            let node = bound(plane, "slice").await?;
+            plane.create(&pod("slice", "mig-1g.10gb", 1))?;
+            let node = plane.bound("team-a", "slice", Duration::from_secs(60)).await?;
             ensure!(node == "node-a100", "a MIG slice went to {node}: only the A100 node has one");
             Ok(())
         }

@@ -12,16 +12,10 @@ use serde_json::{Value, json};
 
 use baleen_tests::fake_dra_kubelet::{Claim, FakeDraKubelet};
 use baleen_tests::real::agent::SimulatedAgent;
-use baleen_tests::real::scheduling::{CHART, NAMESPACE, SchedulerConfig, scheduler_kubeconfig};
+use baleen_tests::real::scheduling::{CHART, SchedulerConfig, scheduler_kubeconfig};
 use baleen_tests::real::{ControlPlane, with_control_plane};
 
 const DRIVER: &str = "gpu.awesome-ai-company.com";
-
-fn apply(plane: &ControlPlane, object: &Value) -> Result<String> {
-    let file = plane.path(&format!("object-{}.json", rand::random::<u64>()));
-    std::fs::write(&file, serde_json::to_vec(object)?)?;
-    plane.kubectl(&["create", "-f", &file.display().to_string()])
-}
 
 /// A template of one request of baleen's GPU class: `memory` of a shared GPU, or a whole one.
 fn template(name: &str, memory: Option<&str>) -> Value {
@@ -50,20 +44,8 @@ fn pod(name: &str, template: &str) -> Value {
 
 /// Pod `name` once bound (at most a minute): the pod.
 async fn bound_pod(plane: &ControlPlane, name: &str) -> Result<Value> {
-    let started = Instant::now();
-    loop {
-        let pod: Value = serde_json::from_str(
-            &plane.kubectl(&["get", "pod", name, "-n", "team-a", "-o", "json"])?,
-        )?;
-        if pod["spec"]["nodeName"].as_str().is_some_and(|n| !n.is_empty()) {
-            return Ok(pod);
-        }
-        if started.elapsed() > Duration::from_secs(60) {
-            let events = plane.kubectl(&["get", "events", "-n", "team-a"]).unwrap_or_default();
-            bail!("pod {name} not bound within 60 s; events:\n{events}");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    plane.bound("team-a", name, Duration::from_secs(60)).await?;
+    Ok(serde_json::from_str(&plane.kubectl(&["get", "pod", name, "-n", "team-a", "-o", "json"])?)?)
 }
 
 /// The claim `pod` holds, as the API server has it.
@@ -89,27 +71,10 @@ fn dra_node(
     node: &str,
     topology: &str,
 ) -> Result<(FakeDraKubelet, SimulatedAgent)> {
-    apply(
-        plane,
-        &json!({"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}),
-    )?;
+    plane.create(&json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}))?;
     let resources = json!({"cpu": "96", "memory": "1000Gi", "pods": "110"});
-    let status = json!({"status": {"capacity": resources, "allocatable": resources,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                        "message": "a Node object of the real-control-plane lane",
-                        "lastHeartbeatTime": "2026-01-01T00:00:00Z",
-                        "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
-    plane.kubectl(&[
-        "patch",
-        "node",
-        node,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        &status.to_string(),
-    ])?;
-    plane.kubectl(&["taint", "node", node, "node.kubernetes.io/not-ready:NoSchedule-"])?;
+    plane.node_ready(node, &resources, &resources)?;
     let registry = SimulatedAgent::node_dir(plane, node).join("registry");
     std::fs::create_dir_all(&registry)?;
     let kubelet = FakeDraKubelet::start_beside(&registry, node);
@@ -118,25 +83,11 @@ fn dra_node(
     Ok((kubelet, agent))
 }
 
-/// The node pod `name` is bound to.
-fn claim_node(plane: &ControlPlane, name: &str) -> Result<String> {
-    Ok(plane
-        .kubectl(&["get", "pod", name, "-n", "team-a", "-o", "jsonpath={.spec.nodeName}"])?
-        .trim()
-        .to_owned())
-}
-
 #[tokio::test]
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them() {
     with_control_plane(async |plane| {
-        plane.helm(&[
-            "install",
-            "baleen",
-            CHART,
-            "-n",
-            NAMESPACE,
-            "--create-namespace",
+        plane.install(&[
             "-f",
             &format!("{CHART}/ci/dra-values.yaml"),
             "--set",
@@ -174,7 +125,7 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
             }
             // The tenant rule: not in a namespace that lets pods run as root.
             plane.kubectl(&["create", "namespace", "team-a"])?;
-            match apply(plane, &template("whole", None)) {
+            match plane.create(&template("whole", None)) {
                 Ok(out) => bail!("a claim template of {DRIVER} in an open namespace: {out}"),
                 Err(e) => ensure!(
                     format!("{e:#}").contains("pod-security.kubernetes.io/enforce=restricted"),
@@ -187,13 +138,13 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                 "team-a",
                 "pod-security.kubernetes.io/enforce=restricted",
             ])?;
-            apply(plane, &template("whole", None))?;
-            apply(plane, &template("share-20", Some("20Gi")))?;
-            apply(plane, &template("share-30", Some("30Gi")))?;
+            plane.create(&template("whole", None))?;
+            plane.create(&template("share-20", Some("20Gi")))?;
+            plane.create(&template("share-30", Some("30Gi")))?;
             let mut mig = template("mig", None);
             mig["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] =
                 format!("mig.{DRIVER}").into();
-            apply(plane, &mig)?;
+            plane.create(&mig)?;
             SchedulerConfig {
                 extender: None,
                 scheduler_name: "baleen-scheduler".to_owned(),
@@ -201,10 +152,7 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                 leader_elect: true,
             }
             .spawn(plane, &scheduler_kubeconfig(plane)?)?;
-            while plane.kubectl(&["get", "serviceaccount", "default", "-n", "team-a"]).is_err() {
-                ensure!(started.elapsed() < Duration::from_secs(120), "no default account");
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+            plane.default_account("team-a", Duration::from_secs(60)).await?;
             let pods = [
                 ("p-whole", "whole"),
                 ("p-20", "share-20"),
@@ -212,7 +160,7 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                 ("p-mig", "mig"),
             ];
             for (name, template) in pods {
-                apply(plane, &pod(name, template))?;
+                plane.create(&pod(name, template))?;
             }
             let mut allocated = Vec::new();
             for (name, _) in pods {
@@ -260,7 +208,7 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                     name: claim["metadata"]["name"].as_str().context("name")?.to_owned(),
                     uid: claim["metadata"]["uid"].as_str().context("uid")?.to_owned(),
                 };
-                let node = claim_node(plane, name)?;
+                let node = plane.bound("team-a", name, Duration::from_secs(1)).await?;
                 let (kubelet, _) = &nodes[usize::from(node == "node-m")];
                 let prepared = kubelet.run_pod(DRIVER, name, std::slice::from_ref(&claim)).await?;
                 let devices = prepared.get(&claim.uid).context("prepared")?;

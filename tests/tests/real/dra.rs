@@ -6,45 +6,27 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{bail, ensure};
 use serde_json::{Value, json};
 
 use baleen_tests::real::agent::SimulatedAgent;
 use baleen_tests::real::with_control_plane;
 
 const CHART: &str = "packaging/helm/baleen";
-const NAMESPACE: &str = "baleen-system";
 const DRIVER: &str = "gpu.awesome-ai-company.com";
 
 #[tokio::test]
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory() {
     with_control_plane(async |plane| {
-        plane.helm(&[
-            "install",
-            "baleen",
-            CHART,
-            "-n",
-            NAMESPACE,
-            "--create-namespace",
+        plane.install(&[
             "-f",
             &format!("{CHART}/ci/dra-values.yaml"),
             "--set",
             "webhook.enabled=false",
         ])?;
-        let write = |name: &str, value: &Value| -> Result<String> {
-            let file = plane.path(name);
-            std::fs::write(&file, serde_json::to_vec(value)?)?;
-            Ok(file.display().to_string())
-        };
-        plane.kubectl(&[
-            "create",
-            "-f",
-            &write(
-                "node.json",
-                &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}),
-            )?,
-        ])?;
+        plane
+            .create(&json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}))?;
         let mut agent = SimulatedAgent::start(
             plane,
             "node-a",
@@ -111,7 +93,9 @@ async fn a_dra_agents_slices_pass_the_real_api_server_with_their_shared_memory()
                 "spec": {"driver": DRIVER, "nodeName": "node-b",
                          "pool": {"name": "node-b", "generation": 1, "resourceSliceCount": 1},
                          "devices": [{"name": "gpu-0"}]}});
-            let file = write("forged-slice.json", &slice)?;
+            let file = plane.path("forged-slice.json");
+            std::fs::write(&file, serde_json::to_vec(&slice)?)?;
+            let file = file.display().to_string();
             let forged = std::process::Command::new("kubectl")
                 .args(["--kubeconfig", &kubeconfig.display().to_string(), "create", "-f", &file])
                 .output()?;

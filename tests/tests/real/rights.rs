@@ -12,22 +12,12 @@ use anyhow::{Context as _, Result, bail, ensure};
 use baleen_agent::kube_api::{KubeNodeApi, NodeApi, client_from_kubeconfig};
 use serde_json::json;
 
+use baleen_tests::real::agent::agent_kubeconfig;
 use baleen_tests::real::{ControlPlane, NODE_A, with_control_plane};
 
 const CHART: &str = "packaging/helm/baleen";
 const NAMESPACE: &str = "baleen-system";
 const ANNOTATION: &str = "awesome-ai-company.com/gpu-state";
-
-/// Creates `object` (JSON) as the admin.
-fn create(plane: &ControlPlane, object: &serde_json::Value) -> Result<()> {
-    let file = plane.path(&format!(
-        "{}-{}.json",
-        object["kind"].as_str().unwrap_or("object"),
-        object["metadata"]["name"].as_str().unwrap_or("x")
-    ));
-    std::fs::write(&file, serde_json::to_vec(object)?)?;
-    plane.kubectl(&["create", "-f", &file.display().to_string()]).map(drop)
-}
 
 fn node(name: &str) -> serde_json::Value {
     json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
@@ -39,24 +29,6 @@ fn agent_pod(name: &str, node: &str) -> serde_json::Value {
            "metadata": {"name": name, "namespace": NAMESPACE},
            "spec": {"nodeName": node, "serviceAccountName": "baleen-agent",
                     "containers": [{"name": "agent", "image": "baleen:test"}]}})
-}
-
-/// A token of the agent's account bound to pod `pod` (so naming its node), as a kubeconfig.
-fn agent_kubeconfig(plane: &ControlPlane, pod: &str) -> Result<std::path::PathBuf> {
-    let token = plane.kubectl(&[
-        "create",
-        "token",
-        "baleen-agent",
-        "-n",
-        NAMESPACE,
-        "--bound-object-kind",
-        "Pod",
-        "--bound-object-name",
-        pod,
-        "--duration",
-        "1h",
-    ])?;
-    plane.kubeconfig_with_token(&format!("agent-{pod}"), token.trim())
 }
 
 /// The agent's API adapter as the agent of pod `pod`.
@@ -103,10 +75,10 @@ fn forbidden(
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn an_agents_token_changes_only_its_own_nodes_gpu_state() {
     with_control_plane(async |plane| {
-        plane.helm(&["install", "baleen", CHART, "-n", NAMESPACE, "--create-namespace"])?;
-        create(plane, &node("node-a"))?;
-        create(plane, &node("node-b"))?;
-        create(plane, &agent_pod("agent-a", "node-a"))?;
+        plane.install(&[])?;
+        plane.create(&node("node-a"))?;
+        plane.create(&node("node-b"))?;
+        plane.create(&agent_pod("agent-a", "node-a"))?;
         let api = agent_api(plane, "agent-a").await?;
         // The policies take effect once the API server's admission has loaded them (a second
         // or so after they are stored): until another Node's annotation is refused.
@@ -160,20 +132,11 @@ async fn a_kubelets_credentials_read_only_the_pods_of_its_node() {
     // Issue 39, item 5: what `agent.podReads.with: kubelet` rests on, from the real Node
     // authorizer (`AuthorizeNodeWithSelectors`, on by default since 1.32).
     with_control_plane(async |plane| {
-        plane.helm(&[
-            "install",
-            "baleen",
-            CHART,
-            "-n",
-            NAMESPACE,
-            "--create-namespace",
-            "-f",
-            &format!("{CHART}/ci/kubelet-pod-reads-values.yaml"),
-        ])?;
-        create(plane, &node("node-a"))?;
-        create(plane, &node("node-b"))?;
-        create(plane, &agent_pod("agent-a", "node-a"))?;
-        create(plane, &agent_pod("agent-b", "node-b"))?;
+        plane.install(&["-f", &format!("{CHART}/ci/kubelet-pod-reads-values.yaml")])?;
+        plane.create(&node("node-a"))?;
+        plane.create(&node("node-b"))?;
+        plane.create(&agent_pod("agent-a", "node-a"))?;
+        plane.create(&agent_pod("agent-b", "node-b"))?;
         let kubelet = plane.kubeconfig(NODE_A)?;
         let as_node = |selector: Option<&str>| {
             let mut args = vec![
@@ -228,27 +191,11 @@ async fn a_kubelets_credentials_read_only_the_pods_of_its_node() {
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn a_tenants_root_pod_is_refused_by_the_pod_policy() {
     with_control_plane(async |plane| {
-        // No webhook: the API server would call it at the Service's cluster IP, which is not on
-        // this machine (the lane stays on loopback).
-        plane.helm(&[
-            "install",
-            "baleen",
-            CHART,
-            "-n",
-            NAMESPACE,
-            "--create-namespace",
-            "--set",
-            "webhook.enabled=false",
-        ])?;
+        // No webhook here (its test is webhook.rs): the pods are created as they are.
+        plane.install(&["--set", "webhook.enabled=false"])?;
         plane.kubectl(&["create", "namespace", "team-a"])?;
         // Pods need the namespace's default account, which the controller manager makes.
-        let started = std::time::Instant::now();
-        while plane.kubectl(&["get", "serviceaccount", "default", "-n", "team-a"]).is_err() {
-            if started.elapsed() > Duration::from_secs(30) {
-                bail!("no default ServiceAccount in team-a after 30 s");
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        plane.default_account("team-a", Duration::from_secs(30)).await?;
         let pod = |name: &str, context: serde_json::Value| {
             let mut container = json!({"name": "c", "image": "x",
                 "resources": {"limits": {"awesome-ai-company.com/gpu-memory": "8"}}});
@@ -263,10 +210,10 @@ async fn a_tenants_root_pod_is_refused_by_the_pod_policy() {
         let root = pod("root", serde_json::Value::Null);
         let started = std::time::Instant::now();
         loop {
-            match create(plane, &root) {
+            match plane.create(&root) {
                 Err(e) if format!("{e:#}").contains("baleen-gpu-memory-non-root") => break,
                 Err(e) => bail!("refused, not by the policy: {e:#}"),
-                Ok(()) => {
+                Ok(_) => {
                     plane.kubectl(&["delete", "pod", "root", "-n", "team-a", "--wait=false"])?;
                     if started.elapsed() > Duration::from_secs(30) {
                         bail!("a root pod asking for gpu-memory was admitted for 30 s");
@@ -275,11 +222,9 @@ async fn a_tenants_root_pod_is_refused_by_the_pod_policy() {
                 }
             }
         }
-        create(
-            plane,
-            &pod("safe", json!({"runAsNonRoot": true, "allowPrivilegeEscalation": false})),
-        )
-        .context("a non-root pod that cannot escalate")?;
+        plane
+            .create(&pod("safe", json!({"runAsNonRoot": true, "allowPrivilegeEscalation": false})))
+            .context("a non-root pod that cannot escalate")?;
         Ok(())
     })
     .await;

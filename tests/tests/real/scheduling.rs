@@ -9,39 +9,16 @@ use anyhow::{Result, bail, ensure};
 use serde_json::{Value, json};
 
 use baleen_tests::real::scheduling::{
-    CHART, DOMAIN, Extender, NAMESPACE, SchedulerConfig, node_objects, scheduler_kubeconfig,
+    DOMAIN, Extender, SchedulerConfig, node_objects, scheduler_kubeconfig,
 };
 use baleen_tests::real::{ControlPlane, with_control_plane};
-
-/// Creates or patches objects as the admin from JSON written to a file.
-fn kubectl_json(plane: &ControlPlane, verb: &[&str], object: &Value) -> Result<()> {
-    let file = plane.path(&format!("object-{}.json", rand::random::<u64>()));
-    std::fs::write(&file, serde_json::to_vec(object)?)?;
-    let mut args = verb.to_vec();
-    let path = file.display().to_string();
-    args.extend(["-f", &path]);
-    plane.kubectl(&args).map(drop)
-}
 
 /// Node `name` as a kubelet and its agent would leave it: 8 H200s with `free` units each in
 /// its gpu-state, the device plugins' counts in its capacity.
 fn add_node(plane: &ControlPlane, name: &str, free: &[u32]) -> Result<()> {
-    let (node, status) = node_objects(name, free);
-    kubectl_json(plane, &["create"], &node)?;
-    plane.kubectl(&[
-        "patch",
-        "node",
-        name,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        &status.to_string(),
-    ])?;
-    // The API server taints every new Node not-ready (the TaintNodesByCondition admission
-    // plugin) until the node lifecycle controller sees it Ready; with no kubelet here that
-    // controller is off, so the taint is taken off as it would.
-    plane.kubectl(&["taint", "node", name, "node.kubernetes.io/not-ready:NoSchedule-"])?;
-    Ok(())
+    let (node, resources) = node_objects(name, free);
+    plane.create(&node)?;
+    plane.node_ready(name, &resources, &resources)
 }
 
 /// A tenant's pod asking for `units` of gpu-memory, sent to baleen's scheduler (the webhook
@@ -57,46 +34,13 @@ fn gpu_pod(name: &str, units: u32) -> Value {
                                       "requests": {"cpu": "4", "memory": "16Gi"}}}]}})
 }
 
-/// Where `pod` was bound, once it is (at most `within`).
-async fn bound(plane: &ControlPlane, pod: &str, within: Duration) -> Result<String> {
-    let started = Instant::now();
-    loop {
-        let node = plane.kubectl(&[
-            "get",
-            "pod",
-            pod,
-            "-n",
-            "team-a",
-            "-o",
-            "jsonpath={.spec.nodeName}",
-        ])?;
-        if !node.trim().is_empty() {
-            return Ok(node.trim().to_owned());
-        }
-        if started.elapsed() > within {
-            let events = plane.kubectl(&["get", "events", "-n", "team-a"]).unwrap_or_default();
-            bail!("pod {pod} not bound within {within:?}; events:\n{events}");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 #[tokio::test]
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn the_real_scheduler_binds_and_preempts_where_the_extender_chooses() {
     with_control_plane(async |plane| {
         // No webhook: the API server would call it at the Service's cluster IP, which is not on
         // this machine (the lane stays on loopback); the pods name baleen's scheduler themselves.
-        plane.helm(&[
-            "install",
-            "baleen",
-            CHART,
-            "-n",
-            NAMESPACE,
-            "--create-namespace",
-            "--set",
-            "webhook.enabled=false",
-        ])?;
+        plane.install(&["--set", "webhook.enabled=false"])?;
         plane.kubectl(&["create", "namespace", "team-a"])?;
         // Each node's capacity counts 1,120 gpu-memory units (8 GPUs), all of them free as
         // kube-scheduler counts (no pod holds any): only the gpu-state says which single GPU
@@ -123,24 +67,17 @@ async fn the_real_scheduler_binds_and_preempts_where_the_extender_chooses() {
                 leader_elect: true,
             };
             config.spawn(plane, &kubeconfig)?;
-            let started = Instant::now();
-            while plane.kubectl(&["get", "serviceaccount", "default", "-n", "team-a"]).is_err() {
-                ensure!(
-                    started.elapsed() < Duration::from_secs(30),
-                    "no default account in team-a"
-                );
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+            plane.default_account("team-a", Duration::from_secs(30)).await?;
             // 100 units: only node-1 has a GPU with room.
-            kubectl_json(plane, &["create"], &gpu_pod("large", 100))?;
-            let node = bound(plane, "large", Duration::from_secs(60)).await?;
+            plane.create(&gpu_pod("large", 100))?;
+            let node = plane.bound("team-a", "large", Duration::from_secs(60)).await?;
             ensure!(
                 node == "node-1",
                 "the 100-unit pod went to {node}: only node-1 has a GPU with room"
             );
             // Another 100: node-1's GPU is taken (the extender counts the pod it bound there at
             // once, before any agent rewrites the gpu-state): no node has room; it waits.
-            kubectl_json(plane, &["create"], &gpu_pod("large-2", 100))?;
+            plane.create(&gpu_pod("large-2", 100))?;
             tokio::time::sleep(Duration::from_secs(5)).await;
             let node = plane.kubectl(&[
                 "get",
@@ -167,8 +104,8 @@ async fn the_real_scheduler_binds_and_preempts_where_the_extender_chooses() {
                 "no scheduling failure said: {events}"
             );
             // 20 units: node-0 or node-2, never node-1.
-            kubectl_json(plane, &["create"], &gpu_pod("small", 20))?;
-            let node = bound(plane, "small", Duration::from_secs(60)).await?;
+            plane.create(&gpu_pod("small", 20))?;
+            let node = plane.bound("team-a", "small", Duration::from_secs(60)).await?;
             ensure!(node != "node-1", "the 20-unit pod went to node-1, whose GPU is taken");
             // Preemption. node-p has one GPU, all of it taken by a pod of no priority: a pod of
             // a higher priority asking for the whole GPU fits nowhere; kube-scheduler finds
@@ -176,18 +113,14 @@ async fn the_real_scheduler_binds_and_preempts_where_the_extender_chooses() {
             // it (its eviction frees the GPU); the victim is deleted, the pod bound there.
             plane.kubectl(&["delete", "pod", "large-2", "-n", "team-a", "--wait=false"])?;
             add_node(plane, "node-p", &[140])?;
-            kubectl_json(plane, &["create"], &gpu_pod("low", 140))?;
-            let node = bound(plane, "low", Duration::from_secs(60)).await?;
+            plane.create(&gpu_pod("low", 140))?;
+            let node = plane.bound("team-a", "low", Duration::from_secs(60)).await?;
             ensure!(node == "node-p", "the 140-unit pod went to {node}, not node-p");
-            kubectl_json(
-                plane,
-                &["create"],
-                &json!({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
-                        "metadata": {"name": "urgent"}, "value": 1000}),
-            )?;
+            plane.create(&json!({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                        "metadata": {"name": "urgent"}, "value": 1000}))?;
             let mut high = gpu_pod("high", 140);
             high["spec"]["priorityClassName"] = "urgent".into();
-            kubectl_json(plane, &["create"], &high)?;
+            plane.create(&high)?;
             // No kubelet ends the victim's graceful deletion: the test does, as one would.
             let started = Instant::now();
             loop {
@@ -219,7 +152,7 @@ async fn the_real_scheduler_binds_and_preempts_where_the_extender_chooses() {
                 "--grace-period=0",
                 "--force",
             ])?;
-            let node = bound(plane, "high", Duration::from_secs(60)).await?;
+            let node = plane.bound("team-a", "high", Duration::from_secs(60)).await?;
             ensure!(node == "node-p", "the preempting pod went to {node}, not node-p");
             let preempts = extender
                 .sample("baleen_extender_request_seconds_count", "verb=\"preempt\"")

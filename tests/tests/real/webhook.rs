@@ -16,7 +16,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use serde_json::{Value, json};
 
 use baleen_tests::real::scheduling::{
-    CHART, DOMAIN, Extender, NAMESPACE, SchedulerConfig, node_objects, scheduler_kubeconfig,
+    DOMAIN, Extender, NAMESPACE, SchedulerConfig, node_objects, scheduler_kubeconfig,
 };
 use baleen_tests::real::{ControlPlane, with_control_plane};
 
@@ -47,14 +47,6 @@ impl Drop for OnLoopback {
     }
 }
 
-/// Writes `object` to a file and runs `kubectl create -f` with it as the admin: the output, or
-/// the error kubectl printed (the API server's refusal).
-fn create(plane: &ControlPlane, object: &Value) -> Result<String> {
-    let file = plane.path(&format!("object-{}.json", rand::random::<u64>()));
-    std::fs::write(&file, serde_json::to_vec(object)?)?;
-    plane.kubectl(&["create", "-f", &file.display().to_string()])
-}
-
 /// A tenant's pod with `resources` on its one container and no scheduler named.
 fn pod(name: &str, resources: Value) -> Value {
     json!({"apiVersion": "v1", "kind": "Pod",
@@ -78,7 +70,7 @@ fn field(plane: &ControlPlane, pod: &str, path: &str) -> Result<String> {
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
 async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_sent() {
     with_control_plane(async |plane| {
-        plane.helm(&["install", "baleen", CHART, "-n", NAMESPACE, "--create-namespace"])?;
+        plane.install(&[])?;
         plane.kubectl(&["create", "namespace", "team-a"])?;
         let ip: IpAddr = plane
             .kubectl(&[
@@ -95,17 +87,9 @@ async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_
             .context("the webhook Service's cluster IP")?;
         let _address = OnLoopback::add(ip)?;
         // One node of 8 H200s, all free, as its kubelet and agent leave it.
-        let (node, status) = node_objects("node-0", &[140; 8]);
-        create(plane, &node)?;
-        plane.kubectl(&[
-            "patch",
-            "node",
-            "node-0",
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            &status.to_string(),
-        ])?;
+        let (node, resources) = node_objects("node-0", &[140; 8]);
+        plane.create(&node)?;
+        plane.node_ready("node-0", &resources, &resources)?;
         let kubeconfig = scheduler_kubeconfig(plane)?;
         let extender = Extender::start(
             plane,
@@ -136,10 +120,7 @@ async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_
                 );
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            while plane.kubectl(&["get", "serviceaccount", "default", "-n", "team-a"]).is_err() {
-                ensure!(started.elapsed() < Duration::from_secs(60), "no default account");
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+            plane.default_account("team-a", Duration::from_secs(60)).await?;
             let limits =
                 |name: &str, n: u32| json!({"limits": {format!("{DOMAIN}/{name}"): n.to_string()}});
             // Refused, each with the webhook's reason, by the real API server's call.
@@ -158,7 +139,7 @@ async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_
                 ("oversized", limits("gpu-memory", 141), "the largest GPU in the cluster has 140"),
             ];
             for (name, resources, reason) in refused {
-                match create(plane, &pod(name, resources)) {
+                match plane.create(&pod(name, resources)) {
                     Ok(out) => bail!("pod {name} was admitted: {out}"),
                     Err(e) => {
                         let said = format!("{e:#}");
@@ -178,7 +159,7 @@ async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_
                 ("nvlink", limits("nvlink-group-2", 1)),
             ];
             for (name, resources) in &sent {
-                create(plane, &pod(name, resources.clone()))?;
+                plane.create(&pod(name, resources.clone()))?;
                 let scheduler = field(plane, name, ".spec.schedulerName")?;
                 ensure!(
                     scheduler == "baleen-scheduler",
@@ -187,7 +168,7 @@ async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_
             }
             // A pod asking for nothing of baleen is not sent (the matchConditions: never even
             // reviewed) and keeps the default scheduler.
-            create(plane, &pod("plain", json!({"limits": {"cpu": "1"}})))?;
+            plane.create(&pod("plain", json!({"limits": {"cpu": "1"}})))?;
             let scheduler = field(plane, "plain", ".spec.schedulerName")?;
             ensure!(scheduler == "default-scheduler", "a CPU pod went to {scheduler}");
             // The real kube-scheduler, as the chart configures it, places the gpu-memory and
@@ -200,14 +181,7 @@ async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_
             }
             .spawn(plane, &kubeconfig)?;
             for name in ["memory", "whole"] {
-                let started = Instant::now();
-                while field(plane, name, ".spec.nodeName")?.is_empty() {
-                    if started.elapsed() > Duration::from_secs(60) {
-                        let events = plane.kubectl(&["get", "events", "-n", "team-a"])?;
-                        bail!("pod {name} not bound in 60 s:\n{events}");
-                    }
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                }
+                plane.bound("team-a", name, Duration::from_secs(60)).await?;
             }
             tokio::time::sleep(Duration::from_secs(2)).await;
             for name in ["mig", "nvlink"] {
