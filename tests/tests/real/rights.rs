@@ -229,3 +229,51 @@ async fn a_tenants_root_pod_is_refused_by_the_pod_policy() {
     })
     .await;
 }
+
+/// What the chart's scheduler account (kube-scheduler and the extender, one pod) may do, asked
+/// of the real authorizer with a real token of the account (`kubectl auth can-i`): every call
+/// its binaries make, and none of what docs/install.md says it cannot.
+#[tokio::test]
+#[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
+async fn the_scheduler_account_may_do_what_its_binaries_do_and_no_more() {
+    with_control_plane(async |plane| {
+        plane.install(&[])?;
+        let kubeconfig = baleen_tests::real::scheduling::scheduler_kubeconfig(plane)?;
+        let can = |args: &[&str]| -> Result<bool> {
+            let out = std::process::Command::new("kubectl")
+                .args(["--kubeconfig", &kubeconfig.display().to_string(), "auth", "can-i"])
+                .args(args)
+                .output()
+                .context("kubectl auth can-i")?;
+            Ok(String::from_utf8_lossy(&out.stdout).trim() == "yes")
+        };
+        let allowed: &[&[&str]] = &[
+            // kube-scheduler (system:kube-scheduler) and its lease.
+            &["create", "pods", "--subresource=binding", "-n", "team-a"],
+            &["list", "nodes"],
+            &["watch", "pods", "--all-namespaces"],
+            &["update", "leases/baleen-scheduler", "-n", NAMESPACE],
+            // The extender: its watches, its binds, its webhook certificate and CA bundle.
+            &["get", "pods", "-n", "team-a"],
+            &["create", "secrets", "-n", NAMESPACE],
+            &["get", "secrets/baleen-webhook-tls", "-n", NAMESPACE],
+            &["patch", "mutatingwebhookconfigurations/baleen-scheduler-name"],
+        ];
+        for args in allowed {
+            ensure!(can(args)?, "the scheduler account may not {args:?}");
+        }
+        let refused: &[&[&str]] = &[
+            &["get", "secrets/other", "-n", NAMESPACE],
+            &["list", "secrets", "-n", NAMESPACE],
+            &["get", "secrets", "-n", "kube-system"],
+            &["patch", "mutatingwebhookconfigurations/another-webhook"],
+            &["patch", "nodes"],
+            &["create", "pods", "-n", "team-a"],
+        ];
+        for args in refused {
+            ensure!(!can(args)?, "the scheduler account may {args:?}");
+        }
+        Ok(())
+    })
+    .await;
+}
