@@ -70,8 +70,16 @@ async fn forty_nodes_served() -> (Arc<Extender>, SocketAddr, CancellationToken, 
 }
 
 async fn serve(extender: Arc<Extender>) -> (SocketAddr, CancellationToken) {
+    serve_counted(extender, &prometheus::Registry::new()).await
+}
+
+/// [`serve`], its metrics in `registry`.
+async fn serve_counted(
+    extender: Arc<Extender>,
+    registry: &prometheus::Registry,
+) -> (SocketAddr, CancellationToken) {
     let token = CancellationToken::new();
-    let metrics = Metrics::new(prometheus::Registry::new()).expect("metrics");
+    let metrics = Metrics::new(registry.clone()).expect("metrics");
     let (address, server) = bind(
         "127.0.0.1:0".parse().expect("loopback"),
         router(extender, metrics, "/baleen"),
@@ -1506,18 +1514,8 @@ async fn a_filter_keeps_only_the_best_nodes_when_asked() {
         expected.sort_by_key(|n| std::cmp::Reverse(score(n)));
         expected.truncate(keep);
         expected.sort_by_key(|n| passed.iter().position(|p| p == *n));
-        let extender = make(keep);
         let registry = prometheus::Registry::new();
-        let metrics = Metrics::new(registry.clone()).expect("metrics");
-        let token = CancellationToken::new();
-        let (address, server) = bind(
-            "127.0.0.1:0".parse().expect("loopback"),
-            router(extender, metrics, "/baleen"),
-            token.clone(),
-        )
-        .await
-        .expect("bind");
-        tokio::spawn(server);
+        let (address, token) = serve_counted(make(keep), &registry).await;
         let (status, text) = call(address, "POST", "/baleen/filter", &args).await;
         assert_eq!(status, 200, "{text}");
         let answer: Value = serde_json::from_str(&text).expect("json");

@@ -214,6 +214,17 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// The chart's: `baleen-scheduler`, the extender at `extender`, kube-scheduler's client
+    /// limits, leader election.
+    pub fn as_the_chart(extender: u16) -> Self {
+        Self {
+            extender: Some(extender),
+            scheduler_name: "baleen-scheduler".to_owned(),
+            qps: None,
+            leader_elect: true,
+        }
+    }
+
     /// The configuration file's text, with `kubeconfig` as its client connection.
     pub fn render(&self, plane: &ControlPlane, kubeconfig: &std::path::Path) -> Result<String> {
         let mut config = rendered_scheduler_config(plane)?;

@@ -147,13 +147,7 @@ async fn the_scheduler_places_by_the_gpu_state_real_agents_publish() {
         )
         .await?;
         let result = async {
-            SchedulerConfig {
-                extender: Some(extender.verbs),
-                scheduler_name: "baleen-scheduler".to_owned(),
-                qps: None,
-                leader_elect: true,
-            }
-            .spawn(plane, &kubeconfig)?;
+            SchedulerConfig::as_the_chart(extender.verbs).spawn(plane, &kubeconfig)?;
             plane.default_account("team-a", Duration::from_secs(30)).await?;
             plane.create(&pod("large", "gpu-memory", 100))?;
             let node = plane.bound("team-a", "large", Duration::from_secs(60)).await?;

@@ -60,12 +60,7 @@ async fn the_real_scheduler_binds_and_preempts_where_the_extender_chooses() {
         .await?;
         let result = async {
             // kube-scheduler with the chart's configuration, the extender at its address.
-            let config = SchedulerConfig {
-                extender: Some(extender.verbs),
-                scheduler_name: "baleen-scheduler".to_owned(),
-                qps: None,
-                leader_elect: true,
-            };
+            let config = SchedulerConfig::as_the_chart(extender.verbs);
             config.spawn(plane, &kubeconfig)?;
             plane.default_account("team-a", Duration::from_secs(30)).await?;
             // 100 units: only node-1 has a GPU with room.

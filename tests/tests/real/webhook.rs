@@ -173,13 +173,7 @@ async fn the_real_api_server_calls_the_webhook_and_the_scheduler_places_what_it_
             ensure!(scheduler == "default-scheduler", "a CPU pod went to {scheduler}");
             // The real kube-scheduler, as the chart configures it, places the gpu-memory and
             // whole-GPU pods on node-0 (it has no MIG slices or NVLink groups: those wait).
-            SchedulerConfig {
-                extender: Some(extender.verbs),
-                scheduler_name: "baleen-scheduler".to_owned(),
-                qps: None,
-                leader_elect: true,
-            }
-            .spawn(plane, &kubeconfig)?;
+            SchedulerConfig::as_the_chart(extender.verbs).spawn(plane, &kubeconfig)?;
             for name in ["memory", "whole"] {
                 plane.bound("team-a", name, Duration::from_secs(60)).await?;
             }
