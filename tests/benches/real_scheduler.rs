@@ -236,6 +236,8 @@ async fn run(plan: &Plan, nodes: usize) -> Result<Vec<Burst>> {
                     scheduler_name: name.to_owned(),
                     qps: Some(plan.qps),
                     leader_elect: false,
+                    values: Vec::new(),
+                    percentage_of_nodes_to_score: None,
                 };
                 config.spawn(&mut plane, &account)?;
             }

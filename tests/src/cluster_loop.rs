@@ -93,11 +93,12 @@ pub struct LoopOutcome {
     pub unallocated_at_100: f64,
 }
 
-struct LoopNode {
-    spec: NodeSpec,
-    ledger: DeviceLedger,
-    cpu_used: u64,
-    memory_used: u64,
+/// One node of the loop: its agent's ledger and who holds what.
+pub(crate) struct LoopNode {
+    pub(crate) spec: NodeSpec,
+    pub(crate) ledger: DeviceLedger,
+    pub(crate) cpu_used: u64,
+    pub(crate) memory_used: u64,
     /// Device IDs (sorted, joined) to the pod holding them and the pod's sequence number.
     holders: HashMap<String, (String, usize)>,
 }
@@ -164,9 +165,20 @@ fn node_json(spec: &NodeSpec) -> Value {
 }
 
 impl LoopNode {
+    /// Node `index` of the trace, `spec`, with an empty ledger.
+    pub(crate) fn new(index: usize, spec: &NodeSpec) -> Result<Self> {
+        Ok(Self {
+            spec: spec.clone(),
+            ledger: DeviceLedger::new(&spec.name, &inventory(index, spec)?, view_config())?,
+            cpu_used: 0,
+            memory_used: 0,
+            holders: HashMap::new(),
+        })
+    }
+
     /// The node's annotation after pod `seq`: holders listed `listing_delay` pods after their
     /// grant.
-    fn state(&self, generation: u64, seq: usize, listing_delay: usize) -> String {
+    pub(crate) fn state(&self, generation: u64, seq: usize, listing_delay: usize) -> String {
         let holder = |r: &AllocationRecord| {
             let (pod, at) = self.holders.get(&r.device_ids.join(","))?;
             (seq >= at + listing_delay).then(|| pod.clone())
@@ -176,7 +188,13 @@ impl LoopNode {
 
     /// The kubelet's admission of one container asking `count` devices of `view`: its free
     /// devices, GetPreferredAllocation, then Allocate.
-    fn admit(&mut self, view: &View, count: usize, pod: &str, seq: usize) -> Result<(), String> {
+    pub(crate) fn admit(
+        &mut self,
+        view: &View,
+        count: usize,
+        pod: &str,
+        seq: usize,
+    ) -> Result<(), String> {
         let resource = view.resource_name(DOMAIN);
         let held: std::collections::HashSet<String> = self
             .ledger
@@ -265,17 +283,9 @@ pub async fn run_seed(
     let ranks = node_ranks(&workload.nodes, &mut order_rng);
 
     let api = FakeApiServer::start(&[]).await?;
-    let config = view_config();
     let mut nodes = Vec::with_capacity(workload.nodes.len());
     for (i, spec) in workload.nodes.iter().enumerate() {
-        let ledger = DeviceLedger::new(&spec.name, &inventory(i, spec)?, config.clone())?;
-        let node = LoopNode {
-            spec: spec.clone(),
-            ledger,
-            cpu_used: 0,
-            memory_used: 0,
-            holders: HashMap::new(),
-        };
+        let node = LoopNode::new(i, spec)?;
         let mut json = node_json(spec);
         json["metadata"]["annotations"] =
             json!({format!("{DOMAIN}/gpu-state"): node.state(0, 0, options.listing_delay)});

@@ -12,6 +12,7 @@ use anyhow::{Context as _, Result, anyhow, bail, ensure};
 
 pub mod agent;
 pub mod scheduling;
+pub mod trace;
 
 /// The repository's root.
 pub fn repo() -> PathBuf {

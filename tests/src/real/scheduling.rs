@@ -187,7 +187,16 @@ pub fn chart_extender_args(plane: &ControlPlane, values: &[&str]) -> Result<Vec<
 /// The kube-scheduler configuration the chart renders with its defaults: its ConfigMap's
 /// `config.yaml`, as text.
 pub fn rendered_scheduler_config_text(plane: &ControlPlane) -> Result<String> {
-    let rendered = plane.helm(&["template", "baleen", CHART, "-n", NAMESPACE])?;
+    rendered_scheduler_config_with(plane, &[])
+}
+
+/// The same, rendered with `values` (`--set` pairs).
+pub fn rendered_scheduler_config_with(plane: &ControlPlane, values: &[String]) -> Result<String> {
+    let mut command = vec!["template", "baleen", CHART, "-n", NAMESPACE];
+    for value in values {
+        command.extend(["--set", value]);
+    }
+    let rendered = plane.helm(&command)?;
     serde_yaml_ng::Deserializer::from_str(&rendered)
         .filter_map(|d| <Value as serde::Deserialize>::deserialize(d).ok())
         .find(|v| v["kind"] == "ConfigMap" && v["metadata"]["name"] == "baleen-scheduler-config")
@@ -211,6 +220,10 @@ pub struct SchedulerConfig {
     pub qps: Option<u32>,
     /// `leaderElection.leaderElect`.
     pub leader_elect: bool,
+    /// The chart values (`--set` pairs) the configuration is rendered with.
+    pub values: Vec<String>,
+    /// `percentageOfNodesToScore` over the chart's, if any.
+    pub percentage_of_nodes_to_score: Option<u32>,
 }
 
 impl SchedulerConfig {
@@ -222,13 +235,19 @@ impl SchedulerConfig {
             scheduler_name: "baleen-scheduler".to_owned(),
             qps: None,
             leader_elect: true,
+            values: Vec::new(),
+            percentage_of_nodes_to_score: None,
         }
     }
 
     /// The configuration file's text, with `kubeconfig` as its client connection.
     pub fn render(&self, plane: &ControlPlane, kubeconfig: &std::path::Path) -> Result<String> {
-        let mut config = rendered_scheduler_config(plane)?;
+        let mut config: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(&rendered_scheduler_config_with(plane, &self.values)?)?;
         let map = config.as_mapping_mut().context("the configuration is a mapping")?;
+        if let Some(percentage) = self.percentage_of_nodes_to_score {
+            map.insert("percentageOfNodesToScore".into(), percentage.into());
+        }
         match self.extender {
             Some(port) => {
                 let extenders = map
