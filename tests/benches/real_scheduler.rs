@@ -12,7 +12,11 @@
 //!
 //! Per burst: `pods` pods created at once (64 requests in flight) for one scheduler; the pod's
 //! latency is from its create's answer to the watch showing it bound; the throughput is the
-//! pods over the time from the first create sent to the last bind seen. Figures:
+//! pods over the time from the first create sent to the last bind seen. `--set=key=value`
+//! renders both schedulers' configurations and the extender's arguments with a chart value,
+//! `--plain-set=key=value` the plain scheduler's only (e.g.
+//! `--plain-set=scheduler.percentageOfNodesToScore=null`: the cluster's default scheduler
+//! beside the chart's). Figures:
 //! docs/benchmarks.md, "The real kube-scheduler with and without the extender".
 
 use std::collections::HashMap;
@@ -37,11 +41,23 @@ struct Plan {
     pods: usize,
     rounds: usize,
     qps: u32,
+    /// Chart values (`--set` pairs) both schedulers' configurations and the extender are
+    /// rendered with.
+    values: Vec<String>,
+    /// Chart values for the plain scheduler's configuration only, after `values`.
+    plain_values: Vec<String>,
 }
 
 impl Plan {
     fn from_args() -> Result<Self> {
-        let mut plan = Self { nodes: vec![500, 5000], pods: 1000, rounds: 2, qps: 1000 };
+        let mut plan = Self {
+            nodes: vec![500, 5000],
+            pods: 1000,
+            rounds: 2,
+            qps: 1000,
+            values: Vec::new(),
+            plain_values: Vec::new(),
+        };
         for arg in std::env::args().skip(1) {
             let Some((key, value)) = arg.split_once('=') else {
                 continue; // cargo bench's own `--bench`
@@ -53,7 +69,12 @@ impl Plan {
                 "--pods" => plan.pods = value.parse()?,
                 "--rounds" => plan.rounds = value.parse()?,
                 "--qps" => plan.qps = value.parse()?,
-                _ => bail!("unknown argument {arg}: --nodes=500,5000 --pods=N --rounds=N --qps=N"),
+                "--set" => plan.values.push(value.to_owned()),
+                "--plain-set" => plan.plain_values.push(value.to_owned()),
+                _ => bail!(
+                    "unknown argument {arg}: --nodes=500,5000 --pods=N --rounds=N --qps=N \
+                     --set=key=value --plain-set=key=value"
+                ),
             }
         }
         ensure!(plan.pods >= 2 && plan.rounds >= 1, "at least 2 pods and 1 round");
@@ -219,25 +240,24 @@ async fn run(plan: &Plan, nodes: usize) -> Result<Vec<Burst>> {
         add_nodes(&client, nodes).await?;
         eprintln!("{nodes} nodes created in {:.1} s", started.elapsed().as_secs_f64());
         let account = scheduler_kubeconfig(&plane)?;
-        let extender = Extender::start(
-            &plane,
-            &account,
-            &["webhook.enabled=false"],
-            None,
-            Duration::from_secs(120),
-        )
-        .await?;
+        let mut values = vec!["webhook.enabled=false"];
+        values.extend(plan.values.iter().map(String::as_str));
+        let extender =
+            Extender::start(&plane, &account, &values, None, Duration::from_secs(120)).await?;
         let result = async {
             for (name, extender) in
                 [("plain-scheduler", None), ("baleen-scheduler", Some(extender.verbs))]
             {
+                let mut values = plan.values.clone();
+                if extender.is_none() {
+                    values.extend(plan.plain_values.iter().cloned());
+                }
                 let config = SchedulerConfig {
                     extender,
                     scheduler_name: name.to_owned(),
                     qps: Some(plan.qps),
                     leader_elect: false,
-                    values: Vec::new(),
-                    percentage_of_nodes_to_score: None,
+                    values,
                 };
                 config.spawn(&mut plane, &account)?;
             }
@@ -298,6 +318,7 @@ async fn run(plan: &Plan, nodes: usize) -> Result<Vec<Burst>> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let plan = Plan::from_args()?;
+    println!("chart values {:?}, the plain scheduler's also {:?}", plan.values, plan.plain_values);
     println!(
         "| nodes | scheduler | pods | created/s | bound/s | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|---|---|---|"
     );

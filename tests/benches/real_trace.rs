@@ -9,9 +9,9 @@
 //! ```
 //!
 //! Options: `--nodes=FILE --pods=FILE` (the default list of `../shared/traces/`), `--every=K`
-//! (every K-th node only, for a quicker run), `--set=key=value` (a chart value, repeatable),
-//! `--percentage-of-nodes-to-score=P` (over the chart's scheduler configuration), `--dra=true`
-//! (every node a DRA driver, the GPU tasks claims allocated by the real allocator).
+//! (every K-th node only, for a quicker run), `--set=key=value` (a chart value, repeatable:
+//! `--set=scheduler.percentageOfNodesToScore=null` for kube-scheduler's adaptive sample),
+//! `--dra=true` (every node a DRA driver, the GPU tasks claims allocated by the real allocator).
 //! Figures: docs/benchmarks.md, "The default trace through the real kube-scheduler".
 
 use std::path::PathBuf;
@@ -40,12 +40,9 @@ async fn main() -> Result<()> {
             "--every" => every = value.parse()?,
             "--set" => options.values.push(value.to_owned()),
             "--dra" => options.dra = value.parse()?,
-            "--percentage-of-nodes-to-score" => {
-                options.percentage_of_nodes_to_score = Some(value.parse()?)
-            }
             _ => bail!(
                 "unknown argument {arg}: --nodes=FILE --pods=FILE --seeds=42,43 --every=K \
-                 --set=key=value --percentage-of-nodes-to-score=P --dra=true"
+                 --set=key=value --dra=true"
             ),
         }
     }
@@ -60,12 +57,11 @@ async fn main() -> Result<()> {
         2,
     )?;
     println!(
-        "workload {} ({} nodes, {}), chart values {:?}, percentageOfNodesToScore {:?}",
+        "workload {} ({} nodes, {}), chart values {:?}",
         workload.name,
         workload.nodes.len(),
         if options.dra { "DRA drivers" } else { "device-plugin agents" },
         options.values,
-        options.percentage_of_nodes_to_score
     );
     println!(
         "| seed | pods submitted | placed | refused | admission failures | unallocated GPU % at arrived 100 %: real scheduler | `baleen-sim --online-target 100` | mean decision ms | wall s |\n|---|---|---|---|---|---|---|---|---|"

@@ -52,6 +52,10 @@ struct Args {
     /// allocator choosing devices first fit, kube-scheduler's LeastAllocated choosing nodes.
     #[arg(long)]
     dra: bool,
+    /// kube-scheduler's percentageOfNodesToScore: 100 (the chart's) sends every node that fits
+    /// to the extender; 0 its adaptive sample (41 % of the default list's 1,213 nodes).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=100))]
+    percentage_of_nodes_to_score: u32,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -65,6 +69,7 @@ fn main() -> anyhow::Result<()> {
         cpu_most_allocated: args.cpu_most_allocated,
         cpu_by_extender: args.cpu_by_extender,
         settled: args.settled,
+        percentage_of_nodes_to_score: args.percentage_of_nodes_to_score,
         ..LoopOptions::default()
     };
     let sim = replay(
@@ -77,11 +82,13 @@ fn main() -> anyhow::Result<()> {
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     println!(
-        "workload {} ({} nodes), annotation delay {} pods, pods named {} pods after their grant",
+        "workload {} ({} nodes), annotation delay {} pods, pods named {} pods after their grant, \
+         percentageOfNodesToScore {}",
         workload.name,
         workload.nodes.len(),
         args.annotation_delay,
-        args.listing_delay
+        args.listing_delay,
+        args.percentage_of_nodes_to_score
     );
     println!(
         "seed  submitted  placed  admission-failures  live-unallocated-%  baleen-sim-online-%{}",

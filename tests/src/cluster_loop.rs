@@ -24,7 +24,7 @@ use baleen_agent::kube_api::{KubeNodeApi, NodeApi as _};
 use baleen_agent::ledger::{AllocationRecord, DeviceLedger, View, ViewConfig};
 use baleen_extender::run::{Config, Running, start};
 use baleen_extender::service::Settings;
-use baleen_scheduler_core::model::{GpuDemand, NodeSpec};
+use baleen_scheduler_core::model::{GpuDemand, NodeSpec, Request};
 use baleen_scheduler_sim::replay::{Workload, node_ranks, submission_order};
 use rand::SeedableRng;
 use serde_json::{Value, json};
@@ -62,6 +62,11 @@ pub struct LoopOptions {
     /// depend on how fast the watcher and the rebuilder run (the replay rebuilds at fixed
     /// counts). The CI tests set it: without it seed 42 moved 0.4 points between runs.
     pub settled: bool,
+    /// kube-scheduler's `percentageOfNodesToScore` for the pods' profile: 100 (the chart's)
+    /// sends every node that fits to the extender; 0 is kube-scheduler's adaptive default,
+    /// which stops its filter once it has found [`nodes_to_find`] nodes that fit, starting
+    /// where the last pod's search stopped, and sends only those.
+    pub percentage_of_nodes_to_score: u32,
 }
 
 impl Default for LoopOptions {
@@ -74,8 +79,46 @@ impl Default for LoopOptions {
             cpu_most_allocated: false,
             cpu_by_extender: false,
             settled: false,
+            percentage_of_nodes_to_score: 100,
         }
     }
+}
+
+/// kube-scheduler's search for nodes that fit, one at a time: from `start` round the `n` nodes
+/// until `to_find` fit; the ones that fit, in that order, and where the next search starts
+/// (after the last node looked at).
+pub fn search(
+    start: usize,
+    n: usize,
+    to_find: usize,
+    fits: impl Fn(usize) -> bool,
+) -> (Vec<usize>, usize) {
+    let mut found = Vec::new();
+    let mut looked = 0;
+    while looked < n && found.len() < to_find {
+        let i = (start + looked) % n;
+        looked += 1;
+        if fits(i) {
+            found.push(i);
+        }
+    }
+    (found, if n == 0 { 0 } else { (start + looked) % n })
+}
+
+/// How many nodes that fit kube-scheduler looks for before it stops filtering, of `all`
+/// nodes, at `percentage` (`percentageOfNodesToScore`; 0: adaptive), as kube-scheduler 1.37
+/// counts them: every node below 100 nodes; else 50 % less one point a 125 nodes (at least 5 %)
+/// where adaptive; never fewer than 100.
+pub fn nodes_to_find(percentage: u32, all: usize) -> usize {
+    const MIN_NODES: usize = 100;
+    if all < MIN_NODES {
+        return all;
+    }
+    let percentage = match percentage {
+        0 => 50usize.saturating_sub(all / 125).max(5),
+        p => p.min(100) as usize,
+    };
+    (all * percentage / 100).max(MIN_NODES)
 }
 
 /// What one seed produced.
@@ -99,6 +142,10 @@ pub(crate) struct LoopNode {
     pub(crate) ledger: DeviceLedger,
     pub(crate) cpu_used: u64,
     pub(crate) memory_used: u64,
+    /// The gpu-memory units and whole GPUs its bound pods request (the kubelet's extended
+    /// resources, which kube-scheduler's NodeResourcesFit counts).
+    pub(crate) gpu_memory_requested: u64,
+    pub(crate) gpus_requested: u64,
     /// Device IDs (sorted, joined) to the pod holding them and the pod's sequence number.
     holders: HashMap<String, (String, usize)>,
 }
@@ -172,6 +219,8 @@ impl LoopNode {
             ledger: DeviceLedger::new(&spec.name, &inventory(index, spec)?, view_config())?,
             cpu_used: 0,
             memory_used: 0,
+            gpu_memory_requested: 0,
+            gpus_requested: 0,
             holders: HashMap::new(),
         })
     }
@@ -184,6 +233,35 @@ impl LoopNode {
             (seq >= at + listing_delay).then(|| pod.clone())
         };
         self.ledger.node_state(&self.spec.name, generation, holder).to_json()
+    }
+
+    /// Whether kube-scheduler's NodeResourcesFit lets `request` onto the node: CPU, memory
+    /// and the extended resource it asks for (gpu-memory units or whole GPUs), against what
+    /// the pods bound to it request.
+    pub(crate) fn fits(&self, request: &Request) -> bool {
+        let s = &self.spec;
+        let gpus = s.gpus.len() as u64;
+        let extended = match request.gpu {
+            GpuDemand::None => true,
+            GpuDemand::Shared { milli, .. } => {
+                self.gpu_memory_requested + u64::from(milli.0) <= gpus * UNITS_PER_GPU
+            }
+            GpuDemand::Whole { count } => self.gpus_requested + u64::from(count) <= gpus,
+        };
+        self.cpu_used + request.cpu.0 <= s.cpu.0
+            && self.memory_used + request.memory.0 <= s.memory.0
+            && extended
+    }
+
+    /// Counts `request` as bound to the node (its requests, as kube-scheduler counts them).
+    pub(crate) fn book(&mut self, request: &Request) {
+        self.cpu_used += request.cpu.0;
+        self.memory_used += request.memory.0;
+        match request.gpu {
+            GpuDemand::None => {}
+            GpuDemand::Shared { milli, .. } => self.gpu_memory_requested += u64::from(milli.0),
+            GpuDemand::Whole { count } => self.gpus_requested += u64::from(count),
+        }
     }
 
     /// The kubelet's admission of one container asking `count` devices of `view`: its free
@@ -328,6 +406,8 @@ pub async fn run_seed(
     let (mut arrived, mut allocated) = (0u64, 0u64);
     let (mut placed, mut admission_failures) = (0usize, 0usize);
     let mut rows: Vec<(f64, f64)> = Vec::with_capacity(order.len());
+    // Where kube-scheduler's next search for nodes that fit starts.
+    let mut next_start = 0usize;
     for (seq, &task) in order.iter().enumerate() {
         // Annotations due now reach the API server (and the extender's watch).
         while due.front().is_some_and(|&(at, _)| at <= seq) {
@@ -369,14 +449,11 @@ pub async fn run_seed(
         if options.settled {
             settle(&running.extender, u64::try_from(seq + 1)?).await?;
         }
-        // kube-scheduler's own filter: CPU and memory.
-        let fits: Vec<usize> = (0..n)
-            .filter(|&i| {
-                let s = &nodes[i].spec;
-                nodes[i].cpu_used + request.cpu.0 <= s.cpu.0
-                    && nodes[i].memory_used + request.memory.0 <= s.memory.0
-            })
-            .collect();
+        // kube-scheduler's own filter: CPU, memory and the extended resources, over the
+        // nodes from where the last search stopped until it has found enough.
+        let to_find = nodes_to_find(options.percentage_of_nodes_to_score, n);
+        let fits;
+        (fits, next_start) = search(next_start, n, to_find, |i| nodes[i].fits(request));
         let chosen = if gpu_ask.is_some() || options.cpu_by_extender {
             let names_in: Vec<&str> = fits.iter().map(|&i| names[i].as_str()).collect();
             let filtered = post(
@@ -444,8 +521,7 @@ pub async fn run_seed(
             };
             match admitted {
                 Ok(()) => {
-                    nodes[i].cpu_used += request.cpu.0;
-                    nodes[i].memory_used += request.memory.0;
+                    nodes[i].book(request);
                     allocated += request.gpu.total_milli();
                     placed += 1;
                     if gpu_ask.is_some() {
@@ -505,4 +581,38 @@ pub(crate) fn at_100(rows: &[(f64, f64)]) -> f64 {
         (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
     };
     mean(100.0, 100.0).or_else(|| mean(99.0, 101.0)).unwrap_or(f64::NAN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kube_scheduler_looks_for_as_many_nodes_as_its_formula_says() {
+        // 100 % and small clusters: every node.
+        assert_eq!(nodes_to_find(100, 1213), 1213);
+        assert_eq!(nodes_to_find(0, 99), 99);
+        assert_eq!(nodes_to_find(30, 50), 50);
+        // Adaptive: 50 % less a point a 125 nodes (1,213: 41 %; 5,000: 10 %), at least 5 %.
+        assert_eq!(nodes_to_find(0, 1213), 497);
+        assert_eq!(nodes_to_find(0, 5000), 500);
+        assert_eq!(nodes_to_find(0, 20_000), 1000);
+        // Never fewer than 100.
+        assert_eq!(nodes_to_find(0, 150), 100);
+        assert_eq!(nodes_to_find(10, 500), 100);
+        assert_eq!(nodes_to_find(30, 1000), 300);
+    }
+
+    #[test]
+    fn each_search_starts_where_the_last_stopped() {
+        let fit = |i: usize| i.is_multiple_of(2);
+        // From 0 among 10 nodes, 2 that fit: 0 and 2, 3 looked at.
+        assert_eq!(search(0, 10, 2, fit), (vec![0, 2], 3));
+        assert_eq!(search(3, 10, 2, fit), (vec![4, 6], 7));
+        // Round the end.
+        assert_eq!(search(7, 10, 3, fit), (vec![8, 0, 2], 3));
+        // Fewer fit than asked: every node looked at, the start stays.
+        assert_eq!(search(5, 10, 9, fit), (vec![6, 8, 0, 2, 4], 5));
+        assert_eq!(search(0, 0, 5, fit), (vec![], 0));
+    }
 }

@@ -222,8 +222,6 @@ pub struct SchedulerConfig {
     pub leader_elect: bool,
     /// The chart values (`--set` pairs) the configuration is rendered with.
     pub values: Vec<String>,
-    /// `percentageOfNodesToScore` over the chart's, if any.
-    pub percentage_of_nodes_to_score: Option<u32>,
 }
 
 impl SchedulerConfig {
@@ -236,7 +234,6 @@ impl SchedulerConfig {
             qps: None,
             leader_elect: true,
             values: Vec::new(),
-            percentage_of_nodes_to_score: None,
         }
     }
 
@@ -245,9 +242,6 @@ impl SchedulerConfig {
         let mut config: serde_yaml_ng::Value =
             serde_yaml_ng::from_str(&rendered_scheduler_config_with(plane, &self.values)?)?;
         let map = config.as_mapping_mut().context("the configuration is a mapping")?;
-        if let Some(percentage) = self.percentage_of_nodes_to_score {
-            map.insert("percentageOfNodesToScore".into(), percentage.into());
-        }
         match self.extender {
             Some(port) => {
                 let extenders = map

@@ -47,7 +47,7 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 
 use super::ControlPlane;
 use super::scheduling::{DOMAIN, Extender, SchedulerConfig, scheduler_kubeconfig};
-use crate::cluster_loop::{LoopNode, LoopOutcome, at_100};
+use crate::cluster_loop::{LoopNode, LoopOutcome, UNIT_BYTES, at_100};
 
 /// The namespace of the trace's pods.
 const NAMESPACE: &str = "trace";
@@ -55,8 +55,6 @@ const NAMESPACE: &str = "trace";
 const IN_FLIGHT: usize = 32;
 /// The chart's DRA driver (and DeviceClass).
 const DRIVER: &str = "gpu.awesome-ai-company.com";
-/// One unit of a GPU in the trace (a thousandth: 1,000 units of 16 MiB).
-const UNIT_BYTES: u64 = 16 << 20;
 
 /// How to run one seed.
 #[derive(Debug, Clone)]
@@ -70,23 +68,13 @@ pub struct TraceOptions {
     /// Chart values (`key=value`, as `--set` takes them) for the install, the extender's
     /// arguments and the scheduler's configuration.
     pub values: Vec<String>,
-    /// `percentageOfNodesToScore` set in the scheduler's configuration over the chart's, if
-    /// any.
-    pub percentage_of_nodes_to_score: Option<u32>,
     /// Every node a DRA driver ([`run_seed`]'s DRA mode) instead of a device-plugin agent.
     pub dra: bool,
 }
 
 impl Default for TraceOptions {
     fn default() -> Self {
-        Self {
-            tune: 1.3,
-            annotation_delay: 5,
-            listing_delay: 20,
-            values: Vec::new(),
-            percentage_of_nodes_to_score: None,
-            dra: false,
-        }
+        Self { tune: 1.3, annotation_delay: 5, listing_delay: 20, values: Vec::new(), dra: false }
     }
 }
 
@@ -157,7 +145,6 @@ pub async fn run_seed(
         let result = async {
             let mut scheduler = SchedulerConfig::as_the_chart(extender.verbs);
             scheduler.leader_elect = false;
-            scheduler.percentage_of_nodes_to_score = options.percentage_of_nodes_to_score;
             scheduler.values = values.iter().map(|v| (*v).to_owned()).collect();
             scheduler.spawn(&mut plane, &account)?;
             plane.default_account(NAMESPACE, Duration::from_secs(60)).await?;

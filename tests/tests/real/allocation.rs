@@ -151,7 +151,6 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
                 qps: None,
                 leader_elect: true,
                 values: Vec::new(),
-                percentage_of_nodes_to_score: None,
             }
             .spawn(plane, &scheduler_kubeconfig(plane)?)?;
             plane.default_account("team-a", Duration::from_secs(60)).await?;

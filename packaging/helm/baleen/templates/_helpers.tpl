@@ -362,3 +362,31 @@ subjects:
       readOnly: true
   {{- end }}
 {{- end }}
+
+{{/* The second scheduler's KubeSchedulerConfiguration, whose checksum rolls its pods. */}}
+{{- define "baleen.secondSchedulerConfig" -}}
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+leaderElection:
+  leaderElect: true
+  resourceName: {{ .Values.scheduler.name }}
+  resourceNamespace: {{ .Release.Namespace }}
+profiles:
+  - schedulerName: {{ .Values.scheduler.name }}
+    {{- if .Values.scheduler.percentageOfNodesToScore }}{{ include "baleen.nodesToScore" . | nindent 4 }}{{ end }}
+extenders:
+  - urlPrefix: http://127.0.0.1:8888
+    # Plain HTTP on localhost: no other pod reaches the extender's port.
+    enableHTTPS: false
+    {{- include "baleen.extenderStanza" . | nindent 4 }}
+{{- end }}
+
+{{/* A profile's percentageOfNodesToScore: nothing where kube-scheduler's adaptive default is
+asked for (0 or null). */}}
+{{- define "baleen.nodesToScore" -}}
+{{- with .Values.scheduler.percentageOfNodesToScore -}}
+# kube-scheduler looks at this share of the feasible nodes for each pod (the extender sees only
+# those): 100 lets baleen pack into every partly used GPU (docs/install.md).
+percentageOfNodesToScore: {{ . }}
+{{- end }}
+{{- end }}
