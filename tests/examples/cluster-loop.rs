@@ -56,6 +56,9 @@ struct Args {
     /// to the extender; 0 its adaptive sample (41 % of the default list's 1,213 nodes).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=100))]
     percentage_of_nodes_to_score: u32,
+    /// The extender's --filter-keep-best (0: every node that fits; the chart's is 50).
+    #[arg(long, default_value_t = 0)]
+    filter_keep_best: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,6 +73,7 @@ fn main() -> anyhow::Result<()> {
         cpu_by_extender: args.cpu_by_extender,
         settled: args.settled,
         percentage_of_nodes_to_score: args.percentage_of_nodes_to_score,
+        filter_keep_best: args.filter_keep_best,
         ..LoopOptions::default()
     };
     let sim = replay(

@@ -67,6 +67,8 @@ pub struct LoopOptions {
     /// which stops its filter once it has found [`nodes_to_find`] nodes that fit, starting
     /// where the last pod's search stopped, and sends only those.
     pub percentage_of_nodes_to_score: u32,
+    /// The extender's `--filter-keep-best` (0: every node that fits; the chart's is 50).
+    pub filter_keep_best: usize,
 }
 
 impl Default for LoopOptions {
@@ -80,6 +82,7 @@ impl Default for LoopOptions {
             cpu_by_extender: false,
             settled: false,
             percentage_of_nodes_to_score: 100,
+            filter_keep_best: 0,
         }
     }
 }
@@ -375,6 +378,7 @@ pub async fn run_seed(
     let settings = Settings {
         rebuild_every: options.rebuild_every,
         score_cpu_only: options.cpu_by_extender,
+        filter_keep_best: options.filter_keep_best,
         ..Settings::default()
     };
     let running = start(
