@@ -124,6 +124,40 @@ pub fn nodes_to_find(percentage: u32, all: usize) -> usize {
     (all * percentage / 100).max(MIN_NODES)
 }
 
+/// When each node's gpu-state annotation is written, counted in pods: `annotation_delay`
+/// pods after a grant, and again `listing_delay` pods after it (when the kubelet's
+/// pod-resources list names the pod); each write a new generation.
+pub(crate) struct AnnotationSchedule {
+    due: VecDeque<(usize, usize)>,
+    generation: u64,
+    annotation_delay: usize,
+    listing_delay: usize,
+}
+
+impl AnnotationSchedule {
+    pub(crate) fn new(annotation_delay: usize, listing_delay: usize) -> Self {
+        Self { due: VecDeque::new(), generation: 0, annotation_delay, listing_delay }
+    }
+
+    /// Node `node` granted something at pod `seq`.
+    pub(crate) fn granted(&mut self, seq: usize, node: usize) {
+        self.due.push_back((seq + self.annotation_delay, node));
+        self.due.push_back((seq + self.listing_delay.max(self.annotation_delay), node));
+        self.due.make_contiguous().sort_unstable();
+    }
+
+    /// The next node whose annotation is due by pod `seq`, and the generation to write.
+    pub(crate) fn next_due(&mut self, seq: usize) -> Option<(usize, u64)> {
+        let &(at, node) = self.due.front()?;
+        if at > seq {
+            return None;
+        }
+        self.due.pop_front();
+        self.generation += 1;
+        Some((node, self.generation))
+    }
+}
+
 /// What one seed produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoopOutcome {
@@ -405,8 +439,7 @@ pub async fn run_seed(
     let by_name: BTreeMap<&str, usize> =
         names.iter().enumerate().map(|(i, n)| (n.as_str(), i)).collect();
 
-    let mut due: VecDeque<(usize, usize)> = VecDeque::new();
-    let mut generation = 0u64;
+    let mut annotations = AnnotationSchedule::new(options.annotation_delay, options.listing_delay);
     let (mut arrived, mut allocated) = (0u64, 0u64);
     let (mut placed, mut admission_failures) = (0usize, 0usize);
     let mut rows: Vec<(f64, f64)> = Vec::with_capacity(order.len());
@@ -414,9 +447,7 @@ pub async fn run_seed(
     let mut next_start = 0usize;
     for (seq, &task) in order.iter().enumerate() {
         // Annotations due now reach the API server (and the extender's watch).
-        while due.front().is_some_and(|&(at, _)| at <= seq) {
-            let Some((_, i)) = due.pop_front() else { break };
-            generation += 1;
+        while let Some((i, generation)) = annotations.next_due(seq) {
             let state = nodes[i].state(generation, seq, options.listing_delay);
             publisher.annotate(&nodes[i].spec.name, &format!("{DOMAIN}/gpu-state"), &state).await?;
             // The delay is counted in pods: the extender sees the annotation before the next.
@@ -529,13 +560,7 @@ pub async fn run_seed(
                     allocated += request.gpu.total_milli();
                     placed += 1;
                     if gpu_ask.is_some() {
-                        due.push_back((seq + options.annotation_delay, i));
-                        // And again once the kubelet lists the pod.
-                        due.push_back((
-                            seq + options.listing_delay.max(options.annotation_delay),
-                            i,
-                        ));
-                        due.make_contiguous().sort_unstable();
+                        annotations.granted(seq, i);
                     }
                 }
                 Err(why) => {

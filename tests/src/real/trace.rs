@@ -29,7 +29,6 @@
 //!
 //! The headline is the replay's: unallocated GPU % at arrived = 100 %.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
@@ -47,7 +46,7 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 
 use super::ControlPlane;
 use super::scheduling::{DOMAIN, Extender, SchedulerConfig, scheduler_kubeconfig};
-use crate::cluster_loop::{LoopNode, LoopOutcome, UNIT_BYTES, at_100};
+use crate::cluster_loop::{AnnotationSchedule, LoopNode, LoopOutcome, UNIT_BYTES, at_100};
 
 /// The namespace of the trace's pods.
 const NAMESPACE: &str = "trace";
@@ -139,13 +138,13 @@ pub async fn run_seed(
             dra = add_slices(&client, &nodes, &uids).await?;
         }
         let account = scheduler_kubeconfig(&plane)?;
-        let values: Vec<&str> = values.iter().map(String::as_str).collect();
+        let args: Vec<&str> = values.iter().map(String::as_str).collect();
         let extender =
-            Extender::start(&plane, &account, &values, None, Duration::from_secs(300)).await?;
+            Extender::start(&plane, &account, &args, None, Duration::from_secs(300)).await?;
         let result = async {
             let mut scheduler = SchedulerConfig::as_the_chart(extender.verbs);
             scheduler.leader_elect = false;
-            scheduler.values = values.iter().map(|v| (*v).to_owned()).collect();
+            scheduler.values = values.clone();
             scheduler.spawn(&mut plane, &account)?;
             plane.default_account(NAMESPACE, Duration::from_secs(60)).await?;
             replay(&client, workload, nodes, dra, seed, options).await
@@ -382,8 +381,7 @@ async fn replay(
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), NAMESPACE);
     let (mut decisions, watch) = watch_decisions(pods.clone());
 
-    let mut due: VecDeque<(usize, usize)> = VecDeque::new();
-    let mut generation = 0u64;
+    let mut annotations = AnnotationSchedule::new(options.annotation_delay, options.listing_delay);
     let (mut arrived, mut allocated) = (0u64, 0u64);
     let (mut placed, mut admission_failures) = (0usize, 0usize);
     let mut refusals = std::collections::BTreeMap::<String, usize>::new();
@@ -391,9 +389,7 @@ async fn replay(
     let mut deciding = Duration::ZERO;
     let mut last_report = Instant::now();
     for (seq, &task) in order.iter().enumerate() {
-        while due.front().is_some_and(|&(at, _)| at <= seq) {
-            let Some((_, i)) = due.pop_front() else { break };
-            generation += 1;
+        while let Some((i, generation)) = annotations.next_due(seq) {
             let state = nodes[i].state(generation, seq, options.listing_delay);
             let patch =
                 json!({"metadata": {"annotations": {format!("{DOMAIN}/gpu-state"): state}}});
@@ -461,12 +457,7 @@ async fn replay(
                         allocated += request.gpu.total_milli();
                         placed += 1;
                         if ask.is_some() && !options.dra {
-                            due.push_back((seq + options.annotation_delay, i));
-                            due.push_back((
-                                seq + options.listing_delay.max(options.annotation_delay),
-                                i,
-                            ));
-                            due.make_contiguous().sort_unstable();
+                            annotations.granted(seq, i);
                         }
                     }
                     Err(why) => {
