@@ -381,12 +381,10 @@ extenders:
     {{- include "baleen.extenderStanza" . | nindent 4 }}
 {{- end }}
 
-{{/* A profile's percentageOfNodesToScore: nothing where kube-scheduler's adaptive default is
-asked for (0 or null). */}}
+{{/* A profile's percentageOfNodesToScore; included only where it is set (0 or null: kube-
+scheduler's adaptive default, nothing written). */}}
 {{- define "baleen.nodesToScore" -}}
-{{- with .Values.scheduler.percentageOfNodesToScore -}}
 # kube-scheduler looks at this share of the feasible nodes for each pod (the extender sees only
 # those): 100 lets baleen pack into every partly used GPU (docs/install.md).
-percentageOfNodesToScore: {{ . }}
-{{- end }}
+percentageOfNodesToScore: {{ .Values.scheduler.percentageOfNodesToScore }}
 {{- end }}
