@@ -410,4 +410,32 @@ mod tests {
             assert!(matches!(targets.get(&d.name), Some(Target::Mig(u)) if *u == d.uuid));
         }
     }
+
+    #[test]
+    fn a_prepared_claims_gpu_names_its_pod_in_the_node_state() {
+        let mut l = ledger("h200-8x-nvswitch.yaml", ViewConfig::default());
+        let gpu_uuid = l.gpus().nth(2).expect("gpu").uuid.to_string();
+        let holder = |pod: Option<&str>, uid: &str| crate::ledger::ClaimHolder {
+            namespace: "ns".into(),
+            name: uid.into(),
+            uid: uid.into(),
+            request: "gpu".into(),
+            device: "gpu-2".into(),
+            share_id: Some(format!("{uid}-share")),
+            pod: pod.map(str::to_owned),
+            priority: None,
+        };
+        let bytes = 3 * l.config().memory_unit_bytes;
+        let booking = |pod, uid| ClaimBooking {
+            holder: holder(pod, uid),
+            device: ClaimDevice::Share { gpu_uuid: gpu_uuid.clone(), bytes },
+        };
+        l.book_claim(&[booking(Some("trainer"), "a")], 0).expect("booked");
+        l.book_claim(&[booking(None, "b")], 0).expect("booked");
+        // No pod-resources list names either: the claim's pod names the first, the second
+        // (prepared for no known pod) stays an unnamed grant.
+        let doc = l.node_state("node-a", 1, |_| None);
+        assert_eq!(doc.gpus[2].pods, ["ns/trainer"]);
+        assert_eq!(doc.unnamed.len(), 1, "{:?}", doc.unnamed);
+    }
 }

@@ -86,7 +86,11 @@ pub fn believable(state: &NodeGpuState, node: &Node, domain: &str) -> Result<(),
             .map_or(0, |m| u64::try_from(m / 1000).unwrap_or(0))
     };
     let has = capacity("gpu-memory");
-    if units > has {
+    // A DRA node's kubelet counts none of its devices: its units are not bounded here. Its
+    // document can only matter to pods that hold claims (NodeResourcesFit keeps pods asking
+    // gpu-memory off a node that counts none), whose devices kube-scheduler's DRA plugin has
+    // already found in the node's ResourceSlices, which the same agent writes.
+    if units > has && !(state.dra && has == 0) {
         return refuse(format!(
             "the document offers {units} gpu-memory units, the kubelet counts {has} on the Node"
         ));
@@ -115,11 +119,16 @@ pub struct PodEntry {
 impl PodEntry {
     /// The entry of `pod`, reading resources in `domain`.
     pub fn of(pod: &Pod, domain: &str) -> Self {
+        Self::with_claims(pod, domain, &crate::claims::ClaimIndex::default())
+    }
+
+    /// The entry of `pod`, reading resources in `domain` and its DRA claims in `claims`.
+    pub fn with_claims(pod: &Pod, domain: &str, claims: &crate::claims::ClaimIndex) -> Self {
         let phase = pod.status.phase.as_deref();
         Self {
             key: format!("{}/{}", pod.metadata.namespace, pod.metadata.name),
             node: pod.spec.node_name.clone().filter(|n| !n.is_empty()),
-            demand: Demand::of(pod, domain).unwrap_or_default(),
+            demand: Demand::of_with_claims(pod, domain, claims).unwrap_or_default(),
             finished: matches!(phase, Some("Succeeded" | "Failed")),
         }
     }
@@ -603,6 +612,7 @@ mod believing {
             nvlink_groups: vec![],
             unnamed: vec![],
             pod_uids: Default::default(),
+            dra: false,
         };
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "a", "annotations": {"d.io/gpu-state": state.to_json()}},
@@ -627,6 +637,22 @@ mod believing {
         // No devices counted at all (the Node has no such capacity).
         let e = entry(&node(vec![gpu(0, 140, 140)], "0")).expect_err("nothing counted");
         assert!(e.contains("counts 0"), "{e}");
+        // A DRA node's: its kubelet counts no gpu-memory, its document is believed as far as
+        // the agent's limits; a device-plugin node claiming to be one still is not.
+        let dra = |capacity: &str, gpus| {
+            let mut n = node(gpus, capacity);
+            let key = "d.io/gpu-state";
+            let annotations = n.metadata.annotations.as_mut().expect("annotations");
+            let mut doc = NodeGpuState::parse(&annotations[key]).expect("doc");
+            doc.dra = true;
+            annotations.insert(key.into(), doc.to_json());
+            entry(&n)
+        };
+        assert!(dra("0", vec![gpu(0, 140, 140)]).is_ok());
+        let e = dra("100", vec![gpu(0, 140, 140)]).expect_err("more than counted");
+        assert!(e.contains("counts 100"), "{e}");
+        let many: Vec<GpuEntry> = (0..65).map(|i| gpu(i, 1, 1)).collect();
+        assert!(dra("0", many).is_err(), "past the agent's limits");
         // Past the agent's own limits.
         let many: Vec<GpuEntry> = (0..65).map(|i| gpu(i, 1, 1)).collect();
         assert!(entry(&node(many, "100000")).is_err());

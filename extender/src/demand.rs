@@ -80,6 +80,18 @@ impl Demand {
         self.asks.is_empty()
     }
 
+    /// The pod's demand, reading resources in `domain`, with what its DRA claims of baleen's
+    /// classes ask (`claims`) after its containers' asks.
+    pub fn of_with_claims(
+        pod: &Pod,
+        domain: &str,
+        claims: &crate::claims::ClaimIndex,
+    ) -> Result<Self, DemandError> {
+        let mut demand = Self::of(pod, domain)?;
+        demand.asks.extend(claims.asks_of(pod));
+        Ok(demand)
+    }
+
     /// The pod's demand, reading resources in `domain`.
     pub fn of(pod: &Pod, domain: &str) -> Result<Self, DemandError> {
         let all_init = pod.spec.init_containers.as_deref().unwrap_or_default();

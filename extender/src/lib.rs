@@ -4,6 +4,7 @@
 //!
 //! - [`protocol`]: the extender protocol's JSON (kube-scheduler's Go field names);
 //! - [`demand`]: what a pod asks of baleen resources, CPU and memory;
+//! - [`claims`]: what pods ask through DRA claims of baleen's DeviceClasses;
 //! - [`place`]: which nodes fit (the filter) and how well (the policy's score);
 //! - [`cluster`]: the nodes and pods the watchers (or kube-scheduler) report;
 //! - [`service`]: the verbs over the cluster view, and the online target workload;
@@ -13,6 +14,7 @@
 //! - [`webhook`]: the mutating admission webhook that sends GPU pods to baleen's scheduler, over TLS;
 //! - [`kube_access`]: every Kubernetes API call it makes (the install's RBAC).
 
+pub mod claims;
 pub mod cluster;
 pub mod demand;
 pub mod http;

@@ -42,6 +42,7 @@ fn main() -> ExitCode {
         }
     };
     let tls = args.verbs_tls();
+    let claims = args.claims();
     let settings = Settings {
         domain: args.domain,
         policy,
@@ -50,6 +51,7 @@ fn main() -> ExitCode {
         scheduler_name: args.scheduler_name.clone(),
         score_cpu_only: args.score_cpu_only_pods,
         filter_keep_best: args.filter_keep_best,
+        claims,
     };
     let config = Config {
         listen: args.listen,

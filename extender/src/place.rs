@@ -384,6 +384,7 @@ mod tests {
             gpus,
             unnamed: vec![],
             pod_uids: Default::default(),
+            dra: false,
         }
     }
 

@@ -480,6 +480,30 @@ pub struct PodSpec {
     pub node_name: Option<String>,
     /// The scheduler it asks for (`default-scheduler` when unset).
     pub scheduler_name: Option<String>,
+    /// The DRA claims it holds.
+    pub resource_claims: Option<Vec<PodResourceClaim>>,
+}
+
+/// One entry of a pod's `spec.resourceClaims`: a claim by name, or one made from a template.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct PodResourceClaim {
+    /// The entry's name in the pod.
+    pub name: String,
+    /// The claim, where the pod names it.
+    pub resource_claim_name: Option<String>,
+    /// The template the claim is made from, where it is.
+    pub resource_claim_template_name: Option<String>,
+}
+
+/// One entry of a pod's `status.resourceClaimStatuses`: the claim made for a template entry.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct PodResourceClaimStatus {
+    /// The entry's name in the pod's `spec.resourceClaims`.
+    pub name: String,
+    /// The claim made for it (unset where none was needed).
+    pub resource_claim_name: Option<String>,
 }
 
 /// A pod's status.
@@ -488,6 +512,8 @@ pub struct PodSpec {
 pub struct PodStatus {
     /// `Pending`, `Running`, `Succeeded`, `Failed`, `Unknown`.
     pub phase: Option<String>,
+    /// The claims made from the templates its `spec.resourceClaims` name.
+    pub resource_claim_statuses: Option<Vec<PodResourceClaimStatus>>,
 }
 
 /// A container's name and resources.

@@ -199,6 +199,18 @@ pub async fn start(
         tasks.spawn(serve);
     }
     tasks.spawn(crate::watch::nodes(client.clone(), extender.clone(), shutdown.clone()));
+    if extender.settings().claims.enabled() {
+        tasks.spawn(crate::claims::watch(
+            client.clone(),
+            extender.claims.clone(),
+            shutdown.clone(),
+        ));
+        tracing::info!(
+            classes = ?extender.settings().claims.classes,
+            memory_unit_bytes = extender.settings().claims.memory_unit_bytes,
+            "judging pods by their DRA claims of these DeviceClasses"
+        );
+    }
     tasks.spawn(crate::watch::pods(client, extender.clone(), shutdown.clone()));
     tasks.spawn(extender.clone().run_rebuilder(shutdown.clone()));
     tasks.spawn(serve);
@@ -309,6 +321,16 @@ pub struct Args {
     /// node that fits). kube-scheduler then scores and prioritizes only these.
     #[arg(long, default_value_t = 0)]
     pub filter_keep_best: usize,
+    /// A DRA DeviceClass whose claims are baleen GPUs (repeat for more): the pods holding such
+    /// claims are judged by what their claims ask (memory shares and whole GPUs), read from a
+    /// ResourceClaim watch, for a kube-scheduler profile that sends them (no
+    /// `managedResources`). None: claims are not read.
+    #[arg(long, requires = "dra_memory_unit")]
+    pub dra_device_class: Vec<String>,
+    /// The agents' memory unit (`memoryUnit`, e.g. `1GiB`): a claim's memory is counted in
+    /// these, rounded up, as the slices' requestPolicy rounds it.
+    #[arg(long, value_parser = parse_memory_unit)]
+    pub dra_memory_unit: Option<u64>,
     /// Serve filter and prioritize over TLS (kube-scheduler's enableHTTPS) with tls.crt and
     /// tls.key here, read again when they change: for the extender behind a Service.
     #[arg(long)]
@@ -319,7 +341,23 @@ pub struct Args {
     pub client_ca: Option<std::path::PathBuf>,
 }
 
+/// A memory unit for `--dra-memory-unit`: a size such as `1GiB`, at least one byte.
+fn parse_memory_unit(text: &str) -> Result<u64, String> {
+    match baleen_k8s::quantity::parse_bytes(text)? {
+        0 => Err("a memory unit of 0 bytes".into()),
+        bytes => Ok(bytes),
+    }
+}
+
 impl Args {
+    /// What claims the extender reads (`--dra-device-class`, `--dra-memory-unit`).
+    pub fn claims(&self) -> crate::claims::ClaimSettings {
+        crate::claims::ClaimSettings {
+            classes: self.dra_device_class.clone(),
+            memory_unit_bytes: self.dra_memory_unit.unwrap_or(0),
+        }
+    }
+
     /// TLS of filter and prioritize from the flags.
     pub fn verbs_tls(&self) -> Option<VerbsTls> {
         self.tls_cert_dir

@@ -38,6 +38,9 @@ pub struct Settings {
     /// 5,000 nodes it sends 500: scoring and decoding them was most of what the extender cost
     /// it, docs/benchmarks.md).
     pub filter_keep_best: usize,
+    /// DRA claims counted as the pods' asks (`--dra-device-class`, `--dra-memory-unit`): none
+    /// by default.
+    pub claims: crate::claims::ClaimSettings,
 }
 
 impl Default for Settings {
@@ -50,6 +53,7 @@ impl Default for Settings {
             scheduler_name: None,
             score_cpu_only: false,
             filter_keep_best: 0,
+            claims: crate::claims::ClaimSettings::default(),
         }
     }
 }
@@ -662,6 +666,9 @@ struct Seen {
 /// The extender.
 pub struct Extender {
     settings: Settings,
+    /// The DRA claims the pods hold (filled by [`crate::claims::watch`] where
+    /// `settings.claims` names classes).
+    pub claims: Arc<crate::claims::ClaimIndex>,
     /// Nodes and pods (the watchers write, the verbs read).
     pub cluster: crate::cluster::SharedView,
     policy: RwLock<Arc<Policy>>,
@@ -763,6 +770,7 @@ impl Extender {
         let none = std::iter::empty::<&Request>();
         let policy = Policy::for_requests(settings.policy, none, 0.95, Normalisers::default());
         Arc::new(Self {
+            claims: Arc::new(crate::claims::ClaimIndex::new(settings.claims.clone())),
             settings,
             cluster: crate::cluster::SharedView::default(),
             policy: RwLock::new(Arc::new(policy)),
@@ -1236,7 +1244,7 @@ impl Extender {
 
     /// What `pod` asks, or the call's error naming it.
     fn demand_of(&self, pod: &crate::protocol::Pod) -> Result<Demand, String> {
-        Demand::of(pod, &self.settings.domain)
+        Demand::of_with_claims(pod, &self.settings.domain, &self.claims)
             .map_err(|e| format!("pod {}/{}: {e}", pod.metadata.namespace, pod.metadata.name))
     }
 

@@ -87,7 +87,7 @@ impl<K: Object> Feed<K> {
         match change {
             Change::Listed(objects) => {
                 let read: Vec<(String, K::Entry)> =
-                    objects.iter().filter_map(|o| o.read(&self.context)).collect();
+                    objects.iter().filter_map(|o| o.read(extender, &self.context)).collect();
                 let keys: BTreeSet<String> = read.iter().map(|(k, _)| k.clone()).collect();
                 let stored: Vec<(String, K::Stored)> = {
                     let mut view = lock();
@@ -107,7 +107,7 @@ impl<K: Object> Feed<K> {
                 extender.listed(K::WHAT);
             }
             Change::Applied(object) => {
-                if let Some((key, entry)) = object.read(&self.context) {
+                if let Some((key, entry)) = object.read(extender, &self.context) {
                     let stored = K::store(&mut lock(), &key, entry);
                     K::after(extender, &key, stored);
                 }
@@ -131,7 +131,7 @@ pub trait Object: Sized {
     /// Which watcher this is.
     const WHAT: Watched;
     /// The object's key and entry; `None` for one that cannot be read.
-    fn read(&self, context: &str) -> Option<(String, Self::Entry)>;
+    fn read(&self, extender: &Extender, context: &str) -> Option<(String, Self::Entry)>;
     /// Its key alone (for a deletion).
     fn key(&self) -> Option<String>;
     /// Stores `entry` under `key`, the view's write lock held.
@@ -150,7 +150,7 @@ impl Object for KubeNode {
     type Stored = Option<String>;
     const WHAT: Watched = Watched::Nodes;
 
-    fn read(&self, key: &str) -> Option<(String, NodeEntry)> {
+    fn read(&self, _: &Extender, key: &str) -> Option<(String, NodeEntry)> {
         let node: Node = serde_json::to_value(self).and_then(serde_json::from_value).ok()?;
         let entry = NodeEntry::of(&node, key);
         Some((node.metadata.name, entry))
@@ -213,9 +213,9 @@ impl Object for KubePod {
     type Stored = PodStored;
     const WHAT: Watched = Watched::Pods;
 
-    fn read(&self, domain: &str) -> Option<(String, PodRead)> {
+    fn read(&self, extender: &Extender, domain: &str) -> Option<(String, PodRead)> {
         let pod: Pod = serde_json::to_value(self).and_then(serde_json::from_value).ok()?;
-        let entry = PodEntry::of(&pod, domain);
+        let entry = PodEntry::with_claims(&pod, domain, &extender.claims);
         Some((pod.metadata.uid.clone(), PodRead { entry, pod }))
     }
 

@@ -41,6 +41,7 @@ pub fn h200_state(node: &str, free: &[u32]) -> NodeGpuState {
         nvlink_groups: vec![],
         unnamed: vec![],
         pod_uids: Default::default(),
+        dra: false,
     }
 }
 

@@ -53,6 +53,10 @@ pub struct NodeGpuState {
     /// field: the version stays, and documents without it are read as they were).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub pod_uids: std::collections::BTreeMap<String, String>,
+    /// The node is served as a DRA driver: its GPUs are in ResourceSlices, and the kubelet
+    /// counts none of them as extended resources (a new optional field, omitted when false).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dra: bool,
 }
 
 impl NodeGpuState {
@@ -261,6 +265,7 @@ mod tests {
             nvlink_groups: vec![],
             unnamed: vec![],
             pod_uids: Default::default(),
+            dra: false,
         }
     }
 

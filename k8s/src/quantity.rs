@@ -53,6 +53,38 @@ pub fn quantity_milli(text: &str) -> Option<i128> {
     Some(if negative { -value } else { value })
 }
 
+/// Parses `<integer>[ ]<unit>`: B, kB/KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB
+/// (powers of 1024); a bare integer is bytes. The agent's memory sizes (its `memoryUnit`,
+/// topology files) and the extender's `--dra-memory-unit` are read by it.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let bad = || {
+        format!(
+            "`{text}` is not a memory quantity: expected bytes as an integer, or an integer with \
+             a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. `80GB` or `143771MiB`"
+        )
+    };
+    if digits.is_empty() {
+        return Err(bad());
+    }
+    let value: u64 = digits.parse().map_err(|_| bad())?;
+    let factor: u64 = match unit.trim_start() {
+        "" | "B" => 1,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        _ => return Err(bad()),
+    };
+    value.checked_mul(factor).ok_or_else(|| format!("`{text}` does not fit in 64 bits of bytes"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -52,6 +52,17 @@ struct Args {
     /// allocator choosing devices first fit, kube-scheduler's LeastAllocated choosing nodes.
     #[arg(long)]
     dra: bool,
+    /// With --dra: nodes chosen by the policy (the extender judging DRA nodes), not by
+    /// kube-scheduler's LeastAllocated.
+    #[arg(long)]
+    dra_node_by_policy: bool,
+    /// With --dra: each node's shared GPUs listed fullest first in its slices (the agent's
+    /// order), so the allocator's first fit is a best fit.
+    #[arg(long)]
+    dra_fullest_first: bool,
+    /// With --dra: skip the live device-plugin loop (the DRA figures only).
+    #[arg(long)]
+    dra_only: bool,
     /// kube-scheduler's percentageOfNodesToScore: 100 (the chart's) sends every node that fits
     /// to the extender; 0 its adaptive sample (41 % of the default list's 1,213 nodes).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=100))]
@@ -100,9 +111,24 @@ fn main() -> anyhow::Result<()> {
     );
     for (k, &seed) in args.seeds.iter().enumerate() {
         let started = std::time::Instant::now();
-        let live = runtime.block_on(run_seed(&workload, seed, &options))?;
+        let live = if args.dra && args.dra_only {
+            baleen_tests::cluster_loop::LoopOutcome {
+                seed,
+                submitted: 0,
+                placed: 0,
+                admission_failures: 0,
+                unallocated_at_100: f64::NAN,
+            }
+        } else {
+            runtime.block_on(run_seed(&workload, seed, &options))?
+        };
         let dra = if args.dra {
-            let d = baleen_tests::dra_loop::run_seed(&workload, seed, options.tune)?;
+            let dra_options = baleen_tests::dra_loop::DraOptions {
+                node_by_policy: args.dra_node_by_policy,
+                fullest_first: args.dra_fullest_first,
+            };
+            let d =
+                baleen_tests::dra_loop::run_seed_with(&workload, seed, options.tune, dra_options)?;
             format!(
                 "  {:>10}  {:>12}  {:>15.2}",
                 d.placed, d.admission_failures, d.unallocated_at_100

@@ -25,7 +25,10 @@ impl DeviceLedger {
     }
 
     /// The node-state document of node `node` at allocation generation `generation`;
-    /// `holder` names the pod (`namespace/name`) of an allocation the kubelet has listed.
+    /// `holder` names the pod (`namespace/name`) of an allocation the kubelet has listed. A DRA
+    /// claim's devices are named by the pod the claim was prepared for (the kubelet's
+    /// pod-resources list never shows them), so that the extender, which judges claim pods
+    /// too, matches them with the pods it sees bound.
     pub fn node_state(
         &self,
         node: &str,
@@ -37,7 +40,11 @@ impl DeviceLedger {
         let mut pods: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
         let mut unnamed = Vec::new();
         for h in self.held.values() {
-            let Some(pod) = holder(&h.record) else {
+            let claim_pod = || {
+                let c = h.record.claim.as_ref()?;
+                Some(format!("{}/{}", c.namespace, c.pod.as_deref()?))
+            };
+            let Some(pod) = holder(&h.record).or_else(claim_pod) else {
                 unnamed.push(UnnamedGrant {
                     resource: h.record.resource.clone(),
                     devices: count(h.record.device_ids.len()),
@@ -139,6 +146,7 @@ impl DeviceLedger {
             nvlink_groups,
             unnamed,
             pod_uids: Default::default(),
+            dra: false,
         }
     }
 }

@@ -29,6 +29,9 @@ pub struct AnnotationConfig {
     pub key: String,
     /// The least time between two writes.
     pub min_interval: Duration,
+    /// The node is served as a DRA driver (the document says so: `dra`); set by [`start`]
+    /// from the agent's driver.
+    pub dra: bool,
 }
 
 impl Default for AnnotationConfig {
@@ -37,6 +40,7 @@ impl Default for AnnotationConfig {
             enabled: false,
             key: format!("{}/{}", defaults::DOMAIN, defaults::ANNOTATION_NAME),
             min_interval: defaults::ANNOTATION_MIN_INTERVAL,
+            dra: false,
         }
     }
 }
@@ -55,12 +59,16 @@ pub fn start(
         return Ok(());
     }
     let api = api.cloned().ok_or(super::AgentError::NoNodeApi { what: "annotation.enabled" })?;
+    let annotation = super::annotation::AnnotationConfig {
+        dra: matches!(config.driver, crate::dra::DriverMode::Dra(_)),
+        ..config.annotation.clone()
+    };
     let publish = run(
         api,
         resources.clone(),
         pods.cloned(),
         config.node_name.clone(),
-        config.annotation.clone(),
+        annotation,
         shutdown.clone(),
     );
     tasks.spawn("node-state publisher", async move {
@@ -104,7 +112,8 @@ pub async fn run(
     let mut outage = Outage::default();
     loop {
         changes.borrow_and_update();
-        let state = resources.node_state();
+        let mut state = resources.node_state();
+        state.dra = config.dra;
         let state = match &mut pods {
             Some(pods) => with_uids(state, &pods.borrow_and_update()),
             None => state,

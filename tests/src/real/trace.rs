@@ -109,6 +109,8 @@ pub async fn run_seed(
         let mut values = vec!["webhook.enabled=false".to_owned()];
         if options.dra {
             values.push("dra.enabled=true".to_owned());
+            // The ledgers' unit (the slices' step), which the extender counts claims in.
+            values.push("agent.config.memoryUnit=16MiB".to_owned());
         }
         values.extend(options.values.iter().cloned());
         let mut install = Vec::new();
@@ -175,10 +177,10 @@ async fn add_nodes(
                                  "labels": {"kubernetes.io/hostname": spec.name}}});
                 let mut resources = json!({"cpu": format!("{}m", spec.cpu.0),
                     "memory": format!("{}Mi", spec.memory.0), "pods": "110"});
+                object["metadata"]["annotations"] = json!({format!("{DOMAIN}/gpu-state"):
+                    state(node, 0, 0, options)?});
                 if !options.dra {
                     let gpus = spec.gpus.len() as u64;
-                    object["metadata"]["annotations"] = json!({format!("{DOMAIN}/gpu-state"):
-                        node.state(0, 0, options.listing_delay)});
                     resources[format!("{DOMAIN}/gpu-memory")] = (gpus * 1000).to_string().into();
                     resources[format!("{DOMAIN}/gpu")] = gpus.to_string().into();
                 }
@@ -193,6 +195,18 @@ async fn add_nodes(
         .buffered(IN_FLIGHT)
         .try_collect()
         .await
+}
+
+/// Node `node`'s gpu-state document after pod `seq`, as its agent writes it (a DRA agent's
+/// says `dra`; its claims' pods are named at once, by the claims).
+fn state(node: &LoopNode, generation: u64, seq: usize, options: &TraceOptions) -> Result<String> {
+    let text = node.state(generation, seq, options.listing_delay);
+    if !options.dra {
+        return Ok(text);
+    }
+    let mut doc = baleen_k8s::gpu_state::NodeGpuState::parse(&text)?;
+    doc.dra = true;
+    Ok(doc.to_json())
 }
 
 /// What a DRA node's agent knows of its devices: the DRA device names to GPUs.
@@ -390,7 +404,7 @@ async fn replay(
     let mut last_report = Instant::now();
     for (seq, &task) in order.iter().enumerate() {
         while let Some((i, generation)) = annotations.next_due(seq) {
-            let state = nodes[i].state(generation, seq, options.listing_delay);
+            let state = state(&nodes[i], generation, seq, options)?;
             let patch =
                 json!({"metadata": {"annotations": {format!("{DOMAIN}/gpu-state"): state}}});
             node_api
@@ -456,7 +470,7 @@ async fn replay(
                     Ok(()) => {
                         allocated += request.gpu.total_milli();
                         placed += 1;
-                        if ask.is_some() && !options.dra {
+                        if ask.is_some() {
                             annotations.granted(seq, i);
                         }
                     }

@@ -1000,6 +1000,9 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
     if own_certificate {
         rules.extend_from_slice(baleen_extender::kube_access::WEBHOOK_OWN_CERTIFICATE);
     }
+    if args.claims().enabled() {
+        rules.extend_from_slice(baleen_extender::kube_access::DRA_CLAIMS);
+    }
     let mut called = calls(rules.iter().map(|r| (r.api_group, r.resource, r.verbs)));
     let builtin = install.builtin_roles_of(&account);
     if second {

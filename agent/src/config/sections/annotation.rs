@@ -36,5 +36,6 @@ pub(in crate::config) fn resolve(
         enabled: file.enabled.unwrap_or(src.env.in_pod),
         key: format!("{domain}/{}", defaults::ANNOTATION_NAME),
         min_interval,
+        dra: false,
     }
 }

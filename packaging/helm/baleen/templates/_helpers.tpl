@@ -180,11 +180,23 @@ ignorable: false
 {{- if include "baleen.cpuOnlyPods" . }}
 # No managedResources: every pod of this profile is sent to the extender, the CPU-only ones
 # (scheduler.cpuOnlyPods) to be scored by the policy too.
+{{- else if include "baleen.judgesClaims" . }}
+# No managedResources: every pod of this profile is sent to the extender, so that the pods
+# holding DRA claims of baleen's class, which ask for no extended resource, are judged by
+# their claims (dra.judgeClaimPods).
 {{- else }}
 # Only pods asking for one of these are sent to the extender (MIG: mig.profiles).
 managedResources:
   {{- include "baleen.managedResources" . | nindent 2 }}
 {{- end }}
+{{- end }}
+
+{{/* Whether the extender judges the pods that hold DRA claims of the driver's GPU class
+(non-empty when it does): DRA on, dra.judgeClaimPods, and baleen's own second scheduler (in
+extender-service mode the profile is the cluster's default scheduler, whose every pod would go
+to the extender). */}}
+{{- define "baleen.judgesClaims" -}}
+{{- if and .Values.dra.enabled .Values.dra.judgeClaimPods (eq .Values.scheduler.mode "second-scheduler") }}true{{ end }}
 {{- end }}
 
 {{/* Whether CPU-only pods go to baleen's scheduler too (non-empty when they do). */}}
@@ -215,6 +227,11 @@ rules:
   - apiGroups: [""]
     resources: ["pods/binding"]
     verbs: ["create"]
+  {{- if include "baleen.judgesClaims" $root }}
+  - apiGroups: ["resource.k8s.io"]
+    resources: ["resourceclaims"]
+    verbs: ["list", "watch"]
+  {{- end }}
   {{- if .self }}
   - apiGroups: ["admissionregistration.k8s.io"]
     resources: ["mutatingwebhookconfigurations"]
@@ -305,6 +322,10 @@ subjects:
     {{- end }}
     {{- if include "baleen.cpuOnlyPods" $root }}
     - --score-cpu-only-pods
+    {{- end }}
+    {{- if include "baleen.judgesClaims" $root }}
+    - --dra-device-class={{ include "baleen.draDriver" $root }}
+    - --dra-memory-unit={{ $v.agent.config.memoryUnit | default "1GiB" }}
     {{- end }}
     {{- if $v.extender.filterKeepBest }}
     - --filter-keep-best={{ $v.extender.filterKeepBest }}
