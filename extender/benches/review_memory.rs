@@ -119,6 +119,7 @@ fn main() {
             scheduler: "baleen-scheduler",
             largest_units: Some(140),
             cpu_only: false,
+            claims: None,
         };
         let now = peak_of(|| {
             let reviewed = review::read(body, rule).expect("a review");

@@ -25,7 +25,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use baleen_k8s::watch::Change;
-use k8s_openapi::api::resource::v1::{DeviceRequest, ResourceClaim};
+use k8s_openapi::api::resource::v1::{
+    DeviceClaim, DeviceRequest, ResourceClaim, ResourceClaimTemplate,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
@@ -66,7 +69,7 @@ fn quantity_bytes(text: &str) -> Option<u64> {
 /// the extender can count (see the module's documentation).
 fn request_asks(request: &DeviceRequest, settings: &ClaimSettings) -> Vec<Ask> {
     let Some(exactly) = &request.exactly else { return Vec::new() };
-    if !settings.classes.iter().any(|c| *c == exactly.device_class_name) {
+    if !settings.classes.contains(&exactly.device_class_name) {
         return Vec::new();
     }
     if exactly.allocation_mode.as_deref().is_some_and(|m| m != "ExactCount") {
@@ -99,10 +102,12 @@ fn request_asks(request: &DeviceRequest, settings: &ClaimSettings) -> Vec<Ask> {
 
 /// The asks of `claim`'s requests under `settings`, in request order.
 pub fn claim_asks(claim: &ResourceClaim, settings: &ClaimSettings) -> Vec<Ask> {
-    claim
-        .spec
-        .devices
-        .as_ref()
+    devices_asks(claim.spec.devices.as_ref(), settings)
+}
+
+/// The asks of the requests of a claim's `devices` under `settings`, in request order.
+fn devices_asks(devices: Option<&DeviceClaim>, settings: &ClaimSettings) -> Vec<Ask> {
+    devices
         .and_then(|d| d.requests.as_ref())
         .into_iter()
         .flatten()
@@ -131,18 +136,20 @@ pub fn pod_claim_names(pod: &Pod) -> Vec<String> {
         .collect()
 }
 
-/// The claims the extender knows: `namespace/name` to their asks (claims of no counted class
-/// are kept out).
+/// The claims the extender knows, and the claim templates: `namespace/name` to their asks
+/// (those of no counted class are kept out).
 #[derive(Debug, Default)]
 pub struct ClaimIndex {
     settings: ClaimSettings,
     asks: RwLock<HashMap<String, Arc<[Ask]>>>,
+    /// ResourceClaimTemplates: what the webhook reads of a pod whose claims are not made yet.
+    templates: RwLock<HashMap<String, Arc<[Ask]>>>,
 }
 
 impl ClaimIndex {
     /// An empty index counting claims as `settings` say.
     pub fn new(settings: ClaimSettings) -> Self {
-        Self { settings, asks: RwLock::default() }
+        Self { settings, asks: RwLock::default(), templates: RwLock::default() }
     }
 
     /// How claims are counted.
@@ -150,29 +157,21 @@ impl ClaimIndex {
         &self.settings
     }
 
-    fn key(claim: &ResourceClaim) -> Option<String> {
-        Some(format!(
-            "{}/{}",
-            claim.metadata.namespace.as_deref()?,
-            claim.metadata.name.as_deref()?
-        ))
+    fn key(meta: &ObjectMeta) -> Option<String> {
+        Some(format!("{}/{}", meta.namespace.as_deref()?, meta.name.as_deref()?))
     }
 
-    /// Stores `claim` (or forgets it, where it asks nothing counted).
+    /// Stores `claim` (with no asks, where it asks for no counted class: known, so that a pod
+    /// holding it is not taken for one whose claim the watch has not shown yet).
     pub fn apply(&self, claim: &ResourceClaim) {
-        let Some(key) = Self::key(claim) else { return };
+        let Some(key) = Self::key(&claim.metadata) else { return };
         let asks = claim_asks(claim, &self.settings);
-        let mut map = self.asks.write().unwrap_or_else(PoisonError::into_inner);
-        if asks.is_empty() {
-            map.remove(&key);
-        } else {
-            map.insert(key, asks.into());
-        }
+        self.asks.write().unwrap_or_else(PoisonError::into_inner).insert(key, asks.into());
     }
 
     /// Forgets `claim`.
     pub fn remove(&self, claim: &ResourceClaim) {
-        if let Some(key) = Self::key(claim) {
+        if let Some(key) = Self::key(&claim.metadata) {
             self.asks.write().unwrap_or_else(PoisonError::into_inner).remove(&key);
         }
     }
@@ -181,30 +180,100 @@ impl ClaimIndex {
     pub fn replace(&self, claims: &[ResourceClaim]) {
         let fresh: HashMap<String, Arc<[Ask]>> = claims
             .iter()
-            .filter_map(|c| {
-                let asks = claim_asks(c, &self.settings);
-                (!asks.is_empty()).then(|| Some((Self::key(c)?, asks.into())))?
-            })
+            .filter_map(|c| Some((Self::key(&c.metadata)?, claim_asks(c, &self.settings).into())))
             .collect();
         *self.asks.write().unwrap_or_else(PoisonError::into_inner) = fresh;
     }
 
+    /// Stores `template` (or forgets it, where it asks nothing counted).
+    pub fn apply_template(&self, template: &ResourceClaimTemplate) {
+        let Some(key) = Self::key(&template.metadata) else { return };
+        let asks = devices_asks(template.spec.spec.devices.as_ref(), &self.settings);
+        let mut map = self.templates.write().unwrap_or_else(PoisonError::into_inner);
+        if asks.is_empty() {
+            map.remove(&key);
+        } else {
+            map.insert(key, asks.into());
+        }
+    }
+
+    /// Forgets `template`.
+    pub fn remove_template(&self, template: &ResourceClaimTemplate) {
+        if let Some(key) = Self::key(&template.metadata) {
+            self.templates.write().unwrap_or_else(PoisonError::into_inner).remove(&key);
+        }
+    }
+
+    /// Replaces every template with those of a fresh list.
+    pub fn replace_templates(&self, templates: &[ResourceClaimTemplate]) {
+        let fresh: HashMap<String, Arc<[Ask]>> = templates
+            .iter()
+            .filter_map(|t| {
+                let asks = devices_asks(t.spec.spec.devices.as_ref(), &self.settings);
+                (!asks.is_empty()).then(|| Some((Self::key(&t.metadata)?, asks.into())))?
+            })
+            .collect();
+        *self.templates.write().unwrap_or_else(PoisonError::into_inner) = fresh;
+    }
+
+    /// Whether a pod of `namespace` holding `claims` (its `spec.resourceClaims`) holds one that
+    /// asks for a counted class, by the claim it names or the template it names: what the
+    /// webhook sends to baleen's scheduler.
+    pub fn holds_counted(
+        &self,
+        namespace: &str,
+        claims: &[crate::protocol::PodResourceClaim],
+    ) -> bool {
+        let named = self.asks.read().unwrap_or_else(PoisonError::into_inner);
+        let templates = self.templates.read().unwrap_or_else(PoisonError::into_inner);
+        claims.iter().any(|c| match (&c.resource_claim_name, &c.resource_claim_template_name) {
+            (Some(name), _) => {
+                named.get(&format!("{namespace}/{name}")).is_some_and(|a| !a.is_empty())
+            }
+            (None, Some(t)) => templates.contains_key(&format!("{namespace}/{t}")),
+            (None, None) => false,
+        })
+    }
+
     /// What `pod`'s claims ask, in the order the pod names them; empty for a pod without claims
-    /// of a counted class (or whose claims are not known yet).
-    pub fn asks_of(&self, pod: &Pod) -> Vec<Ask> {
-        if pod.spec.resource_claims.as_ref().is_none_or(Vec::is_empty) {
-            return Vec::new();
+    /// of a counted class. Where the extender judges claims, a claim the watch has not shown
+    /// yet (or one kube-controller-manager has not made yet) is an error: kube-scheduler
+    /// calls for a pod as soon as its claims exist, a few milliseconds before the watch may
+    /// bring them, and a pod judged without its claim would be placed as one asking nothing.
+    pub fn asks_of(&self, pod: &Pod) -> Result<Vec<Ask>, String> {
+        let entries = pod.spec.resource_claims.as_deref().unwrap_or_default();
+        if entries.is_empty() || !self.settings.enabled() {
+            return Ok(Vec::new());
         }
         let names = pod_claim_names(pod);
+        if names.len() < entries.len() {
+            let made: BTreeSet<&str> = pod
+                .status
+                .resource_claim_statuses
+                .iter()
+                .flatten()
+                .map(|s| s.name.as_str())
+                .collect();
+            // An entry whose status has no claim name needs none (as kube-scheduler reads it).
+            if let Some(e) = entries
+                .iter()
+                .find(|e| e.resource_claim_name.is_none() && !made.contains(e.name.as_str()))
+            {
+                return Err(format!("the claim of its entry {:?} is not made yet", e.name));
+            }
+        }
         let map = self.asks.read().unwrap_or_else(PoisonError::into_inner);
         // A claim two of the pod's entries name counts once.
         let mut seen = BTreeSet::new();
-        names
-            .iter()
-            .filter(|n| seen.insert(n.as_str()))
-            .filter_map(|n| map.get(&format!("{}/{n}", pod.metadata.namespace)))
-            .flat_map(|a| a.iter().cloned())
-            .collect()
+        let mut asks = Vec::new();
+        for name in names.iter().filter(|n| seen.insert(n.as_str())) {
+            let key = format!("{}/{name}", pod.metadata.namespace);
+            match map.get(&key) {
+                Some(a) => asks.extend(a.iter().cloned()),
+                None => return Err(format!("its claim {key} is not known to the extender yet")),
+            }
+        }
+        Ok(asks)
     }
 
     /// How many claims are known.
@@ -218,11 +287,11 @@ impl ClaimIndex {
     }
 }
 
-/// Follows every ResourceClaim into `index` until `shutdown` (`resource.k8s.io/v1`: list and
-/// watch on `resourceclaims`).
+/// Follows every ResourceClaim and ResourceClaimTemplate into `index` until `shutdown`
+/// (`resource.k8s.io/v1`: list and watch on `resourceclaims` and `resourceclaimtemplates`).
 pub async fn watch(client: kube::Client, index: Arc<ClaimIndex>, shutdown: CancellationToken) {
-    baleen_k8s::watch::follow(
-        Api::<ResourceClaim>::all(client),
+    let claims = baleen_k8s::watch::follow(
+        Api::<ResourceClaim>::all(client.clone()),
         watcher::Config::default(),
         "ResourceClaims",
         &shutdown,
@@ -231,8 +300,19 @@ pub async fn watch(client: kube::Client, index: Arc<ClaimIndex>, shutdown: Cance
             Change::Applied(claim) => index.apply(&claim),
             Change::Deleted(claim) => index.remove(&claim),
         },
-    )
-    .await;
+    );
+    let templates = baleen_k8s::watch::follow(
+        Api::<ResourceClaimTemplate>::all(client),
+        watcher::Config::default(),
+        "ResourceClaimTemplates",
+        &shutdown,
+        |c| match c {
+            Change::Listed(templates) => index.replace_templates(&templates),
+            Change::Applied(template) => index.apply_template(&template),
+            Change::Deleted(template) => index.remove_template(&template),
+        },
+    );
+    tokio::join!(claims, templates);
 }
 
 #[cfg(test)]
@@ -291,21 +371,74 @@ mod tests {
             serde_json::json!([{"name": "n", "exactly": {
             "deviceClassName": "nic.example.com"}}]),
         ));
-        assert_eq!(index.len(), 2, "a claim of no counted class is not kept");
-        let p = pod(
-            serde_json::json!([
-                {"name": "a", "resourceClaimName": "named"},
-                {"name": "b", "resourceClaimTemplateName": "t"},
-                {"name": "c", "resourceClaimTemplateName": "t2"},
-                {"name": "d", "resourceClaimName": "nic"}
-            ]),
-            // `c`'s claim is not made yet.
-            serde_json::json!([{"name": "b", "resourceClaimName": "p-gpu-x7k2"}]),
-        );
-        assert_eq!(index.asks_of(&p), [Ask::GpuMemory(4), Ask::GpuMemory(4)]);
+        assert_eq!(index.len(), 3, "a claim of no counted class is known, asking nothing");
+        let p = |statuses: serde_json::Value| {
+            pod(
+                serde_json::json!([
+                    {"name": "a", "resourceClaimName": "named"},
+                    {"name": "b", "resourceClaimTemplateName": "t"},
+                    {"name": "d", "resourceClaimName": "nic"}
+                ]),
+                statuses,
+            )
+        };
+        let made = p(serde_json::json!([{"name": "b", "resourceClaimName": "p-gpu-x7k2"}]));
+        assert_eq!(index.asks_of(&made), Ok(vec![Ask::GpuMemory(4), Ask::GpuMemory(4)]));
+        // `b`'s claim not made yet: no answer without it (kube-scheduler asks again).
+        let e = index.asks_of(&p(serde_json::json!([]))).expect_err("not made");
+        assert!(e.contains("\"b\" is not made yet"), "{e}");
+        // A claim the watch has not shown (or no longer holds).
         index.remove(&claim("named", serde_json::json!([])));
-        assert_eq!(index.asks_of(&p), [Ask::GpuMemory(4)]);
+        let e = index.asks_of(&made).expect_err("not seen");
+        assert!(e.contains("ns/named is not known"), "{e}");
         index.replace(&[]);
-        assert!(index.asks_of(&p).is_empty());
+        assert!(index.asks_of(&made).is_err());
+        // Where the extender judges no claims, a pod's claims ask nothing of it.
+        let off = ClaimIndex::new(ClaimSettings::default());
+        assert_eq!(off.asks_of(&made), Ok(vec![]));
+    }
+
+    #[test]
+    fn the_webhook_knows_a_pod_by_the_claims_and_templates_it_names() {
+        let index = ClaimIndex::new(settings());
+        let template = |name: &str, class: &str| -> ResourceClaimTemplate {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {"spec": {"devices": {"requests": [
+                    {"name": "r", "exactly": {"deviceClassName": class}}]}}}
+            }))
+            .expect("template")
+        };
+        index.apply_template(&template("gpu", "gpu.example.com"));
+        index.apply_template(&template("nic", "nic.example.com"));
+        index.apply(&claim(
+            "shared",
+            serde_json::json!([{"name": "r", "exactly": {
+            "deviceClassName": "gpu.example.com", "count": 2}}]),
+        ));
+        let refs = |v: serde_json::Value| -> Vec<crate::protocol::PodResourceClaim> {
+            serde_json::from_value(v).expect("refs")
+        };
+        let by_template =
+            refs(serde_json::json!([{"name": "a", "resourceClaimTemplateName": "gpu"}]));
+        assert!(index.holds_counted("ns", &by_template));
+        assert!(!index.holds_counted("other", &by_template), "templates are namespaced");
+        assert!(!index.holds_counted(
+            "ns",
+            &refs(serde_json::json!([
+            {"name": "a", "resourceClaimTemplateName": "nic"}]))
+        ));
+        assert!(index.holds_counted(
+            "ns",
+            &refs(serde_json::json!([
+            {"name": "a", "resourceClaimTemplateName": "nic"},
+            {"name": "b", "resourceClaimName": "shared"}]))
+        ));
+        index.replace_templates(&[]);
+        assert!(!index.holds_counted("ns", &by_template));
+        index.apply_template(&template("gpu", "gpu.example.com"));
+        index.remove_template(&template("gpu", "gpu.example.com"));
+        assert!(!index.holds_counted("ns", &by_template));
     }
 }

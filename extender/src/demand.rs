@@ -22,6 +22,13 @@ pub fn quantity_milli(value: &Value) -> Option<i128> {
 /// Why a pod's resources cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DemandError {
+    /// A DRA claim of the pod that the extender cannot read yet (answered as an error, so
+    /// that kube-scheduler asks again after its backoff).
+    #[error("{why}")]
+    Claim {
+        /// What is missing.
+        why: String,
+    },
     /// A quantity that is not a Kubernetes quantity.
     #[error("container {container}: {resource} = {value} is not a quantity")]
     Quantity {
@@ -88,7 +95,7 @@ impl Demand {
         claims: &crate::claims::ClaimIndex,
     ) -> Result<Self, DemandError> {
         let mut demand = Self::of(pod, domain)?;
-        demand.asks.extend(claims.asks_of(pod));
+        demand.asks.extend(claims.asks_of(pod).map_err(|why| DemandError::Claim { why })?);
         Ok(demand)
     }
 

@@ -12,12 +12,15 @@ pub const EXTENDER: &[ApiRule] = &[
 ];
 
 /// What the extender calls besides, when it judges pods by their DRA claims
-/// (`--dra-device-class`): the ResourceClaims it follows.
-pub const DRA_CLAIMS: &[ApiRule] = &[ApiRule {
-    api_group: "resource.k8s.io",
-    resource: "resourceclaims",
-    verbs: &["list", "watch"],
-}];
+/// (`--dra-device-class`): the ResourceClaims and ResourceClaimTemplates it follows.
+pub const DRA_CLAIMS: &[ApiRule] = &[
+    ApiRule { api_group: "resource.k8s.io", resource: "resourceclaims", verbs: &["list", "watch"] },
+    ApiRule {
+        api_group: "resource.k8s.io",
+        resource: "resourceclaimtemplates",
+        verbs: &["list", "watch"],
+    },
+];
 
 /// What the extender calls besides, when its webhook makes its own certificate
 /// (`--webhook-secret`): the Secret it keeps it in (read, or made by the first replica), and the

@@ -1538,3 +1538,89 @@ async fn a_filter_keeps_only_the_best_nodes_when_asked() {
     // Scores differ here: the exact fit beats the empty GPUs, which a kept set must show.
     assert!(score("exact") > score("empty-1"), "scores {scores:?}");
 }
+
+/// Issue 40, item 5 (the DRA packing gap): a pod that holds a claim of baleen's DeviceClass
+/// asks for no extended resource; with `--dra-device-class` the extender judges it by what its
+/// claim asks (memory in units, rounded up), on DRA nodes whose kubelet counts no gpu-memory,
+/// and counts a bound claim pod the node's document does not name yet.
+#[test]
+fn pods_holding_baleen_claims_are_judged_by_what_their_claims_ask() {
+    let claims = baleen_extender::claims::ClaimSettings {
+        classes: vec!["gpu.awesome-ai-company.com".into()],
+        memory_unit_bytes: 1 << 30,
+    };
+    let extender = Extender::new(Settings { claims, ..Settings::default() });
+    // A DRA node as its agent and kubelet leave it: a document marked `dra`, and no device of
+    // it in the Node's capacity.
+    let dra_node = |name: &str, free: &[u32]| {
+        let mut n = node(name, free);
+        let mut doc = NodeGpuState::parse(n["metadata"]["annotations"][KEY].as_str().expect("doc"))
+            .expect("doc");
+        doc.dra = true;
+        n["metadata"]["annotations"][KEY] = json!(doc.to_json());
+        for field in ["capacity", "allocatable"] {
+            let map = n["status"][field].as_object_mut().expect("map");
+            map.retain(|k, _| !k.starts_with("awesome-ai-company.com/"));
+        }
+        let n: Node = serde_json::from_value(n).expect("node");
+        NodeEntry::of(&n, KEY)
+    };
+    {
+        let mut view = extender.cluster.write().expect("lock");
+        view.set_node("a", dra_node("a", &[40, 140]));
+        view.set_node("b", dra_node("b", &[60, 60]));
+        assert!(view.node("a").is_some_and(|e| e.state.is_ok()), "a DRA document is believed");
+    }
+    let claim = |name: &str, memory: &str| -> k8s_openapi::api::resource::v1::ResourceClaim {
+        serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu.awesome-ai-company.com",
+                "capacity": {"requests": {"memory": memory}}}}]}}
+        }))
+        .expect("claim")
+    };
+    // Made from a template: the pod's status names it.
+    let claim_pod = |name: &str, claim: &str, node: Option<&str>| {
+        json!({"metadata": {"name": name, "namespace": "team-a", "uid": format!("uid-{name}")},
+               "spec": {"schedulerName": "baleen-scheduler", "nodeName": node,
+                        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}],
+                        "containers": [{"name": "c", "resources": {"claims": [{"name": "gpu"}]}}]},
+               "status": {"phase": "Pending",
+                          "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": claim}]}})
+    };
+    let passed = |pod: Value| {
+        let args = baleen_extender::protocol::ExtenderArgs::from_json(
+            json!({"Pod": pod, "NodeNames": ["a", "b"]}),
+        )
+        .expect("args");
+        extender.filter(&args).0.node_names.unwrap_or_default()
+    };
+    // Not yet known (the watch has not shown its claim): an error, so that kube-scheduler asks
+    // again after its backoff, rather than a pod placed as if it asked nothing.
+    let args = baleen_extender::protocol::ExtenderArgs::from_json(
+        json!({"Pod": claim_pod("p", "p-gpu-1", None), "NodeNames": ["a", "b"]}),
+    )
+    .expect("args");
+    let (answer, _) = extender.filter(&args);
+    assert!(answer.error.contains("team-a/p-gpu-1 is not known"), "{:?}", answer.error);
+    // 99.5 GiB is 100 units: only a's second GPU has them.
+    extender.claims.apply(&claim("p-gpu-1", "101888Mi"));
+    assert_eq!(passed(claim_pod("p", "p-gpu-1", None)), ["a"]);
+    // p bound to a, not in a's document yet: counted there, so a second such pod fits nowhere.
+    {
+        let bound: Pod = serde_json::from_value(claim_pod("p", "p-gpu-1", Some("a"))).expect("pod");
+        let entry = baleen_extender::cluster::PodEntry::with_claims(
+            &bound,
+            "awesome-ai-company.com",
+            &extender.claims,
+        );
+        extender.cluster.write().expect("lock").set_pod("uid-p", entry);
+    }
+    extender.claims.apply(&claim("q-gpu-1", "100Gi"));
+    assert!(passed(claim_pod("q", "q-gpu-1", None)).is_empty());
+    // A small share still fits on either.
+    extender.claims.apply(&claim("r-gpu-1", "30Gi"));
+    assert_eq!(passed(claim_pod("r", "r-gpu-1", None)), ["a", "b"]);
+}

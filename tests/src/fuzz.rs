@@ -117,6 +117,7 @@ pub fn admission_review(data: &[u8]) {
             scheduler: "baleen-scheduler",
             largest_units: Some(140),
             cpu_only,
+            claims: None,
         };
         let Ok(reviewed) = review::read(data, rule) else { continue };
         let _ = review::answer(&reviewed, "baleen-scheduler");

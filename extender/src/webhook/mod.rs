@@ -117,6 +117,11 @@ pub(crate) struct Scan<'p> {
     asks_any: bool,
     refusal: Option<String>,
     init_refusal: Option<String>,
+    /// The pod's `spec.resourceClaims` (at most [`MAX_NAMES`]).
+    pub(crate) claims: Vec<crate::protocol::PodResourceClaim>,
+    /// Some claim of the pod asks for baleen's DRA class (the extender judges such pods:
+    /// `--dra-device-class`), as [`crate::claims::ClaimIndex::holds_counted`] found.
+    pub(crate) holds_baleen_claims: bool,
 }
 
 impl<'p> Scan<'p> {
@@ -128,6 +133,8 @@ impl<'p> Scan<'p> {
             asks_any: false,
             refusal: None,
             init_refusal: None,
+            claims: Vec::new(),
+            holds_baleen_claims: false,
         }
     }
 
@@ -159,7 +166,7 @@ impl<'p> Scan<'p> {
         if let Some(why) = self.refusal.or(self.init_refusal) {
             return Verdict::Refuse(why);
         }
-        if !self.asks_limits {
+        if !self.asks_limits && !self.holds_baleen_claims {
             return Verdict::Leave;
         }
         if unnamed {
@@ -300,6 +307,8 @@ impl Webhook {
             scheduler: &self.scheduler,
             largest_units: if cpu_only { None } else { self.largest_units() },
             cpu_only,
+            claims: (!cpu_only && self.extender.settings().claims.enabled())
+                .then_some(&*self.extender.claims),
         };
         let reviewed = review::read(body, rule)?;
         match &reviewed.verdict {

@@ -65,6 +65,9 @@ pub struct Rule<'a> {
     pub largest_units: Option<u32>,
     /// The opt-in webhook for CPU-only pods.
     pub cpu_only: bool,
+    /// The claims and templates the extender knows, where it judges pods by their claims of
+    /// baleen's class: a pod holding one is sent too.
+    pub claims: Option<&'a crate::claims::ClaimIndex>,
 }
 
 /// Reads `body` as an AdmissionReview and judges its pod by `rule`; `Err` when the body is
@@ -76,7 +79,7 @@ pub fn read(body: &[u8], rule: Rule<'_>) -> Result<Reviewed, String> {
         envelope.request.ok_or_else(|| "an AdmissionReview without a request".to_owned())?;
     let verdict = match request.object {
         None => Err("the request has no object".to_owned()),
-        Some(raw) => judge_text(raw.get(), rule),
+        Some(raw) => judge_text_in(raw.get(), rule, request.namespace.as_deref().unwrap_or("")),
     };
     Ok(Reviewed {
         api_version: envelope.api_version.unwrap_or_else(|| "admission.k8s.io/v1".to_owned()),
@@ -87,8 +90,14 @@ pub fn read(body: &[u8], rule: Rule<'_>) -> Result<Reviewed, String> {
     })
 }
 
-/// The verdict on the pod written in `text`, read as it streams.
+/// The verdict on the pod written in `text`, read as it streams (its claims, if any, looked up
+/// in no namespace: see [`judge_text_in`]).
 pub fn judge_text(text: &str, rule: Rule<'_>) -> Result<Verdict, String> {
+    judge_text_in(text, rule, "")
+}
+
+/// The verdict on the pod of `namespace` written in `text`, read as it streams.
+pub fn judge_text_in(text: &str, rule: Rule<'_>, namespace: &str) -> Result<Verdict, String> {
     let prefix = format!("{}/", rule.domain);
     let mut scan = Scan::new(&prefix, rule.largest_units);
     let mut scheduler = None;
@@ -97,6 +106,9 @@ pub fn judge_text(text: &str, rule: Rule<'_>) -> Result<Verdict, String> {
         .deserialize(&mut de)
         .and_then(|()| de.end())
         .map_err(|e| e.to_string())?;
+    if let Some(index) = rule.claims {
+        scan.holds_baleen_claims = index.holds_counted(namespace, &scan.claims);
+    }
     Ok(scan.verdict(scheduler.as_deref(), rule.scheduler, rule.cpu_only))
 }
 
@@ -203,11 +215,52 @@ impl<'de> Visitor<'de> for SpecSeed<'_, '_> {
                     map.next_value_seed(ContainersSeed { scan: self.scan, init: true })?;
                 }
                 "schedulerName" => *self.scheduler = map.next_value()?,
+                "resourceClaims" => {
+                    map.next_value_seed(ClaimsSeed { claims: &mut self.scan.claims })?;
+                }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
         }
+        Ok(())
+    }
+}
+
+/// A pod's `resourceClaims` (or `null`): the first [`MAX_NAMES`] kept, the rest read past.
+struct ClaimsSeed<'s> {
+    claims: &'s mut Vec<crate::protocol::PodResourceClaim>,
+}
+
+impl<'de> DeserializeSeed<'de> for ClaimsSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<(), D::Error> {
+        de.deserialize_option(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ClaimsSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of pod resource claims")
+    }
+    fn visit_none<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_some<D: Deserializer<'de>>(self, de: D) -> Result<(), D::Error> {
+        de.deserialize_seq(self)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while self.claims.len() < MAX_NAMES {
+            match seq.next_element::<crate::protocol::PodResourceClaim>()? {
+                Some(c) => self.claims.push(c),
+                None => return Ok(()),
+            }
+        }
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
         Ok(())
     }
 }
@@ -432,7 +485,13 @@ mod tests {
     const D: &str = "awesome-ai-company.com";
 
     fn rule(cpu_only: bool) -> Rule<'static> {
-        Rule { domain: D, scheduler: "baleen-scheduler", largest_units: Some(140), cpu_only }
+        Rule {
+            domain: D,
+            scheduler: "baleen-scheduler",
+            largest_units: Some(140),
+            cpu_only,
+            claims: None,
+        }
     }
 
     /// The verdict streamed, held to the verdict on the pod parsed whole, for both rules (the
@@ -489,6 +548,51 @@ mod tests {
         let mut named = with(gpu, Value::Null);
         named["spec"]["schedulerName"] = json!("volcano");
         assert_eq!(streamed(&named), Verdict::Leave);
+    }
+
+    #[test]
+    fn a_pod_holding_a_claim_of_baleens_class_is_sent_where_the_extender_judges_claims() {
+        let index = crate::claims::ClaimIndex::new(crate::claims::ClaimSettings {
+            classes: vec!["gpu.awesome-ai-company.com".into()],
+            memory_unit_bytes: 1 << 30,
+        });
+        let template: k8s_openapi::api::resource::v1::ResourceClaimTemplate =
+            serde_json::from_value(json!({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "share-20", "namespace": "team-a"},
+                "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": "gpu.awesome-ai-company.com",
+                    "capacity": {"requests": {"memory": "20Gi"}}}}]}}}
+            }))
+            .expect("template");
+        index.apply_template(&template);
+        let mut pod =
+            with(json!([{"name": "c", "resources": {"claims": [{"name": "gpu"}]}}]), Value::Null);
+        pod["spec"]["resourceClaims"] = json!([{"name": "nic", "resourceClaimTemplateName": "nic"},
+                   {"name": "gpu", "resourceClaimTemplateName": "share-20"}]);
+        let text = pod.to_string();
+        let judged = |namespace: &str, claims| {
+            judge_text_in(&text, Rule { claims, ..rule(false) }, namespace).expect("read")
+        };
+        assert_eq!(judged("team-a", Some(&index)), Verdict::Send);
+        // Its template is of another namespace; or the extender does not judge claims.
+        assert_eq!(judged("team-b", Some(&index)), Verdict::Leave);
+        assert_eq!(judged("team-a", None), Verdict::Leave);
+        // A pod that names its scheduler keeps it.
+        pod["spec"]["schedulerName"] = json!("volcano");
+        let named =
+            judge_text_in(&pod.to_string(), Rule { claims: Some(&index), ..rule(false) }, "team-a");
+        assert_eq!(named.expect("read"), Verdict::Leave);
+        // Past MAX_NAMES claims, the rest are read past, not kept.
+        let many: Vec<Value> = (0..MAX_NAMES + 5)
+            .map(|i| json!({"name": format!("c{i}"), "resourceClaimTemplateName": "share-20"}))
+            .collect();
+        let mut scan = Scan::new("awesome-ai-company.com/", None);
+        let mut scheduler = None;
+        let text = json!({"spec": {"resourceClaims": many}}).to_string();
+        let mut de = serde_json::Deserializer::from_str(&text);
+        PodSeed { scan: &mut scan, scheduler: &mut scheduler }.deserialize(&mut de).expect("read");
+        assert_eq!(scan.claims.len(), MAX_NAMES);
     }
 
     #[test]

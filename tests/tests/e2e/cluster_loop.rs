@@ -91,3 +91,52 @@ fn every_allocation_of_the_dra_allocator_is_booked_at_prepare() -> Result<()> {
     ensure!(outcome.unallocated_at_100.is_finite(), "{outcome:?}");
     Ok(())
 }
+
+/// Issue 40, item 5 (the DRA packing gap), in the fake DRA loop on a tenth of the nodes: with
+/// the node chosen by the policy (what the extender does for claim pods with
+/// `--dra-device-class`), DRA pods pack as the replay, where the allocator's first fit and
+/// NodeResourcesFit's LeastAllocated leave points more unallocated; every allocation is still
+/// booked at Prepare.
+#[test]
+fn dra_pods_whose_node_the_policy_chooses_pack_like_the_replay() -> Result<()> {
+    use baleen_tests::dra_loop::{DraOptions, run_seed_with};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/traces/alibaba-gpu-v2023");
+    let mut workload = Workload::load(
+        &dir.join("openb_node_list_gpu_node.csv"),
+        &dir.join("openb_pod_list_default.csv"),
+    )
+    .context("the trace (../shared beside the repository)")?;
+    workload.nodes = workload.nodes.into_iter().step_by(10).collect();
+    let first_fit = run_seed_with(&workload, 42, 1.3, DraOptions::default())?;
+    let judged = run_seed_with(
+        &workload,
+        42,
+        1.3,
+        DraOptions { node_by_policy: true, ..DraOptions::default() },
+    )?;
+    ensure!(judged.admission_failures == 0, "Prepare refused allocations: {judged:?}");
+    let sim = replay(
+        &workload,
+        &[PolicyKind::Baleen],
+        &[42],
+        &ReplayOptions { online_target: Some(100), ..ReplayOptions::default() },
+        1,
+    )?;
+    let replayed = sim[0].unallocated_pct_at_100.per_seed[0];
+    // The device is still first fit here: on a tenth of the nodes that costs up to half a
+    // point (4.69 against the replay's 4.27 on seed 42, 2026-12-07); on every node the fake
+    // was within 0.2 of the replay on seeds 42-44 (docs/benchmarks.md).
+    ensure!(
+        judged.unallocated_at_100 <= replayed + 0.5,
+        "judged by the policy {:.2} % unallocated, the replay {replayed:.2} %",
+        judged.unallocated_at_100
+    );
+    ensure!(
+        judged.unallocated_at_100 + 1.0 < first_fit.unallocated_at_100,
+        "judged {:.2} %, first fit {:.2} %: the node should matter",
+        judged.unallocated_at_100,
+        first_fit.unallocated_at_100
+    );
+    Ok(())
+}

@@ -1105,9 +1105,17 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
         ensure!(second, "--score-cpu-only-pods only in baleen's own scheduler");
         ensure!(e["managedResources"].is_null(), "no managedResources with CPU-only pods sent");
     }
+    // Judging the pods that hold claims of baleen's class (`--dra-device-class`): every pod of
+    // the profile goes to the extender too, beside its own scheduler only.
+    let judges_claims = args.claims().enabled();
+    if judges_claims {
+        ensure!(second, "--dra-device-class only in baleen's own scheduler");
+        ensure!(e["managedResources"].is_null(), "no managedResources with claim pods judged");
+    }
+    let every_pod = args.score_cpu_only_pods || judges_claims;
     let managed: BTreeSet<String> = e["managedResources"]
         .as_array()
-        .or(args.score_cpu_only_pods.then_some(&Vec::new()))
+        .or(every_pod.then_some(&Vec::new()))
         .context("managedResources")?
         .iter()
         .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
@@ -1116,7 +1124,7 @@ fn check_scheduling(install: &Install, domain: &str) -> Result<()> {
     for name in &managed {
         ensure!(advertised.contains(name), "{name} is managed but no agent advertises it");
     }
-    for name in advertised.iter().filter(|_| !args.score_cpu_only_pods) {
+    for name in advertised.iter().filter(|_| !every_pod) {
         ensure!(managed.contains(name), "{name} is advertised on an example node but not managed");
     }
     // The webhook: the API server reaches it through the Service, over TLS with a certificate

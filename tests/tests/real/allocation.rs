@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 use baleen_tests::fake_dra_kubelet::{Claim, FakeDraKubelet};
 use baleen_tests::real::agent::SimulatedAgent;
-use baleen_tests::real::scheduling::{CHART, SchedulerConfig, scheduler_kubeconfig};
+use baleen_tests::real::scheduling::{CHART, Extender, SchedulerConfig, scheduler_kubeconfig};
 use baleen_tests::real::{ControlPlane, with_control_plane};
 
 const DRIVER: &str = "gpu.awesome-ai-company.com";
@@ -232,6 +232,153 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
         .await;
         result.map_err(|e| {
             let logs: Vec<String> = nodes.iter().map(|(_, a)| a.log_tail(20)).collect();
+            e.context(logs.join("\n"))
+        })
+    })
+    .await;
+}
+
+/// Issue 40, item 5 (the DRA packing gap): with `dra.judgeClaimPods` (the chart's default with
+/// DRA), the real kube-scheduler sends pods holding claims of baleen's class to the extender,
+/// which judges them by what their claims ask on the gpu-state documents the real DRA agents
+/// publish: after a whole GPU, a second 20 GiB share goes to the GPU the first one started,
+/// where NodeResourcesFit's LeastAllocated alone (the pods ask 8 CPUs each) would spread them.
+#[tokio::test]
+#[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
+async fn the_extender_packs_claim_pods_onto_the_gpu_a_claim_already_shares() {
+    with_control_plane(async |plane| {
+        let values = ["dra.enabled=true", "webhook.enabled=false"];
+        plane.install(&["--set", values[0], "--set", values[1]])?;
+        let mut nodes = Vec::new();
+        for node in ["node-a", "node-b"] {
+            plane.create(&json!({"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}))?;
+            let resources = json!({"cpu": "96", "memory": "1000Gi", "pods": "110"});
+            plane.node_ready(node, &resources, &resources)?;
+            let registry = SimulatedAgent::node_dir(plane, node).join("registry");
+            std::fs::create_dir_all(&registry)?;
+            let kubelet = FakeDraKubelet::start_beside(&registry, node);
+            // The agent publishes its gpu-state document too, as in a pod of the chart.
+            let config = SimulatedAgent::dra_config(plane, node, DRIVER)
+                .replace("annotation:\n  enabled: false", "annotation:\n  enabled: true");
+            let agent = SimulatedAgent::start(plane, node, "h200-8x-nvswitch.yaml", &config)?;
+            nodes.push((node, kubelet, agent));
+        }
+        let result = async {
+            for (_, kubelet, _) in &nodes {
+                kubelet.registered(DRIVER, 1, Duration::from_secs(60)).await?;
+            }
+            // Both nodes' documents, marked `dra`, and their slices.
+            let started = Instant::now();
+            loop {
+                for (_, _, agent) in &mut nodes {
+                    if let Some(status) = agent.exited()? {
+                        bail!("an agent exited ({status})\n{}", agent.log_tail(30));
+                    }
+                }
+                let docs = plane.kubectl(&[
+                    "get",
+                    "nodes",
+                    "-o",
+                    "jsonpath={.items[*].metadata.annotations.awesome-ai-company\\.com/gpu-state}",
+                ])?;
+                let slices = plane.kubectl(&[
+                    "get",
+                    "resourceslices.v1.resource.k8s.io",
+                    "-o",
+                    "jsonpath={.items[*].spec.devices[*].name}",
+                ])?;
+                if docs.matches("\"dra\":true").count() == 2
+                    && slices.split_whitespace().count() >= 16
+                {
+                    break;
+                }
+                ensure!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "no DRA documents and slices in 60 s: {docs}"
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            plane.kubectl(&["create", "namespace", "team-a"])?;
+            plane.kubectl(&[
+                "label",
+                "namespace",
+                "team-a",
+                "pod-security.kubernetes.io/enforce=restricted",
+            ])?;
+            plane.create(&template("whole", None))?;
+            plane.create(&template("share-20", Some("20Gi")))?;
+            let kubeconfig = scheduler_kubeconfig(plane)?;
+            let extender =
+                Extender::start(plane, &kubeconfig, &values, None, Duration::from_secs(60)).await?;
+            let placed = async {
+                let mut scheduler = SchedulerConfig::as_the_chart(extender.verbs);
+                scheduler.values = values.iter().map(|v| (*v).to_owned()).collect();
+                scheduler.spawn(plane, &kubeconfig)?;
+                plane.default_account("team-a", Duration::from_secs(60)).await?;
+                let with_cpu = |name: &str, template: &str| {
+                    let mut p = pod(name, template);
+                    p["spec"]["containers"][0]["resources"]["requests"] = json!({"cpu": "8"});
+                    p
+                };
+                let mut placed = Vec::new();
+                // A whole GPU first: the workload the policy learns needs whole GPUs as well as
+                // shares, so keeping GPUs empty is worth something to it.
+                for (name, template) in [("p0", "whole"), ("p1", "share-20"), ("p2", "share-20")] {
+                    plane.create(&with_cpu(name, template))?;
+                    let pod = bound_pod(plane, name).await?;
+                    let node = pod["spec"]["nodeName"].as_str().context("node")?.to_owned();
+                    let claim = claim_of(plane, &pod)?;
+                    let result = claim["status"]["allocation"]["devices"]["results"][0].clone();
+                    // The kubelet prepares it: the agent books it and names the pod in its
+                    // document.
+                    let (_, kubelet, _) =
+                        nodes.iter().find(|(n, _, _)| *n == node).context("the pod's node")?;
+                    let claim = Claim {
+                        namespace: "team-a".to_owned(),
+                        name: claim["metadata"]["name"].as_str().context("name")?.to_owned(),
+                        uid: claim["metadata"]["uid"].as_str().context("uid")?.to_owned(),
+                    };
+                    kubelet.run_pod(DRIVER, name, std::slice::from_ref(&claim)).await?;
+                    let started = Instant::now();
+                    while !plane
+                        .kubectl(&[
+                            "get",
+                            "node",
+                            &node,
+                            "-o",
+                            "jsonpath={.metadata.annotations.awesome-ai-company\\.com/gpu-state}",
+                        ])?
+                        .contains(&format!("team-a/{name}"))
+                    {
+                        ensure!(
+                            started.elapsed() < Duration::from_secs(30),
+                            "{node}'s document does not name {name} in 30 s"
+                        );
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    placed.push((node, result["device"].clone()));
+                }
+                Ok::<_, anyhow::Error>(placed)
+            }
+            .await
+            .map_err(|e| e.context(extender.log_tail(30)))?;
+            ensure!(
+                placed[1] == placed[2],
+                "the second share went to {:?}, the first to {:?}: not packed\n{}",
+                placed[2],
+                placed[1],
+                extender.log_tail(40)
+            );
+            // The extender was asked about the claim pods (no managedResources in the profile).
+            let filtered =
+                extender.sample("baleen_extender_request_seconds_count", "verb=\"filter\"").await?;
+            ensure!(filtered >= 3.0, "the extender filtered {filtered} pods");
+            Ok(())
+        }
+        .await;
+        result.map_err(|e| {
+            let logs: Vec<String> = nodes.iter().map(|(_, _, a)| a.log_tail(20)).collect();
             e.context(logs.join("\n"))
         })
     })

@@ -229,7 +229,7 @@ rules:
     verbs: ["create"]
   {{- if include "baleen.judgesClaims" $root }}
   - apiGroups: ["resource.k8s.io"]
-    resources: ["resourceclaims"]
+    resources: ["resourceclaims", "resourceclaimtemplates"]
     verbs: ["list", "watch"]
   {{- end }}
   {{- if .self }}
