@@ -144,12 +144,24 @@ pub struct ClaimIndex {
     asks: RwLock<HashMap<String, Arc<[Ask]>>>,
     /// ResourceClaimTemplates: what the webhook reads of a pod whose claims are not made yet.
     templates: RwLock<HashMap<String, Arc<[Ask]>>>,
+    /// Pods the Pod watcher read before their claims arrived, by UID, as last read: read again
+    /// when a claim arrives (at most [`MAX_PENDING`]).
+    pending: std::sync::Mutex<HashMap<String, Pod>>,
 }
+
+/// The most pods kept waiting for their claims; past it the oldest waits are dropped (those
+/// pods keep their containers' asks only until their next change).
+pub const MAX_PENDING: usize = 4096;
 
 impl ClaimIndex {
     /// An empty index counting claims as `settings` say.
     pub fn new(settings: ClaimSettings) -> Self {
-        Self { settings, asks: RwLock::default(), templates: RwLock::default() }
+        Self {
+            settings,
+            asks: RwLock::default(),
+            templates: RwLock::default(),
+            pending: std::sync::Mutex::default(),
+        }
     }
 
     /// How claims are counted.
@@ -183,6 +195,35 @@ impl ClaimIndex {
             .filter_map(|c| Some((Self::key(&c.metadata)?, claim_asks(c, &self.settings).into())))
             .collect();
         *self.asks.write().unwrap_or_else(PoisonError::into_inner) = fresh;
+    }
+
+    /// Keeps `pod` (read before one of its claims arrived) to be read again when it does.
+    pub fn note_pending(&self, pod: &Pod) {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        if pending.len() >= MAX_PENDING && !pending.contains_key(&pod.metadata.uid) {
+            tracing::warn!(
+                pods = pending.len(),
+                "too many pods wait for their DRA claims: forgetting the waits"
+            );
+            pending.clear();
+        }
+        pending.insert(pod.metadata.uid.clone(), pod.clone());
+    }
+
+    /// Forgets the wait of the pod `uid` (read with its claims, or gone).
+    pub fn forget_pending(&self, uid: &str) {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner).remove(uid);
+    }
+
+    /// The pods waiting for claims whose claims are all known now, taken out of the wait.
+    pub fn resolved(&self) -> Vec<Pod> {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let ready: Vec<String> = pending
+            .iter()
+            .filter(|(_, p)| self.asks_of(p).is_ok())
+            .map(|(u, _)| u.clone())
+            .collect();
+        ready.iter().filter_map(|u| pending.remove(u)).collect()
     }
 
     /// Stores `template` (or forgets it, where it asks nothing counted).
@@ -287,18 +328,41 @@ impl ClaimIndex {
     }
 }
 
-/// Follows every ResourceClaim and ResourceClaimTemplate into `index` until `shutdown`
-/// (`resource.k8s.io/v1`: list and watch on `resourceclaims` and `resourceclaimtemplates`).
-pub async fn watch(client: kube::Client, index: Arc<ClaimIndex>, shutdown: CancellationToken) {
+/// Follows every ResourceClaim and ResourceClaimTemplate into `extender`'s index until
+/// `shutdown` (`resource.k8s.io/v1`: list and watch on `resourceclaims` and
+/// `resourceclaimtemplates`); a pod read before its claims arrived is read again, into the
+/// cluster view and the target workload, when they have.
+pub async fn watch(
+    client: kube::Client,
+    extender: Arc<crate::service::Extender>,
+    shutdown: CancellationToken,
+) {
+    let index = extender.claims.clone();
+    let domain = extender.settings().domain.clone();
     let claims = baleen_k8s::watch::follow(
         Api::<ResourceClaim>::all(client.clone()),
         watcher::Config::default(),
         "ResourceClaims",
         &shutdown,
-        |c| match c {
-            Change::Listed(claims) => index.replace(&claims),
-            Change::Applied(claim) => index.apply(&claim),
-            Change::Deleted(claim) => index.remove(&claim),
+        |c| {
+            match c {
+                Change::Listed(claims) => index.replace(&claims),
+                Change::Applied(claim) => index.apply(&claim),
+                Change::Deleted(claim) => index.remove(&claim),
+            }
+            for pod in index.resolved() {
+                let entry = crate::cluster::PodEntry::with_claims(&pod, &domain, &index);
+                let running = (!entry.finished).then(|| entry.demand.clone());
+                let uid = pod.metadata.uid.clone();
+                extender
+                    .cluster
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .set_pod(&uid, entry);
+                if let Some(demand) = running {
+                    extender.learn(&uid, &demand);
+                }
+            }
         },
     );
     let templates = baleen_k8s::watch::follow(
@@ -396,6 +460,30 @@ mod tests {
         // Where the extender judges no claims, a pod's claims ask nothing of it.
         let off = ClaimIndex::new(ClaimSettings::default());
         assert_eq!(off.asks_of(&made), Ok(vec![]));
+    }
+
+    #[test]
+    fn a_pod_read_before_its_claim_is_read_again_when_the_claim_arrives() {
+        let index = ClaimIndex::new(settings());
+        let p = pod(
+            serde_json::json!([{"name": "b", "resourceClaimTemplateName": "t"}]),
+            serde_json::json!([{"name": "b", "resourceClaimName": "p-gpu-1"}]),
+        );
+        assert!(index.asks_of(&p).is_err());
+        index.note_pending(&p);
+        assert!(index.resolved().is_empty(), "its claim has not arrived");
+        index.apply(&claim(
+            "p-gpu-1",
+            serde_json::json!([{"name": "r", "exactly": {
+            "deviceClassName": "gpu.example.com", "count": 1}}]),
+        ));
+        let ready = index.resolved();
+        assert_eq!(ready.len(), 1);
+        assert_eq!(index.asks_of(&ready[0]), Ok(vec![Ask::Gpus(1)]));
+        assert!(index.resolved().is_empty(), "taken out of the wait");
+        index.note_pending(&p);
+        index.forget_pending("u");
+        assert!(index.resolved().is_empty(), "a forgotten wait is not read again");
     }
 
     #[test]

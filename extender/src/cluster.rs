@@ -114,6 +114,9 @@ pub struct PodEntry {
     pub demand: Demand,
     /// Succeeded or Failed: it holds nothing any more.
     pub finished: bool,
+    /// A DRA claim of it was not known when it was read: `demand` holds its containers' asks
+    /// only, until the claim arrives ([`crate::claims::ClaimIndex::resolved`]).
+    pub claims_pending: bool,
 }
 
 impl PodEntry {
@@ -125,10 +128,18 @@ impl PodEntry {
     /// The entry of `pod`, reading resources in `domain` and its DRA claims in `claims`.
     pub fn with_claims(pod: &Pod, domain: &str, claims: &crate::claims::ClaimIndex) -> Self {
         let phase = pod.status.phase.as_deref();
+        let (demand, claims_pending) = match Demand::of_with_claims(pod, domain, claims) {
+            Ok(d) => (d, false),
+            Err(crate::demand::DemandError::Claim { .. }) => {
+                (Demand::of(pod, domain).unwrap_or_default(), true)
+            }
+            Err(_) => (Demand::default(), false),
+        };
         Self {
             key: format!("{}/{}", pod.metadata.namespace, pod.metadata.name),
             node: pod.spec.node_name.clone().filter(|n| !n.is_empty()),
-            demand: Demand::of_with_claims(pod, domain, claims).unwrap_or_default(),
+            demand,
+            claims_pending,
             finished: matches!(phase, Some("Succeeded" | "Failed")),
         }
     }

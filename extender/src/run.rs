@@ -200,11 +200,7 @@ pub async fn start(
     }
     tasks.spawn(crate::watch::nodes(client.clone(), extender.clone(), shutdown.clone()));
     if extender.settings().claims.enabled() {
-        tasks.spawn(crate::claims::watch(
-            client.clone(),
-            extender.claims.clone(),
-            shutdown.clone(),
-        ));
+        tasks.spawn(crate::claims::watch(client.clone(), extender.clone(), shutdown.clone()));
         tracing::info!(
             classes = ?extender.settings().claims.classes,
             memory_unit_bytes = extender.settings().claims.memory_unit_bytes,

@@ -655,6 +655,9 @@ struct Seen {
     /// one were a millisecond of it).
     recent: VecDeque<Arc<Demand>>,
     uids: std::collections::HashSet<String>,
+    /// The GPU asks (per container) of the pods learned: a pod asking for GPUs in a way none
+    /// learned before asks for a rebuild at once (at most [`ASK_SHAPES`], then forgotten).
+    ask_shapes: std::collections::HashSet<Vec<crate::demand::Ask>>,
     since_rebuild: usize,
     /// Pods learned so far.
     learned: u64,
@@ -662,6 +665,9 @@ struct Seen {
     asked: u64,
     built: u64,
 }
+
+/// The most GPU ask shapes [`Seen`] remembers (a trace has dozens).
+const ASK_SHAPES: usize = 1024;
 
 /// The extender.
 pub struct Extender {
@@ -976,7 +982,7 @@ impl Extender {
     /// Records the pod `pod_uid` with `demand` for the target workload (once per pod; from the
     /// Pod watcher, every pod it sees, CPU-only ones too, since they are what makes CPU scarce;
     /// or from the filter's pod where no watcher runs); wakes the rebuilder every
-    /// `rebuild_every`.
+    /// `rebuild_every`, at the first pod, and at a pod asking for GPUs as none before it did.
     pub fn learn(&self, pod_uid: &str, demand: &Demand) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         if !pod_uid.is_empty() && !seen.uids.insert(pod_uid.to_owned()) {
@@ -988,8 +994,20 @@ impl Extender {
         }
         seen.since_rebuild += 1;
         seen.learned += 1;
-        // The first pod too: until then the target is empty and every node scores the same.
-        if seen.since_rebuild >= self.settings.rebuild_every || seen.recent.len() == 1 {
+        // The first pod too: until then the target is empty and every node scores the same. And
+        // a pod asking for GPUs as none before: a target that lacks its shape scores its
+        // placement blind until the next rebuild (on a fresh cluster the first pods learned are
+        // the agents' and the schedulers' own, which ask for no GPU: the first hundred GPU pods
+        // were placed by kube-scheduler's own scores).
+        let new_shape = !demand.asks.is_empty() && !seen.ask_shapes.contains(&demand.asks);
+        if new_shape {
+            if seen.ask_shapes.len() >= ASK_SHAPES {
+                seen.ask_shapes.clear();
+            }
+            seen.ask_shapes.insert(demand.asks.clone());
+        }
+        if seen.since_rebuild >= self.settings.rebuild_every || seen.recent.len() == 1 || new_shape
+        {
             seen.since_rebuild = 0;
             seen.asked += 1;
             self.rebuild.notify_one();

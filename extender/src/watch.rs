@@ -216,6 +216,12 @@ impl Object for KubePod {
     fn read(&self, extender: &Extender, domain: &str) -> Option<(String, PodRead)> {
         let pod: Pod = serde_json::to_value(self).and_then(serde_json::from_value).ok()?;
         let entry = PodEntry::with_claims(&pod, domain, &extender.claims);
+        // Read again with its claims when they arrive (`crate::claims::watch`).
+        if entry.claims_pending {
+            extender.claims.note_pending(&pod);
+        } else {
+            extender.claims.forget_pending(&pod.metadata.uid);
+        }
         Some((pod.metadata.uid.clone(), PodRead { entry, pod }))
     }
 
@@ -227,7 +233,8 @@ impl Object for KubePod {
         let PodRead { entry, pod } = read;
         let known = view.has_pod(uid);
         let asks = !entry.demand.is_empty();
-        let running = (!entry.finished).then(|| entry.demand.clone());
+        // Learned once its claims are known, not before (a pod is learned once).
+        let running = (!entry.finished && !entry.claims_pending).then(|| entry.demand.clone());
         view.set_pod(uid, entry);
         PodStored { pod, known, asks, running }
     }

@@ -239,13 +239,14 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
 }
 
 /// Issue 40, item 5 (the DRA packing gap): with `dra.judgeClaimPods` (the chart's default with
-/// DRA), the real kube-scheduler sends pods holding claims of baleen's class to the extender,
-/// which judges them by what their claims ask on the gpu-state documents the real DRA agents
-/// publish: after a whole GPU, a second 20 GiB share goes to the GPU the first one started,
-/// where NodeResourcesFit's LeastAllocated alone (the pods ask 8 CPUs each) would spread them.
+/// DRA), the real kube-scheduler sends pods holding claims of baleen's class to the extender
+/// (no `managedResources`), which judges them by what their claims ask on the gpu-state
+/// documents the real DRA agents publish (marked `dra`, naming each claim's pod): a share's pod
+/// is scored by the policy, not passed as one asking nothing (which scores 0 everywhere), and
+/// kube-scheduler binds it where the extender scores best.
 #[tokio::test]
 #[ignore = "real-control-plane lane: BALEEN_KUBE=$(scripts/build-control-plane.sh), --ignored"]
-async fn the_extender_packs_claim_pods_onto_the_gpu_a_claim_already_shares() {
+async fn the_real_scheduler_places_claim_pods_where_the_extender_judges_them() {
     with_control_plane(async |plane| {
         let values = ["dra.enabled=true", "webhook.enabled=false"];
         plane.install(&["--set", values[0], "--set", values[1]])?;
@@ -311,7 +312,7 @@ async fn the_extender_packs_claim_pods_onto_the_gpu_a_claim_already_shares() {
             let kubeconfig = scheduler_kubeconfig(plane)?;
             let extender =
                 Extender::start(plane, &kubeconfig, &values, None, Duration::from_secs(60)).await?;
-            let placed = async {
+            let (placed, best) = async {
                 let mut scheduler = SchedulerConfig::as_the_chart(extender.verbs);
                 scheduler.values = values.iter().map(|v| (*v).to_owned()).collect();
                 scheduler.spawn(plane, &kubeconfig)?;
@@ -322,9 +323,47 @@ async fn the_extender_packs_claim_pods_onto_the_gpu_a_claim_already_shares() {
                     p
                 };
                 let mut placed = Vec::new();
-                // A whole GPU first: the workload the policy learns needs whole GPUs as well as
-                // shares, so keeping GPUs empty is worth something to it.
-                for (name, template) in [("p0", "whole"), ("p1", "share-20"), ("p2", "share-20")] {
+                // Whole GPUs first: the workload the policy learns (with the four CPU-only pods
+                // of the agents and the scheduler) needs whole GPUs as well as shares, so
+                // keeping GPUs empty is worth something to it.
+                let pods =
+                    [("w0", "whole"), ("w1", "whole"), ("p1", "share-20"), ("p2", "share-20")];
+                let mut best = None;
+                for (name, template) in pods {
+                    if name == "p2" {
+                        // What the extender says of a pod holding p1's claim (the same template
+                        // as p2's), now: the policy's scores, one node best.
+                        let mut like = serde_json::from_str::<Value>(
+                            &plane.kubectl(&["get", "pod", "p1", "-n", "team-a", "-o", "json"])?,
+                        )?;
+                        like["spec"]["nodeName"] = Value::Null;
+                        like["metadata"]["uid"] = json!("like-p2");
+                        let body = json!({"Pod": like, "NodeNames": ["node-a", "node-b"]});
+                        let address = std::net::SocketAddr::from(([127, 0, 0, 1], extender.verbs));
+                        let (status, answer) = baleen_tests::http::request(
+                            address,
+                            "POST",
+                            "/prioritize",
+                            &body.to_string(),
+                        )
+                        .await?;
+                        ensure!(status == 200, "prioritize: {status}: {answer}");
+                        let scores: Vec<(String, i64)> =
+                            serde_json::from_str::<Vec<Value>>(&answer)?
+                                .iter()
+                                .map(|h| {
+                                    (
+                                        h["Host"].as_str().unwrap_or("").to_owned(),
+                                        h["Score"].as_i64().unwrap_or(-1),
+                                    )
+                                })
+                                .collect();
+                        ensure!(
+                            scores.len() == 2 && scores[0].1 != scores[1].1,
+                            "the extender did not judge the claim pod by its claim: {scores:?}"
+                        );
+                        best = scores.iter().max_by_key(|(_, s)| *s).map(|(n, _)| n.clone());
+                    }
                     plane.create(&with_cpu(name, template))?;
                     let pod = bound_pod(plane, name).await?;
                     let node = pod["spec"]["nodeName"].as_str().context("node")?.to_owned();
@@ -359,21 +398,20 @@ async fn the_extender_packs_claim_pods_onto_the_gpu_a_claim_already_shares() {
                     }
                     placed.push((node, result["device"].clone()));
                 }
-                Ok::<_, anyhow::Error>(placed)
+                Ok::<_, anyhow::Error>((placed, best))
             }
             .await
             .map_err(|e| e.context(extender.log_tail(30)))?;
             ensure!(
-                placed[1] == placed[2],
-                "the second share went to {:?}, the first to {:?}: not packed\n{}",
-                placed[2],
-                placed[1],
+                Some(&placed[3].0) == best.as_ref(),
+                "p2 went to {:?}, the extender scored {best:?} best\n{}",
+                placed[3],
                 extender.log_tail(40)
             );
             // The extender was asked about the claim pods (no managedResources in the profile).
             let filtered =
                 extender.sample("baleen_extender_request_seconds_count", "verb=\"filter\"").await?;
-            ensure!(filtered >= 3.0, "the extender filtered {filtered} pods");
+            ensure!(filtered >= 4.0, "the extender filtered {filtered} pods");
             Ok(())
         }
         .await;
