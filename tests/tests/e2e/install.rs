@@ -2045,6 +2045,23 @@ fn check_dra_agent(install: &Install, scratch: &Path) -> Result<()> {
             && d.plugin_dir == Path::new("/var/lib/kubelet/plugins/gpu.awesome-ai-company.com"),
         "the kubelet's directories: {d:?}"
     );
+    // The extender judges claims of this driver's class in the agents' memory unit.
+    let deployment = install.deployments.first().context("the scheduler's Deployment")?;
+    let pod = deployment.spec.as_ref().and_then(|s| s.template.spec.as_ref()).context("pod")?;
+    let extender = pod.containers.iter().find(|c| c.name == "extender").context("extender")?;
+    let mut argv: Vec<String> = extender.command.clone().unwrap_or_default();
+    argv.extend(extender.args.iter().flatten().cloned());
+    let claims = baleen_extender::run::Cli::try_parse_from(&argv)
+        .map_err(|e| anyhow!("{argv:?}: {e}"))?
+        .run
+        .claims();
+    ensure!(
+        claims.classes == [d.driver_name.clone()]
+            && claims.memory_unit_bytes == a.views.memory_unit_bytes,
+        "the extender counts claims as {claims:?}, the agent serves {} in units of {} bytes",
+        d.driver_name,
+        a.views.memory_unit_bytes
+    );
     let mut used = host_paths_used(a)?;
     used.extend([d.registry_dir.clone(), d.plugin_dir.clone(), d.cdi_dir.clone()]);
     let (host, _) = mounts(spec, c)?;
