@@ -113,12 +113,27 @@ fn install_crds(plane: &ControlPlane, group: &str) -> Result<()> {
         let path = dir.join(format!("{file}.yaml"));
         plane.kubectl(&["apply", "--server-side", "-f", &path.display().to_string()])?;
         let (group, plural) = file.split_once('_').context("group_plural")?;
-        plane.kubectl(&[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            &format!("crd/{plural}.{group}"),
-        ])?;
+        // Polled, not `kubectl wait --for=condition=Established`: a CRD read before the API
+        // server has written any condition makes kubectl 1.34 fail at once ("conditions
+        // accessor error: <nil>") instead of waiting (seen once in CI).
+        let crd = format!("crd/{plural}.{group}");
+        let started = Instant::now();
+        loop {
+            let established = plane.kubectl(&[
+                "get",
+                &crd,
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+            ])?;
+            if established.trim() == "True" {
+                break;
+            }
+            ensure!(
+                started.elapsed() < Duration::from_secs(60),
+                "{crd} not established in 60 s ({established:?})"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
     }
     Ok(())
 }
