@@ -136,14 +136,59 @@ pub fn pod_claim_names(pod: &Pod) -> Vec<String> {
         .collect()
 }
 
-/// The claims the extender knows, and the claim templates: `namespace/name` to their asks
-/// (those of no counted class are kept out).
+/// Objects (claims or claim templates) by `namespace/name`, each with its asks: empty for one
+/// that asks for no counted class (known, so that a pod holding it is not taken for one whose
+/// claim the watch has not shown yet).
+#[derive(Debug, Default)]
+struct AsksByKey(RwLock<HashMap<String, Arc<[Ask]>>>);
+
+impl AsksByKey {
+    fn key(meta: &ObjectMeta) -> Option<String> {
+        Some(format!("{}/{}", meta.namespace.as_deref()?, meta.name.as_deref()?))
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<[Ask]>>> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<[Ask]>>> {
+        self.0.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Stores the asks of the object of `meta`.
+    fn apply(&self, meta: &ObjectMeta, asks: Vec<Ask>) {
+        if let Some(key) = Self::key(meta) {
+            self.write().insert(key, asks.into());
+        }
+    }
+
+    /// Forgets the object of `meta`.
+    fn remove(&self, meta: &ObjectMeta) {
+        if let Some(key) = Self::key(meta) {
+            self.write().remove(&key);
+        }
+    }
+
+    /// Replaces every object with those of a fresh list, each with its asks.
+    fn replace<'a>(&self, fresh: impl Iterator<Item = (&'a ObjectMeta, Vec<Ask>)>) {
+        let fresh: HashMap<String, Arc<[Ask]>> =
+            fresh.filter_map(|(meta, asks)| Some((Self::key(meta)?, asks.into()))).collect();
+        *self.write() = fresh;
+    }
+
+    /// Whether `namespace/name` is known and asks for something counted.
+    fn counted(&self, namespace: &str, name: &str) -> bool {
+        self.read().get(&format!("{namespace}/{name}")).is_some_and(|a| !a.is_empty())
+    }
+}
+
+/// The claims the extender knows, and the claim templates: `namespace/name` to their asks.
 #[derive(Debug, Default)]
 pub struct ClaimIndex {
     settings: ClaimSettings,
-    asks: RwLock<HashMap<String, Arc<[Ask]>>>,
+    asks: AsksByKey,
     /// ResourceClaimTemplates: what the webhook reads of a pod whose claims are not made yet.
-    templates: RwLock<HashMap<String, Arc<[Ask]>>>,
+    templates: AsksByKey,
     /// Pods the Pod watcher read before their claims arrived, by UID, as last read: read again
     /// when a claim arrives (at most [`MAX_PENDING`]).
     pending: std::sync::Mutex<HashMap<String, Pod>>,
@@ -158,8 +203,8 @@ impl ClaimIndex {
     pub fn new(settings: ClaimSettings) -> Self {
         Self {
             settings,
-            asks: RwLock::default(),
-            templates: RwLock::default(),
+            asks: AsksByKey::default(),
+            templates: AsksByKey::default(),
             pending: std::sync::Mutex::default(),
         }
     }
@@ -169,32 +214,19 @@ impl ClaimIndex {
         &self.settings
     }
 
-    fn key(meta: &ObjectMeta) -> Option<String> {
-        Some(format!("{}/{}", meta.namespace.as_deref()?, meta.name.as_deref()?))
-    }
-
-    /// Stores `claim` (with no asks, where it asks for no counted class: known, so that a pod
-    /// holding it is not taken for one whose claim the watch has not shown yet).
+    /// Stores `claim` (with no asks, where it asks for no counted class).
     pub fn apply(&self, claim: &ResourceClaim) {
-        let Some(key) = Self::key(&claim.metadata) else { return };
-        let asks = claim_asks(claim, &self.settings);
-        self.asks.write().unwrap_or_else(PoisonError::into_inner).insert(key, asks.into());
+        self.asks.apply(&claim.metadata, claim_asks(claim, &self.settings));
     }
 
     /// Forgets `claim`.
     pub fn remove(&self, claim: &ResourceClaim) {
-        if let Some(key) = Self::key(&claim.metadata) {
-            self.asks.write().unwrap_or_else(PoisonError::into_inner).remove(&key);
-        }
+        self.asks.remove(&claim.metadata);
     }
 
     /// Replaces every claim with those of a fresh list.
     pub fn replace(&self, claims: &[ResourceClaim]) {
-        let fresh: HashMap<String, Arc<[Ask]>> = claims
-            .iter()
-            .filter_map(|c| Some((Self::key(&c.metadata)?, claim_asks(c, &self.settings).into())))
-            .collect();
-        *self.asks.write().unwrap_or_else(PoisonError::into_inner) = fresh;
+        self.asks.replace(claims.iter().map(|c| (&c.metadata, claim_asks(c, &self.settings))));
     }
 
     /// Keeps `pod` (read before one of its claims arrived) to be read again when it does.
@@ -226,35 +258,24 @@ impl ClaimIndex {
         ready.iter().filter_map(|u| pending.remove(u)).collect()
     }
 
-    /// Stores `template` (or forgets it, where it asks nothing counted).
+    /// The asks of `template`'s claims.
+    fn template_asks(&self, template: &ResourceClaimTemplate) -> Vec<Ask> {
+        devices_asks(template.spec.spec.devices.as_ref(), &self.settings)
+    }
+
+    /// Stores `template` (with no asks, where it asks for no counted class).
     pub fn apply_template(&self, template: &ResourceClaimTemplate) {
-        let Some(key) = Self::key(&template.metadata) else { return };
-        let asks = devices_asks(template.spec.spec.devices.as_ref(), &self.settings);
-        let mut map = self.templates.write().unwrap_or_else(PoisonError::into_inner);
-        if asks.is_empty() {
-            map.remove(&key);
-        } else {
-            map.insert(key, asks.into());
-        }
+        self.templates.apply(&template.metadata, self.template_asks(template));
     }
 
     /// Forgets `template`.
     pub fn remove_template(&self, template: &ResourceClaimTemplate) {
-        if let Some(key) = Self::key(&template.metadata) {
-            self.templates.write().unwrap_or_else(PoisonError::into_inner).remove(&key);
-        }
+        self.templates.remove(&template.metadata);
     }
 
     /// Replaces every template with those of a fresh list.
     pub fn replace_templates(&self, templates: &[ResourceClaimTemplate]) {
-        let fresh: HashMap<String, Arc<[Ask]>> = templates
-            .iter()
-            .filter_map(|t| {
-                let asks = devices_asks(t.spec.spec.devices.as_ref(), &self.settings);
-                (!asks.is_empty()).then(|| Some((Self::key(&t.metadata)?, asks.into())))?
-            })
-            .collect();
-        *self.templates.write().unwrap_or_else(PoisonError::into_inner) = fresh;
+        self.templates.replace(templates.iter().map(|t| (&t.metadata, self.template_asks(t))));
     }
 
     /// Whether a pod of `namespace` holding `claims` (its `spec.resourceClaims`) holds one that
@@ -265,13 +286,9 @@ impl ClaimIndex {
         namespace: &str,
         claims: &[crate::protocol::PodResourceClaim],
     ) -> bool {
-        let named = self.asks.read().unwrap_or_else(PoisonError::into_inner);
-        let templates = self.templates.read().unwrap_or_else(PoisonError::into_inner);
         claims.iter().any(|c| match (&c.resource_claim_name, &c.resource_claim_template_name) {
-            (Some(name), _) => {
-                named.get(&format!("{namespace}/{name}")).is_some_and(|a| !a.is_empty())
-            }
-            (None, Some(t)) => templates.contains_key(&format!("{namespace}/{t}")),
+            (Some(name), _) => self.asks.counted(namespace, name),
+            (None, Some(t)) => self.templates.counted(namespace, t),
             (None, None) => false,
         })
     }
@@ -303,7 +320,7 @@ impl ClaimIndex {
                 return Err(format!("the claim of its entry {:?} is not made yet", e.name));
             }
         }
-        let map = self.asks.read().unwrap_or_else(PoisonError::into_inner);
+        let map = self.asks.read();
         // A claim two of the pod's entries name counts once.
         let mut seen = BTreeSet::new();
         let mut asks = Vec::new();
@@ -319,7 +336,7 @@ impl ClaimIndex {
 
     /// How many claims are known.
     pub fn len(&self) -> usize {
-        self.asks.read().unwrap_or_else(PoisonError::into_inner).len()
+        self.asks.read().len()
     }
 
     /// Whether none is.

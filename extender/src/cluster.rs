@@ -128,12 +128,16 @@ impl PodEntry {
     /// The entry of `pod`, reading resources in `domain` and its DRA claims in `claims`.
     pub fn with_claims(pod: &Pod, domain: &str, claims: &crate::claims::ClaimIndex) -> Self {
         let phase = pod.status.phase.as_deref();
-        let (demand, claims_pending) = match Demand::of_with_claims(pod, domain, claims) {
-            Ok(d) => (d, false),
-            Err(crate::demand::DemandError::Claim { .. }) => {
-                (Demand::of(pod, domain).unwrap_or_default(), true)
-            }
+        // The containers' asks, and the claims' where they are known.
+        let (demand, claims_pending) = match Demand::of(pod, domain) {
             Err(_) => (Demand::default(), false),
+            Ok(mut demand) => match claims.asks_of(pod) {
+                Ok(asks) => {
+                    demand.asks.extend(asks);
+                    (demand, false)
+                }
+                Err(_) => (demand, true),
+            },
         };
         Self {
             key: format!("{}/{}", pod.metadata.namespace, pod.metadata.name),
