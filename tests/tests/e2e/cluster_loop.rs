@@ -10,10 +10,8 @@ use baleen_scheduler_core::policy::PolicyKind;
 use baleen_scheduler_sim::replay::{ReplayOptions, Workload, replay};
 use baleen_tests::cluster_loop::{LoopOptions, run_seed};
 
-/// A tenth of the trace's nodes, `list`'s tasks replayed through the live path for each of
-/// `seeds` (with `options`), and the replay's `--online-target` on the same nodes and seeds:
-/// the mean (live, replayed) unallocated %.
-async fn live_and_replayed(list: &str, seeds: &[u64], options: &LoopOptions) -> Result<(f64, f64)> {
+/// Every tenth node of the trace's node list, with the tasks of `list` (`default`, `cpu300`).
+fn tenth_of(list: &str) -> Result<Workload> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../shared/traces/alibaba-gpu-v2023");
     let mut workload = Workload::load(
@@ -22,6 +20,14 @@ async fn live_and_replayed(list: &str, seeds: &[u64], options: &LoopOptions) -> 
     )
     .context("the trace (../shared beside the repository)")?;
     workload.nodes = workload.nodes.into_iter().step_by(10).collect();
+    Ok(workload)
+}
+
+/// A tenth of the trace's nodes, `list`'s tasks replayed through the live path for each of
+/// `seeds` (with `options`), and the replay's `--online-target` on the same nodes and seeds:
+/// the mean (live, replayed) unallocated %.
+async fn live_and_replayed(list: &str, seeds: &[u64], options: &LoopOptions) -> Result<(f64, f64)> {
+    let workload = tenth_of(list)?;
     let mut live = 0.0;
     for &seed in seeds {
         let outcome = run_seed(&workload, seed, options).await?;
@@ -77,14 +83,7 @@ async fn where_cpu_is_scarce_the_live_path_packs_like_the_replay() -> Result<()>
 /// not held to it: first fit is not a packing policy.
 #[test]
 fn every_allocation_of_the_dra_allocator_is_booked_at_prepare() -> Result<()> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/alibaba-gpu-v2023");
-    let mut workload = Workload::load(
-        &dir.join("openb_node_list_gpu_node.csv"),
-        &dir.join("openb_pod_list_default.csv"),
-    )
-    .context("the trace (../shared beside the repository)")?;
-    workload.nodes = workload.nodes.into_iter().step_by(10).collect();
+    let workload = tenth_of("default")?;
     let outcome = baleen_tests::dra_loop::run_seed(&workload, 42, 1.3)?;
     ensure!(outcome.admission_failures == 0, "Prepare refused allocations: {outcome:?}");
     ensure!(outcome.placed > outcome.submitted / 2, "{outcome:?}");
@@ -100,14 +99,7 @@ fn every_allocation_of_the_dra_allocator_is_booked_at_prepare() -> Result<()> {
 #[test]
 fn dra_pods_whose_node_the_policy_chooses_pack_like_the_replay() -> Result<()> {
     use baleen_tests::dra_loop::{DraOptions, run_seed_with};
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/alibaba-gpu-v2023");
-    let mut workload = Workload::load(
-        &dir.join("openb_node_list_gpu_node.csv"),
-        &dir.join("openb_pod_list_default.csv"),
-    )
-    .context("the trace (../shared beside the repository)")?;
-    workload.nodes = workload.nodes.into_iter().step_by(10).collect();
+    let workload = tenth_of("default")?;
     let first_fit = run_seed_with(&workload, 42, 1.3, DraOptions::default())?;
     let judged = run_seed_with(
         &workload,

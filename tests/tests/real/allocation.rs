@@ -65,11 +65,13 @@ fn claim_of(plane: &ControlPlane, pod: &Value) -> Result<Value> {
 }
 
 /// Node `node` (Ready, as its kubelet would leave it) with the fake DRA kubelet and the agent
-/// (`driver: dra`) on `topology`.
+/// (`driver: dra`) on `topology`, publishing its gpu-state document too where `annotate` (as in
+/// a pod of the chart).
 fn dra_node(
     plane: &ControlPlane,
     node: &str,
     topology: &str,
+    annotate: bool,
 ) -> Result<(FakeDraKubelet, SimulatedAgent)> {
     plane.create(&json!({"apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}))?;
@@ -78,9 +80,57 @@ fn dra_node(
     let registry = SimulatedAgent::node_dir(plane, node).join("registry");
     std::fs::create_dir_all(&registry)?;
     let kubelet = FakeDraKubelet::start_beside(&registry, node);
-    let config = SimulatedAgent::dra_config(plane, node, DRIVER);
+    let mut config = SimulatedAgent::dra_config(plane, node, DRIVER);
+    if annotate {
+        config = config.replace("annotation:\n  enabled: false", "annotation:\n  enabled: true");
+    }
     let agent = SimulatedAgent::start(plane, node, topology, &config)?;
     Ok((kubelet, agent))
+}
+
+/// Waits (at most 60 s) until the agents' slices list at least `devices` devices and, where
+/// `documents`, that many Nodes carry a gpu-state document marked `dra`; fails at once if an
+/// agent exits.
+async fn published(
+    plane: &ControlPlane,
+    agents: &mut [&mut SimulatedAgent],
+    devices: usize,
+    documents: usize,
+) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        for agent in agents.iter_mut() {
+            if let Some(status) = agent.exited()? {
+                bail!("an agent exited ({status})\n{}", agent.log_tail(30));
+            }
+        }
+        let slices = plane.kubectl(&[
+            "get",
+            "resourceslices.v1.resource.k8s.io",
+            "-o",
+            "jsonpath={.items[*].spec.devices[*].name}",
+        ])?;
+        let docs = if documents == 0 {
+            String::new()
+        } else {
+            plane.kubectl(&[
+                "get",
+                "nodes",
+                "-o",
+                "jsonpath={.items[*].metadata.annotations.awesome-ai-company\\.com/gpu-state}",
+            ])?
+        };
+        if slices.split_whitespace().count() >= devices
+            && docs.matches("\"dra\":true").count() >= documents
+        {
+            return Ok(());
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "not {devices} devices in slices and {documents} DRA documents in 60 s: {slices} {docs}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 #[tokio::test]
@@ -98,31 +148,14 @@ async fn the_real_allocator_allocates_baleen_claims_and_the_agent_prepares_them(
         for (node, topology) in
             [("node-a", "h200-8x-nvswitch.yaml"), ("node-m", "a100-4x-mig.yaml")]
         {
-            nodes.push(dra_node(plane, node, topology)?);
+            nodes.push(dra_node(plane, node, topology, false)?);
         }
         let result = async {
             for (kubelet, _) in &nodes {
                 kubelet.registered(DRIVER, 1, Duration::from_secs(60)).await?;
             }
-            let started = Instant::now();
-            loop {
-                for (_, agent) in &mut nodes {
-                    if let Some(status) = agent.exited()? {
-                        bail!("an agent exited ({status})\n{}", agent.log_tail(30));
-                    }
-                }
-                let slices = plane.kubectl(&[
-                    "get",
-                    "resourceslices.v1.resource.k8s.io",
-                    "-o",
-                    "jsonpath={.items[*].spec.devices[*].name}",
-                ])?;
-                if slices.split_whitespace().count() >= 12 {
-                    break;
-                }
-                ensure!(started.elapsed() < Duration::from_secs(60), "no slices in 60 s");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
+            let mut agents: Vec<&mut SimulatedAgent> = nodes.iter_mut().map(|(_, a)| a).collect();
+            published(plane, &mut agents, 12, 0).await?;
             // The tenant rule: not in a namespace that lets pods run as root.
             plane.kubectl(&["create", "namespace", "team-a"])?;
             match plane.create(&template("whole", None)) {
@@ -252,17 +285,7 @@ async fn the_real_scheduler_places_claim_pods_where_the_extender_judges_them() {
         plane.install(&["--set", values[0], "--set", values[1]])?;
         let mut nodes = Vec::new();
         for node in ["node-a", "node-b"] {
-            plane.create(&json!({"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}))?;
-            let resources = json!({"cpu": "96", "memory": "1000Gi", "pods": "110"});
-            plane.node_ready(node, &resources, &resources)?;
-            let registry = SimulatedAgent::node_dir(plane, node).join("registry");
-            std::fs::create_dir_all(&registry)?;
-            let kubelet = FakeDraKubelet::start_beside(&registry, node);
-            // The agent publishes its gpu-state document too, as in a pod of the chart.
-            let config = SimulatedAgent::dra_config(plane, node, DRIVER)
-                .replace("annotation:\n  enabled: false", "annotation:\n  enabled: true");
-            let agent = SimulatedAgent::start(plane, node, "h200-8x-nvswitch.yaml", &config)?;
+            let (kubelet, agent) = dra_node(plane, node, "h200-8x-nvswitch.yaml", true)?;
             nodes.push((node, kubelet, agent));
         }
         let result = async {
@@ -270,36 +293,9 @@ async fn the_real_scheduler_places_claim_pods_where_the_extender_judges_them() {
                 kubelet.registered(DRIVER, 1, Duration::from_secs(60)).await?;
             }
             // Both nodes' documents, marked `dra`, and their slices.
-            let started = Instant::now();
-            loop {
-                for (_, _, agent) in &mut nodes {
-                    if let Some(status) = agent.exited()? {
-                        bail!("an agent exited ({status})\n{}", agent.log_tail(30));
-                    }
-                }
-                let docs = plane.kubectl(&[
-                    "get",
-                    "nodes",
-                    "-o",
-                    "jsonpath={.items[*].metadata.annotations.awesome-ai-company\\.com/gpu-state}",
-                ])?;
-                let slices = plane.kubectl(&[
-                    "get",
-                    "resourceslices.v1.resource.k8s.io",
-                    "-o",
-                    "jsonpath={.items[*].spec.devices[*].name}",
-                ])?;
-                if docs.matches("\"dra\":true").count() == 2
-                    && slices.split_whitespace().count() >= 16
-                {
-                    break;
-                }
-                ensure!(
-                    started.elapsed() < Duration::from_secs(60),
-                    "no DRA documents and slices in 60 s: {docs}"
-                );
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
+            let mut agents: Vec<&mut SimulatedAgent> =
+                nodes.iter_mut().map(|(_, _, a)| a).collect();
+            published(plane, &mut agents, 16, 2).await?;
             plane.kubectl(&["create", "namespace", "team-a"])?;
             plane.kubectl(&[
                 "label",
